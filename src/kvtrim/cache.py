@@ -1,0 +1,396 @@
+"""The compressing KV cache for transformers 5.x.
+
+``KVTrimCache`` is a transformers ``Cache`` whose full-attention layers are ``CompressedLayer``
+objects. A compressed layer physically holds only the kept tokens (evicted keys and values leave
+the tensors; the memory is freed, not masked), per KV head: tensors are
+``[batch, kv_heads, stored, head_dim]`` and each KV head may keep a different set of tokens (all
+heads keep the same number, so the tensors stay rectangular).
+
+Seen vs stored (METHODS.md §0): a layer counts the tokens it has *seen* (the stream index of the
+next token) and the tokens it *stores*. ``get_seq_length()`` returns *seen* and
+``get_mask_sizes(q)`` returns ``(stored + q, seen - stored)``, which is what transformers' mask
+and position code needs for a cache that drops tokens. Each stored token carries its stream
+index (``positions``); under the ``reassigned`` and ``compressed`` position policies it also
+carries the position its key is rotated at (``rotations``).
+
+Sliding-window layers of hybrid models (``config.layer_types``) keep transformers' own
+``DynamicSlidingWindowLayer``: they are bounded already, and policies do not touch them.
+
+Eviction decisions need attention scores, which only the attention function sees. The cache
+hands each layer to kvtrim's registered attention function through a context variable set in
+``update()``; that function calls ``KVTrimCache.after_attention`` (see ``integrations/hf.py``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+from kvtrim.errors import KVTrimError
+from kvtrim.rope import find_inv_freq, rotate
+
+if TYPE_CHECKING:
+    from kvtrim.policies.base import Policy
+
+
+@dataclass
+class _Binding:
+    cache: "KVTrimCache"
+    layer: "CompressedLayer"
+
+
+# Set by KVTrimCache.update() for the layer whose attention runs next; consumed (and cleared) by
+# kvtrim's attention function. A context variable keeps concurrent generations apart.
+ACTIVE: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar("kvtrim_active_layer", default=None)
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One full-attention layer's KV storage, with capacity-managed buffers.
+
+    Buffers grow with a slack of ``slack(n)`` tokens (1/16 of the size, between 8 and 256), so
+    appending a decoded token does not copy the whole cache (unlike ``torch.cat``); after a
+    compression that frees more than twice the slack, the buffers are re-allocated at the smaller
+    size so the memory is returned.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    @staticmethod
+    def slack(n: int) -> int:
+        """Spare slots allocated beyond ``n`` stored tokens."""
+        return max(8, min(256, n // 16))
+
+    def __init__(self, cache: "KVTrimCache", layer_idx: int):
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.is_initialized = False
+        self.seen = 0
+        self.length = 0
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None  # int64 [B, H, C]: stream index of each stored token
+        self._rot: torch.Tensor | None = None  # int64 [B, H, C]: position each key is rotated at
+        self.token_state: dict[str, torch.Tensor] = {}  # policy per-token state, [B, H, C]
+        self.state: dict = {}  # policy per-layer state
+        self.q_delta: torch.Tensor | None = None  # [B, q] rotation the query of this step needs
+        self.n_new = 0
+        self.phase = "prefill"
+        self.awaiting_attention = False
+
+    # --- views -----------------------------------------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._k is None else self._k[:, :, : self.length]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("CompressedLayer.keys is read-only; use keep_indices()")
+
+    @property
+    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+        return None if self._v is None else self._v[:, :, : self.length]
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("CompressedLayer.values is read-only; use keep_indices()")
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Stream index of each stored token, ``[B, H, stored]`` (int64)."""
+        assert self._pos is not None
+        return self._pos[:, :, : self.length]
+
+    @property
+    def rotations(self) -> torch.Tensor:
+        """Position each stored key is rotated at, ``[B, H, stored]``; equals ``positions`` under ``true``."""
+        if self._rot is None:
+            return self.positions
+        return self._rot[:, :, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._k is None else self._k.shape[2]
+
+    # --- CacheLayerMixin API -------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.device = key_states.device
+        self._k = key_states.new_empty(b, h, 0, d)
+        self._v = value_states.new_empty(b, h, 0, value_states.shape[-1])
+        self._pos = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
+        if self.cache.position_policy != "true":
+            self._rot = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise KVTrimError(
+                f"KVTrimCache supports batch size 1 (got {key_states.shape[0]}): token-level eviction keeps a "
+                "different token set per sequence, which transformers' padding masks cannot express. "
+                "Run one sequence per cache."
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        dev = key_states.device
+        stream = torch.arange(self.seen, self.seen + q, device=dev)
+        self.q_delta = None
+        if self._rot is not None:
+            extra = kwargs.get("kwargs") or {}
+            applied = extra.get("position_ids") if isinstance(extra, dict) else None
+            applied = stream.unsqueeze(0) if applied is None else applied.reshape(-1, q)[-1:].to(dev)
+            target = torch.arange(self.length, self.length + q, device=dev).unsqueeze(0)
+            delta = target - applied
+            if bool((delta != 0).any()):
+                key_states = rotate(key_states, delta.unsqueeze(1), self.cache.inv_freq)
+                self.q_delta = delta
+        self._reserve(q)
+        sl = slice(self.length, self.length + q)
+        self._k[:, :, sl] = key_states
+        self._v[:, :, sl] = value_states
+        self._pos[:, :, sl] = stream
+        if self._rot is not None:
+            self._rot[:, :, sl] = torch.arange(self.length, self.length + q, device=dev)
+        for t in self.token_state.values():
+            t[:, :, sl] = 0
+        self.phase = "prefill" if self.seen == 0 else ("decode" if q == 1 else "turn")
+        self.n_new = q
+        self.length += q
+        self.seen += q
+        self.awaiting_attention = True
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, self.seen - self.length
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.cache, self.layer_idx)  # type: ignore[misc]
+
+    def offload(self):  # pragma: no cover - CPU/GPU offloading is not supported
+        raise KVTrimError("KVTrimCache does not support offloading")
+
+    def prefetch(self):  # pragma: no cover
+        raise KVTrimError("KVTrimCache does not support offloading")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise KVTrimError("KVTrimCache does not support beam search (num_beams > 1); use greedy or sampling.")
+
+    # --- storage management ------------------------------------------------------------------
+    def _realloc(self, cap: int) -> None:
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            new = t.new_empty(*t.shape[:2], cap, *t.shape[3:])
+            new[:, :, : self.length] = t[:, :, : self.length]
+            return new
+
+        self._k, self._v, self._pos = grow(self._k), grow(self._v), grow(self._pos)
+        if self._rot is not None:
+            self._rot = grow(self._rot)
+        self.token_state = {n: grow(t) for n, t in self.token_state.items()}
+
+    def _reserve(self, n: int) -> None:
+        if self.length + n > self.capacity:
+            self._realloc(self.length + n + self.slack(self.length + n))
+
+    def new_token_state(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Create (or return) a per-token state aligned with the stored tokens: ``[B, H, capacity]``."""
+        if name not in self.token_state:
+            b, h = self._k.shape[:2]
+            self.token_state[name] = torch.zeros(b, h, self.capacity, dtype=dtype, device=self._k.device)
+        return self.token_state[name]
+
+    def state_view(self, name: str) -> torch.Tensor:
+        """The stored part of a per-token state, ``[B, H, stored]``."""
+        return self.token_state[name][:, :, : self.length]
+
+    def keep_indices(self, idx: torch.Tensor, reassign: bool | None = None) -> None:
+        """Keep only the slots ``idx`` (``[B, H, K]``, ascending per head); free the rest.
+
+        Under the ``reassigned`` position policy the kept keys are re-rotated to in-cache
+        positions ``0..K-1``.
+        """
+        k = idx.shape[-1]
+        if k > self.length:
+            raise ValueError("cannot keep more tokens than are stored")
+        shrink = self.capacity > k + 2 * self.slack(k)
+        cap = k + self.slack(k)
+        d = self._k.shape[-1]
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            src = t[:, :, : self.length]
+            ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
+            got = torch.gather(src, 2, ix)
+            new = t.new_empty(*t.shape[:2], cap, *t.shape[3:]) if shrink else t
+            new[:, :, :k] = got
+            return new
+
+        self._k = take(self._k)
+        self._v = take(self._v)
+        self._pos = take(self._pos)
+        self.token_state = {n: take(t) for n, t in self.token_state.items()}
+        if self._rot is not None:
+            self._rot = take(self._rot)
+            do_reassign = self.cache.position_policy == "reassigned" if reassign is None else reassign
+            if do_reassign:
+                target = torch.arange(k, device=idx.device).expand_as(idx)
+                delta = target - self._rot[:, :, :k]
+                if bool((delta != 0).any()):
+                    self._k[:, :, :k] = rotate(self._k[:, :, :k], delta, self.cache.inv_freq)
+                    self._rot[:, :, :k] = target
+        self.length = k
+        assert self._k.shape[-1] == d
+
+    def replace(self, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> None:
+        """Keep slots ``idx`` but overwrite their keys and values (merging methods)."""
+        self.keep_indices(idx)
+        self._k[:, :, : self.length] = keys
+        self._v[:, :, : self.length] = values
+
+    def nbytes(self) -> int:
+        """Resident bytes of this layer's key and value buffers (allocated capacity)."""
+        if self._k is None:
+            return 0
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
+
+    def index_nbytes(self) -> int:
+        """Bytes of kvtrim's bookkeeping (positions, rotations, policy state) for this layer."""
+        ts = [self._pos, self._rot, *self.token_state.values()]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def _layer_nbytes(layer) -> int:
+    if isinstance(layer, CompressedLayer):
+        return layer.nbytes()
+    if getattr(layer, "keys", None) is None:
+        return 0
+    return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+
+
+class KVTrimCache(Cache):
+    """A transformers cache that compresses itself according to a kvtrim policy.
+
+    Args:
+        model: the model (or its config) the cache is for; the model is needed for position
+            re-assignment (its rotary frequencies).
+        policy: a ``Policy`` instance or a registered method name (see ``kvtrim methods``).
+        **policy_kwargs: passed to the policy when ``policy`` is a name (``keep``, ``max_tokens``,
+            ``position`` and method parameters).
+
+    Use it inside ``kvtrim.attach(model)`` (or ``kvtrim.compress``), which installs the attention
+    function that scores and evicts; the cache refuses to run without it.
+    """
+
+    def __init__(self, model, policy: "Policy | str" = "full", **policy_kwargs):
+        from kvtrim.registry import create_policy
+
+        if isinstance(policy, str):
+            policy = create_policy(policy, **policy_kwargs)
+        elif policy_kwargs:
+            raise KVTrimError("pass method parameters either in the Policy object or as keywords with a name, not both")
+        config = getattr(model, "config", model)
+        text_cfg = config.get_text_config(decoder=True)
+        self.policy = policy
+        self.position_policy = policy.position_policy
+        self.num_layers = int(text_cfg.num_hidden_layers)
+        self.num_heads = int(text_cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // self.num_heads)
+        self.max_context = int(getattr(text_cfg, "max_position_embeddings", 0) or 0)
+        self.inv_freq: torch.Tensor | None = None
+        if self.position_policy != "true":
+            if not isinstance(model, torch.nn.Module):
+                raise KVTrimError(f"position policy {self.position_policy!r} needs the model (its rotary embedding), not a config")
+            self.inv_freq = find_inv_freq(model)
+            if self.inv_freq is None:
+                raise KVTrimError(
+                    f"position policy {self.position_policy!r} needs a plain rotary embedding; this model's RoPE "
+                    "(multimodal or dynamic scaling) cannot be re-rotated. Use position='true'."
+                )
+        layer_types = getattr(text_cfg, "layer_types", None) or ["full_attention"] * self.num_layers
+        layers: list = []
+        for i, lt in enumerate(layer_types):
+            if lt == "sliding_attention":
+                layers.append(DynamicSlidingWindowLayer(sliding_window=int(text_cfg.sliding_window)))
+            elif lt == "full_attention":
+                layers.append(CompressedLayer(self, i))
+            else:
+                raise KVTrimError(f"layer type {lt!r} (layer {i}) is not supported; kvtrim supports full and sliding attention layers")
+        super().__init__(layers=layers)
+        self._last_layer: CompressedLayer | None = None
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        last = self._last_layer
+        if last is not None and last.awaiting_attention:
+            raise KVTrimError(
+                "KVTrimCache was used without kvtrim's attention function, so it cannot score or evict. "
+                "Wrap the call in `with kvtrim.attach(model):` (or use kvtrim.compress)."
+            )
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        if isinstance(layer, CompressedLayer):
+            self._last_layer = layer
+            ACTIVE.set(_Binding(self, layer))
+        return out
+
+    def after_attention(self, layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """Called by kvtrim's attention function once the layer's attention output is computed."""
+        layer.awaiting_attention = False
+        self.policy.after_attention(layer, query, key, scaling)
+
+    # --- reporting -----------------------------------------------------------------------------
+    @property
+    def compressed_layers(self) -> list[CompressedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    def seen_tokens(self) -> int:
+        return self.get_seq_length()
+
+    def stored_tokens(self) -> list[int]:
+        """Stored tokens per layer (for sliding layers, what the window holds)."""
+        return [
+            layer.length if isinstance(layer, CompressedLayer) else (0 if layer.keys is None else layer.keys.shape[-2])
+            for layer in self.layers
+        ]
+
+    def kv_bytes(self) -> int:
+        """Resident bytes of all key/value buffers (allocated capacity, not just the used part)."""
+        return sum(_layer_nbytes(layer) for layer in self.layers)
+
+    def kv_bytes_stored(self) -> int:
+        """Bytes of the stored keys and values only (without spare capacity)."""
+        per_tok = 2 * self.num_kv_heads * self.head_dim
+        total = 0
+        for layer, n in zip(self.layers, self.stored_tokens()):
+            el = layer.keys.element_size() if getattr(layer, "keys", None) is not None else 0
+            total += n * per_tok * el
+        return total
+
+    def index_bytes(self) -> int:
+        """Bytes of kvtrim's bookkeeping tensors (positions, rotations, policy state)."""
+        return sum(layer.index_nbytes() for layer in self.compressed_layers)
+
+    def kv_bytes_full(self) -> int:
+        """What transformers' uncompressed ``DynamicCache`` would hold for the same tokens."""
+        seen = self.get_seq_length()
+        per_tok = 2 * self.num_kv_heads * self.head_dim
+        total = 0
+        for layer in self.layers:
+            if getattr(layer, "keys", None) is None:
+                continue
+            el = layer.keys.element_size()
+            n = min(seen, layer.sliding_window - 1) if isinstance(layer, DynamicSlidingWindowLayer) else seen
+            total += n * per_tok * el
+        return total

@@ -1,0 +1,194 @@
+"""The ``kvtrim`` command line: ``methods``, ``generate``, ``demo``.
+
+Errors in user input print one line ``kvtrim: error: ...`` naming the problem and what is
+allowed, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from kvtrim.errors import KVTrimError
+
+logger = logging.getLogger("kvtrim")
+
+
+def _policy_from_args(args):
+    from kvtrim.registry import create_policy
+
+    kw = {}
+    if args.keep is not None:
+        kw["keep"] = args.keep
+    if args.max_tokens is not None:
+        kw["max_tokens"] = args.max_tokens
+    if getattr(args, "position", None):
+        kw["position"] = args.position
+    return create_policy(args.method, **kw)
+
+
+def cmd_methods(args) -> int:
+    from kvtrim.registry import methods
+
+    rows = [{"name": m.name, "description": m.description} for m in methods()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        width = max(len(r["name"]) for r in rows)
+        for r in rows:
+            print(f"{r['name']:<{width}}  {r['description']}")
+    return 0
+
+
+def _read_context(path: str | None) -> str:
+    if path is None:
+        return ""
+    p = Path(path)
+    if not p.is_file():
+        raise KVTrimError(f"context file {path!r} does not exist or is not a file")
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise KVTrimError(f"context file {path!r} is empty")
+    return text
+
+
+def cmd_generate(args) -> int:
+    from kvtrim.generation import generate_ids
+    from kvtrim.models import build_prompt_ids, load_model
+
+    policy = _policy_from_args(args)  # validate before the slow model load
+    context = _read_context(args.context_file)
+    if args.question is not None:
+        if not args.question.strip():
+            raise KVTrimError("the question is empty; pass a non-empty --question")
+        text, chat = (f"{context}\n\n{args.question}" if context else args.question), True
+    else:
+        if not args.prompt.strip():
+            raise KVTrimError("the prompt is empty; pass a non-empty --prompt")
+        text, chat = (f"{context}\n\n{args.prompt}" if context else args.prompt), False
+    lm = load_model(args.model)
+    ids = build_prompt_ids(lm.tokenizer, text, chat=chat)
+    res = generate_ids(
+        lm.model,
+        lm.tokenizer,
+        ids,
+        policy,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.sample,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    if args.json:
+        d = res.to_dict()
+        d.pop("token_ids")
+        d["model"] = lm.source
+        print(json.dumps(d))
+    else:
+        print(res.answer)
+        print(
+            f"[{res.method}] prompt {res.prompt_tokens} tok, {res.new_tokens} new; KV {res.kv_bytes / 2**20:.1f} MiB "
+            f"(full {res.kv_bytes_full / 2**20:.1f} MiB); prefill {res.prefill_seconds:.2f}s, "
+            f"decode {res.decode_tokens_per_s:.1f} tok/s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from tqdm import tqdm
+
+    from kvtrim.generation import generate_ids
+    from kvtrim.models import build_prompt_ids, load_model
+    from kvtrim.registry import create_policy, method_names
+    from kvtrim.tasks import passkey_sample
+
+    names = args.methods.split(",") if args.methods else method_names()
+    policies = []
+    for n in names:
+        kw = {} if n == "full" else {"keep": args.keep}
+        policies.append(create_policy(n, **kw))
+    print(f"kvtrim demo: loading {args.model or 'the embedded model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
+    lm = load_model(args.model)
+    sample = passkey_sample(lm.tokenizer, args.length, depth=args.depth, seed=args.seed)
+    ids = build_prompt_ids(lm.tokenizer, sample.prompt)
+    print(
+        f"context: {len(ids)} tokens of essays with a 5-digit pass key at depth {args.depth:.0%}; "
+        f"budget keep={args.keep} for every compressing method",
+        file=sys.stderr,
+    )
+    rows = []
+    for pol in tqdm(policies, desc="methods", unit="method", file=sys.stderr):
+        r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16)
+        rows.append((pol.name, sample.answer in r.answer, r))
+    print()
+    print(f"{'method':<15}{'correct':<9}{'KV MB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")
+    for name, ok, r in rows:
+        print(
+            f"{name:<15}{'yes' if ok else 'no':<9}{r.kv_bytes / 1e6:>8.1f}{r.kv_bytes / r.kv_bytes_full:>9.0%}"
+            f"{r.prefill_seconds:>11.2f}{r.decode_tokens_per_s:>14.1f}  {r.answer[:40]!r}"
+        )
+    print(f"\npass key: {sample.answer}; KV MB = resident key/value buffers at the end (1 MB = 10^6 bytes)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvtrim", description="KV-cache compression for long-context inference.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("methods", help="list the registered KV methods")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_methods)
+
+    def budget_args(sp):
+        g = sp.add_mutually_exclusive_group()
+        g.add_argument("--keep", type=float, help="fraction of tokens to keep, in (0, 1]")
+        g.add_argument("--max-tokens", type=int, help="fixed number of tokens to keep per layer")
+
+    g = sub.add_parser("generate", help="answer a question or continue a prompt with a compressed cache")
+    g.add_argument("--model", help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--method", default="full", help="KV method (see `kvtrim methods`)")
+    budget_args(g)
+    g.add_argument("--position", help="position policy: true, reassigned or compressed (default: the method's)")
+    g.add_argument("--context-file", help="a text file prepended to the question/prompt")
+    q = g.add_mutually_exclusive_group(required=True)
+    q.add_argument("--question", help="a question (chat template applied)")
+    q.add_argument("--prompt", help="raw prompt text to continue (no chat template)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="pass-key retrieval on a long context with every method")
+    d.add_argument("--model")
+    d.add_argument("--keep", type=float, default=0.2, help="budget for the compressing methods (default 0.2)")
+    d.add_argument("--length", type=int, default=3000, help="context length in tokens (default 3000)")
+    d.add_argument("--depth", type=float, default=0.5)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--methods", help="comma-separated methods (default: all registered)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if not args.verbose:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    try:
+        return args.func(args)
+    except KVTrimError as e:
+        print(f"kvtrim: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

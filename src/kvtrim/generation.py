@@ -1,0 +1,158 @@
+"""Generation with a compressing cache, measured: kvtrim's own loop.
+
+``generate_ids`` runs a hand-written prefill + decode loop (greedy or sampling) with a
+``KVTrimCache`` and reports what a user needs to judge a method: the answer, the resident KV
+bytes at the end against what an uncompressed cache would hold, and prefill and decode times
+measured separately. Policies that can stream (reassigned positions, fixed budget) take prompts
+longer than the model's context: the prompt is then fed in chunks that stay inside it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvtrim.cache import KVTrimCache
+from kvtrim.errors import KVTrimError
+from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.policies.base import Policy
+
+
+@dataclass
+class GenerationResult:
+    answer: str
+    method: str
+    prompt_tokens: int
+    new_tokens: int
+    kv_bytes: int
+    kv_bytes_full: int
+    kv_bytes_stored: int
+    index_bytes: int
+    stored_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    decode_steps: int = 0
+    policy: dict = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Decode forward passes per second (the first new token comes from the prefill)."""
+        return self.decode_steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["decode_tokens_per_s"] = self.decode_tokens_per_s
+        return d
+
+
+def check_prompt(policy: Policy, n_prompt: int, max_new_tokens: int, max_context: int) -> None:
+    """Raise a clear error when a prompt cannot be run with this policy."""
+    if n_prompt == 0:
+        raise KVTrimError("the prompt is empty; give a question or prompt text")
+    if max_new_tokens < 0:
+        raise KVTrimError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if max_context and n_prompt + max_new_tokens > max_context and not policy.can_stream():
+        raise KVTrimError(
+            f"the prompt has {n_prompt} tokens (+{max_new_tokens} to generate), more than the model's context of "
+            f"{max_context}; method {policy.name!r} with position {policy.position_policy!r} cannot stream past it. "
+            "Shorten the prompt, or use a streaming method with a fixed budget (e.g. --method streaming_llm --max-tokens 2048)."
+        )
+
+
+def _forward(model, ids: torch.Tensor, cache: KVTrimCache, position_ids: torch.Tensor | None) -> torch.Tensor:
+    kw = {cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 1}
+    if position_ids is not None:
+        kw["position_ids"] = position_ids
+    return model(input_ids=ids, **kw).logits[:, -1, :]
+
+
+def _next_positions(cache: KVTrimCache, n: int, device) -> torch.Tensor | None:
+    """Positions for the next ``n`` tokens: in-cache positions under reassigned/compressed, else None."""
+    if cache.position_policy == "true":
+        return None
+    start = cache.compressed_layers[0].length if cache.compressed_layers[0].is_initialized else 0
+    return torch.arange(start, start + n, device=device).unsqueeze(0)
+
+
+@torch.inference_mode()
+def generate_ids(
+    model,
+    tokenizer,
+    prompt_ids: list[int],
+    policy: Policy,
+    *,
+    max_new_tokens: int = 64,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_at_eos: bool = True,
+    prefill_chunk: int | None = None,
+    cache: KVTrimCache | None = None,
+) -> GenerationResult:
+    """Prefill ``prompt_ids`` and decode up to ``max_new_tokens`` with ``policy``.
+
+    ``prefill_chunk`` feeds the prompt in chunks (each later chunk is a policy "turn"); streaming
+    policies get chunks automatically when the prompt exceeds the model's context.
+    """
+    cfg = model.config.get_text_config(decoder=True)
+    max_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    check_prompt(policy, len(prompt_ids), max_new_tokens, max_ctx)
+    cache = cache if cache is not None else KVTrimCache(model, policy)
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    chunk = prefill_chunk
+    if chunk is None and max_ctx and len(prompt_ids) + max_new_tokens > max_ctx:
+        budget = policy.budget(len(prompt_ids))
+        chunk = max(1, min(1024, (max_ctx - budget - max_new_tokens) // 2))
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    out: list[int] = []
+    steps = 0
+    with attach(model):
+        t0 = time.perf_counter()
+        if chunk:
+            for s in range(0, ids.shape[1], chunk):
+                part = ids[:, s : s + chunk]
+                logits = _forward(model, part, cache, _next_positions(cache, part.shape[1], device))
+        else:
+            logits = _forward(model, ids, cache, _next_positions(cache, ids.shape[1], device))
+        t1 = time.perf_counter()
+        for step in range(max_new_tokens):
+            if do_sample:
+                probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
+                if top_p < 1.0:
+                    sp, si = probs.sort(dim=-1, descending=True)
+                    drop = sp.cumsum(-1) - sp > top_p
+                    probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
+                tok = int(torch.multinomial(probs.cpu(), 1, generator=gen))
+            else:
+                tok = int(logits.argmax(dim=-1))
+            out.append(tok)
+            if (stop_at_eos and eos is not None and tok == eos) or step == max_new_tokens - 1:
+                break
+            nxt = torch.tensor([[tok]], device=device)
+            logits = _forward(model, nxt, cache, _next_positions(cache, 1, device))
+            steps += 1
+        t2 = time.perf_counter()
+    text_ids = [t for t in out if not (stop_at_eos and t == eos)]
+    stored = cache.stored_tokens()
+    return GenerationResult(
+        answer=tokenizer.decode(text_ids, skip_special_tokens=True).strip() if tokenizer is not None else "",
+        method=policy.name,
+        prompt_tokens=len(prompt_ids),
+        new_tokens=len(out),
+        kv_bytes=cache.kv_bytes(),
+        kv_bytes_full=cache.kv_bytes_full(),
+        kv_bytes_stored=cache.kv_bytes_stored(),
+        index_bytes=cache.index_bytes(),
+        stored_tokens=max(stored) if stored else 0,
+        prefill_seconds=t1 - t0,
+        decode_seconds=t2 - t1,
+        decode_steps=steps,
+        policy=policy.describe(),
+        token_ids=out,
+    )

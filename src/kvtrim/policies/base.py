@@ -1,0 +1,177 @@
+"""The policy base class: the mechanism every KV method shares.
+
+A policy is a small dataclass. The cache calls ``after_attention`` once per layer per forward
+pass, after the layer's attention output has been computed from the full set of keys (the
+stored ones plus the new ones). The base class decides the phase and calls one hook:
+
+* ``on_prefill`` - the first forward of a sequence (the prompt);
+* ``on_turn`` - a later forward with more than one new token (a new user turn, a stream chunk,
+  or a chunk of a chunked prefill);
+* ``on_decode`` - a forward with one new token.
+
+A score-based method only writes ``score()`` (higher = more worth keeping) and, if it must
+always keep some tokens, ``protected()``; ``evict_by_score`` then keeps exactly the top-``budget``
+tokens of ``score`` with the protected ones forced in. Merging methods (Elastic Cache) and
+streaming methods override the hooks instead.
+
+Budgets (METHODS.md §0): either ``keep`` (a fraction of the tokens seen so far) or
+``max_tokens`` (a fixed cap). With neither, nothing is evicted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from kvtrim.errors import KVTrimError
+
+if TYPE_CHECKING:
+    from kvtrim.cache import CompressedLayer
+
+POSITION_POLICIES = ("true", "reassigned", "compressed")
+
+
+@dataclass
+class Policy:
+    """Base class of all KV policies.
+
+    Args:
+        keep: fraction of the seen tokens to keep, in (0, 1]. Mutually exclusive with ``max_tokens``.
+        max_tokens: fixed number of tokens to keep per layer (and per KV head).
+        position: position policy, one of ``true``, ``reassigned``, ``compressed``
+            (METHODS.md §0); ``None`` takes the method's default.
+        per_head: select a separate token set per KV head (scores averaged over the query heads
+            of its group) instead of one set per layer.
+    """
+
+    keep: float | None = None
+    max_tokens: int | None = None
+    position: str | None = None
+    per_head: bool = True
+
+    name: ClassVar[str] = "base"
+    description: ClassVar[str] = ""
+    default_position: ClassVar[str] = "true"
+    #: can run on a stream longer than the model's context (needs reassigned positions + max_tokens)
+    supports_streaming: ClassVar[bool] = False
+    #: meaningful across several turns of one conversation (eviction at each new prompt or step)
+    supports_turns: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.keep is not None and self.max_tokens is not None:
+            raise KVTrimError(f"{self.name}: give either keep or max_tokens, not both")
+        if self.keep is not None:
+            if isinstance(self.keep, bool) or not isinstance(self.keep, (int, float)) or not (0.0 < float(self.keep) <= 1.0):
+                raise KVTrimError(f"{self.name}: keep must be a fraction in (0, 1], got {self.keep!r}")
+            self.keep = float(self.keep)
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+                raise KVTrimError(f"{self.name}: max_tokens must be an integer, got {self.max_tokens!r}")
+            if self.max_tokens < self.min_tokens:
+                raise KVTrimError(
+                    f"{self.name}: max_tokens={self.max_tokens} is smaller than the {self.min_tokens} tokens this "
+                    f"method always keeps ({self.min_tokens_reason()}); use max_tokens >= {self.min_tokens}"
+                )
+        if self.position is not None and self.position not in POSITION_POLICIES:
+            raise KVTrimError(f"{self.name}: unknown position policy {self.position!r}; allowed: {', '.join(POSITION_POLICIES)}")
+
+    # --- budget --------------------------------------------------------------------------------
+    @property
+    def min_tokens(self) -> int:
+        """Tokens this method always keeps; a budget below it is refused."""
+        return 1
+
+    def min_tokens_reason(self) -> str:
+        return "at least one token"
+
+    @property
+    def position_policy(self) -> str:
+        return self.position or self.default_position
+
+    @property
+    def compresses(self) -> bool:
+        return self.max_tokens is not None or (self.keep is not None and self.keep < 1.0)
+
+    def budget(self, seen: int) -> int:
+        """Tokens to hold per layer and KV head after ``seen`` tokens."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        if self.keep is None:
+            return seen
+        return max(self.min_tokens, math.floor(self.keep * seen + 1e-9))
+
+    def can_stream(self) -> bool:
+        """True when this configuration can run past the model's trained context."""
+        return self.supports_streaming and self.position_policy == "reassigned" and self.max_tokens is not None
+
+    def describe(self) -> dict:
+        return {
+            "method": self.name,
+            "keep": self.keep,
+            "max_tokens": self.max_tokens,
+            "position": self.position_policy,
+            "per_head": self.per_head,
+        }
+
+    # --- hooks ---------------------------------------------------------------------------------
+    def after_attention(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        if layer.phase == "prefill":
+            self.on_prefill(layer, query, key, scaling)
+        elif layer.phase == "turn":
+            self.on_turn(layer, query, key, scaling)
+        else:
+            self.on_decode(layer, query, key, scaling)
+
+    def on_prefill(self, layer, query, key, scaling) -> None:
+        self.evict_by_score(layer, query, key, scaling)
+
+    def on_turn(self, layer, query, key, scaling) -> None:
+        self.on_prefill(layer, query, key, scaling)
+
+    def on_decode(self, layer, query, key, scaling) -> None:
+        """Default: decoded tokens are appended; nothing is evicted until the next prompt."""
+
+    # --- score-based selection -------------------------------------------------------------------
+    def score(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Per-token scores ``[B, Hkv, stored]``; higher is more worth keeping."""
+        raise NotImplementedError
+
+    def protected(self, layer: "CompressedLayer") -> torch.Tensor | None:
+        """Boolean ``[B, Hkv, stored]`` of tokens that must be kept, or None."""
+        return None
+
+    def select(self, scores: torch.Tensor, protected: torch.Tensor | None, budget: int) -> torch.Tensor:
+        """Slots to keep: the top-``budget`` of ``scores`` with protected tokens forced in, ascending."""
+        s = scores.float()
+        if not self.per_head:
+            s = s.mean(dim=1, keepdim=True).expand_as(scores)
+            if protected is not None:
+                protected = protected.any(dim=1, keepdim=True).expand_as(scores)
+        if protected is not None:
+            s = s.masked_fill(protected, float("inf"))
+        idx = torch.topk(s, budget, dim=-1, sorted=False).indices
+        return idx.sort(dim=-1).values
+
+    def evict_by_score(self, layer, query, key, scaling, budget: int | None = None) -> torch.Tensor | None:
+        """Score the stored tokens and keep the top-``budget``; returns the kept slots or None."""
+        budget = self.budget(layer.seen) if budget is None else budget
+        if layer.length <= budget:
+            return None
+        idx = self.select(self.score(layer, query, key, scaling), self.protected(layer), budget)
+        layer.keep_indices(idx)
+        return idx
+
+    # --- helpers for subclasses ------------------------------------------------------------------
+    @staticmethod
+    def recent_mask(layer: "CompressedLayer", n: int) -> torch.Tensor:
+        """Boolean ``[B, H, stored]``: the ``n`` most recent tokens by stream index."""
+        pos = layer.positions
+        return pos >= (layer.seen - n)
+
+    @staticmethod
+    def first_mask(layer: "CompressedLayer", n: int) -> torch.Tensor:
+        """Boolean ``[B, H, stored]``: tokens among the first ``n`` of the stream (attention sinks)."""
+        return layer.positions < n

@@ -1,0 +1,63 @@
+"""``h2o``: heavy hitters + recent tokens (Zhang et al., 2023, H2O).
+
+Per KV head, every key accumulates the attention it receives from every query (summed over the
+query heads of its group and over all steps, causally: a query only credits keys it can see;
+H2O's accuracy tables used future queries, kvtrim does not). The cache keeps the
+``budget * (1 - recent_ratio)`` highest-accumulated tokens plus the ``budget * recent_ratio``
+most recent ones, and evicts at every step, as the paper's streaming variant does.
+Prefill scores are all-row column sums, computed in chunks of queries from q and k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtrim.errors import KVTrimError
+from kvtrim.policies.base import Policy
+from kvtrim.scores import causal_column_sums, group_reduce, window_probs
+
+
+@dataclass
+class H2O(Policy):
+    """Args: ``recent_ratio`` - share of the budget reserved for recent tokens (default 0.5:
+    H2O's 10% heavy + 10% recent at a 20% budget)."""
+
+    recent_ratio: float = 0.5
+
+    name = "h2o"
+    description = "heavy hitters (accumulated attention per KV head) + recent tokens, evicts every step"
+    supports_streaming = True
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= float(self.recent_ratio) < 1.0):
+            raise KVTrimError(f"h2o: recent_ratio must be in [0, 1), got {self.recent_ratio!r}")
+        super().__post_init__()
+
+    @property
+    def min_tokens(self) -> int:
+        return 2
+
+    def min_tokens_reason(self) -> str:
+        return "one heavy and one recent token"
+
+    def _accumulate(self, layer, query, key, scaling) -> None:
+        acc = layer.new_token_state("h2o_acc")
+        if query.shape[-2] == 1:
+            sums = window_probs(query, key, scaling, 1).sum(dim=-2)
+        else:
+            sums = causal_column_sums(query, key, scaling)
+        acc[:, :, : layer.length] += group_reduce(sums, "sum")
+
+    def score(self, layer, query, key, scaling):
+        return layer.state_view("h2o_acc")
+
+    def protected(self, layer):
+        n_recent = int(self.budget(layer.seen) * self.recent_ratio)
+        return self.recent_mask(layer, n_recent)
+
+    def on_prefill(self, layer, query, key, scaling) -> None:
+        self._accumulate(layer, query, key, scaling)
+        self.evict_by_score(layer, query, key, scaling)
+
+    def on_decode(self, layer, query, key, scaling) -> None:
+        self.on_prefill(layer, query, key, scaling)

@@ -1,0 +1,48 @@
+"""``streaming_llm``: attention sinks + a window of recent tokens (Xiao et al., 2023, StreamingLLM).
+
+Keeps the first ``sinks`` tokens of the stream and the most recent ones, evicting at every step.
+Positions are ``reassigned`` by default: kept keys are re-rotated to positions ``0..stored-1``
+so a stream can run past the model's trained context. No attention scores are needed; the
+"score" of a token is its stream index (newer is better), which makes the kept set exactly the
+top-k of that score with the sinks forced in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtrim.errors import KVTrimError
+from kvtrim.policies.base import Policy
+
+
+@dataclass
+class StreamingLLM(Policy):
+    """Args: ``sinks`` - number of initial tokens always kept (default 4, as in the paper)."""
+
+    sinks: int = 4
+
+    name = "streaming_llm"
+    description = "attention sinks (first 4 tokens) + most recent tokens, reassigned positions, evicts every step"
+    default_position = "reassigned"
+    supports_streaming = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
+            raise KVTrimError(f"streaming_llm: sinks must be a non-negative integer, got {self.sinks!r}")
+        super().__post_init__()
+
+    @property
+    def min_tokens(self) -> int:
+        return self.sinks + 1
+
+    def min_tokens_reason(self) -> str:
+        return f"{self.sinks} sink tokens + 1 recent token"
+
+    def score(self, layer, query, key, scaling):
+        return layer.positions.float()
+
+    def protected(self, layer):
+        return self.first_mask(layer, self.sinks)
+
+    def on_decode(self, layer, query, key, scaling) -> None:
+        self.evict_by_score(layer, query, key, scaling)

@@ -1,0 +1,64 @@
+"""Attention scores computed from ``q`` and ``k``, for the rows a method needs (plain PyTorch).
+
+The main attention stays SDPA: these helpers recompute only an observation window of queries, or
+one decode row, or all prompt rows in chunks (so a T-token prompt never materialises a T x T
+matrix per head). Everything runs in float32.
+
+Layouts: ``query [B, Hq, q, D]`` (post-RoPE), ``key [B, Hkv, S, D]`` where the last ``q`` keys
+belong to the queries (the cache's past keys come first), ``Hq = Hkv * G``.
+Returned scores are per KV head, ``[B, Hkv, S]``, reduced over the ``G`` query heads of each
+group with ``group_reduce`` ("sum" or "mean").
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
+    b, hq, q, d = query.shape
+    return query.reshape(b, n_kv, hq // n_kv, q, d)
+
+
+def window_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
+    """Softmax attention of the last ``window`` queries over all keys, causal: ``[B, Hkv, G, w, S]``.
+
+    Query ``i`` of the window (absolute index ``S - w + i`` among the keys) sees keys ``<= S - w + i``.
+    """
+    s = key.shape[-2]
+    w = min(window, query.shape[-2])
+    qg = _grouped(query[:, :, -w:].float(), key.shape[1])
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, key.float()) * scaling
+    qi = torch.arange(s - w, s, device=key.device).unsqueeze(1)
+    kj = torch.arange(s, device=key.device).unsqueeze(0)
+    logits = logits.masked_fill(kj > qi, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, chunk: int = 256) -> torch.Tensor:
+    """Sum over all ``q`` queries of their causal softmax rows: ``[B, Hkv, G, S]``.
+
+    Computed ``chunk`` queries at a time, so memory is ``chunk x S`` per head.
+    """
+    b, hq, q, d = query.shape
+    n_kv, s = key.shape[1], key.shape[-2]
+    out = torch.zeros(b, n_kv, hq // n_kv, s, dtype=torch.float32, device=key.device)
+    kf = key.float()
+    kj = torch.arange(s, device=key.device).unsqueeze(0)
+    for start in range(0, q, chunk):
+        stop = min(q, start + chunk)
+        qg = _grouped(query[:, :, start:stop].float(), n_kv)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf) * scaling
+        qi = torch.arange(s - q + start, s - q + stop, device=key.device).unsqueeze(1)
+        logits = logits.masked_fill(kj > qi, float("-inf"))
+        out += torch.softmax(logits, dim=-1).sum(dim=-2)
+    return out
+
+
+def group_reduce(x: torch.Tensor, how: str = "mean") -> torch.Tensor:
+    """Reduce the query-group axis (dim 2) of ``[B, Hkv, G, ...]``: "mean" or "sum"."""
+    if how == "mean":
+        return x.mean(dim=2)
+    if how == "sum":
+        return x.sum(dim=2)
+    raise ValueError(f"unknown group reduction {how!r}; allowed: 'mean', 'sum'")

@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny randomly initialised models (built from configs here) and the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(n_kv: int = 2, groups: int = 3, layers: int = 3, head_dim: int = 16, seed: int = 0, **extra):
+    """A tiny Llama with GQA ``groups``:1, float32, SDPA attention, eval mode."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=n_kv * groups,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **extra,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@pytest.fixture(scope="session")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def prompt():
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(3, 128, (1, 97), generator=g)
+
+
+@pytest.fixture(scope="session")
+def real():
+    """The embedded SmolLM2-135M-Instruct (converted once into the user cache)."""
+    from kvtrim.models import load_model
+
+    return load_model()

@@ -1,0 +1,282 @@
+"""The compressing cache and every registered policy, on a tiny random GQA Llama (CPU, fp32)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import kvtrim
+from kvtrim.cache import CompressedLayer, KVTrimCache
+from kvtrim.errors import KVTrimError
+from kvtrim.generation import generate_ids
+from kvtrim.registry import create_policy, method_names
+
+ALL = method_names()
+COMPRESSING = [m for m in ALL if m != "full"]
+
+
+def _full_kwargs(name):
+    return {} if name == "full" else {"keep": 1.0}
+
+
+def run_loop(model, ids, cache, steps=6):
+    """Prefill + greedy decode by hand; returns the list of last-position logits."""
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        logits.append(out.logits[:, -1])
+        for _ in range(steps):
+            nxt = out.logits[:, -1:].argmax(-1)
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return logits
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_keep_everything_equals_full_cache(model, prompt, name):
+    ref = run_loop(model, prompt, DynamicCache(config=model.config))
+    with kvtrim.attach(model):
+        got = run_loop(model, prompt, KVTrimCache(model, name, **_full_kwargs(name)))
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", COMPRESSING)
+def test_stored_length_and_resident_bytes_follow_budget(model, prompt, name):
+    keep = 0.5
+    cache = KVTrimCache(model, name, keep=keep)
+    with kvtrim.attach(model):
+        run_loop(model, prompt, cache, steps=0)
+    pol = cache.policy
+    seen = prompt.shape[1]
+    budget = max(pol.min_tokens, math.floor(keep * seen))
+    assert cache.seen_tokens() == seen
+    assert cache.stored_tokens() == [budget] * model.config.num_hidden_layers
+    per_tok = 2 * model.config.num_key_value_heads * model.config.head_dim * 4
+    assert cache.kv_bytes_stored() == budget * per_tok * model.config.num_hidden_layers
+    # the buffers were shrunk: resident bytes are the budget plus the documented slack
+    slack = CompressedLayer.slack(budget)
+    assert cache.kv_bytes() == (budget + slack) * per_tok * model.config.num_hidden_layers
+    assert cache.kv_bytes_full() == seen * per_tok * model.config.num_hidden_layers
+
+
+def test_gqa_cache_holds_kv_heads_only(model, prompt):
+    cache = KVTrimCache(model, "snapkv", keep=0.5)
+    with kvtrim.attach(model):
+        run_loop(model, prompt, cache, steps=1)
+    for layer in cache.compressed_layers:
+        assert layer.keys.shape[1] == model.config.num_key_value_heads
+        assert layer.values.shape[1] == model.config.num_key_value_heads
+
+
+def _eager_attentions(model, ids):
+    """Full softmax attention probabilities per layer from transformers' eager path (an independent oracle)."""
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    return [a.double() for a in out.attentions]  # [B, Hq, T, T]
+
+
+def _kept_positions(cache):
+    return [layer.positions.sort(dim=-1).values for layer in cache.compressed_layers]
+
+
+def test_snapkv_keeps_topk_of_its_scores(model, prompt):
+    window, kernel = 16, 7
+    cache = KVTrimCache(model, "snapkv", keep=0.4, window=window, kernel=kernel, pooling="max")
+    with kvtrim.attach(model):
+        run_loop(model, prompt, cache, steps=0)
+    t = prompt.shape[1]
+    budget = math.floor(0.4 * t)
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    for attn, kept in zip(_eager_attentions(model, prompt), _kept_positions(cache)):
+        s = attn[:, :, -window:, :].sum(dim=2)  # [B, Hq, T]
+        s = s.reshape(1, -1, g, t).mean(dim=2)
+        s = F.max_pool1d(s.reshape(-1, 1, t), kernel, stride=1, padding=kernel // 2).reshape(1, -1, t)
+        s[..., -window:] = float("inf")
+        expect = torch.topk(s, budget, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(kept, expect)
+
+
+def test_h2o_keeps_heavy_hitters_plus_recent(model, prompt):
+    cache = KVTrimCache(model, "h2o", keep=0.4)
+    with kvtrim.attach(model):
+        run_loop(model, prompt, cache, steps=0)
+    t = prompt.shape[1]
+    budget = math.floor(0.4 * t)
+    n_recent = int(budget * 0.5)
+    g = model.config.num_attention_heads // model.config.num_key_value_heads
+    for attn, kept in zip(_eager_attentions(model, prompt), _kept_positions(cache)):
+        acc = attn.sum(dim=2).reshape(1, -1, g, t).sum(dim=2)  # column sums, summed over the group
+        acc[..., t - n_recent :] = float("inf")
+        expect = torch.topk(acc, budget, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(kept, expect)
+
+
+def test_h2o_decode_evicts_every_step_and_holds_budget(model, prompt):
+    cache = KVTrimCache(model, "h2o", max_tokens=40)
+    with kvtrim.attach(model):
+        run_loop(model, prompt, cache, steps=5)
+    assert cache.stored_tokens() == [40] * model.config.num_hidden_layers
+    assert cache.seen_tokens() == prompt.shape[1] + 5
+    for layer in cache.compressed_layers:  # the 20 most recent are always there
+        recent = torch.arange(cache.seen_tokens() - 20, cache.seen_tokens())
+        for h in range(layer.positions.shape[1]):
+            assert set(recent.tolist()) <= set(layer.positions[0, h].tolist())
+
+
+def test_streaming_llm_keeps_sinks_and_recent(model, prompt):
+    cache = KVTrimCache(model, "streaming_llm", max_tokens=24)
+    with kvtrim.attach(model):
+        run_loop(model, prompt, cache, steps=3)
+    seen = cache.seen_tokens()
+    expect = list(range(4)) + list(range(seen - 20, seen))
+    for layer in cache.compressed_layers:
+        for h in range(layer.positions.shape[1]):
+            assert layer.positions[0, h].tolist() == expect
+
+
+def test_reassigned_keys_match_rope_at_in_cache_positions(model, prompt):
+    """Kept keys equal transformers' own RoPE applied at positions 0..stored-1 to the raw keys."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kvtrim.rope import find_inv_freq, rotate
+
+    full = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=full, use_cache=True)
+    cache = KVTrimCache(model, "streaming_llm", max_tokens=30)
+    with kvtrim.attach(model):
+        run_loop(model, prompt, cache, steps=0)
+    inv = find_inv_freq(model)
+    t = prompt.shape[1]
+    for li, layer in enumerate(cache.compressed_layers):
+        k_true = full.layers[li].keys  # rotated at true positions 0..T-1
+        raw = rotate(k_true.double(), -torch.arange(t).double().expand(1, 1, t), inv)  # un-rotated keys
+        kept = layer.positions[0, 0]
+        n = kept.numel()
+        cos, sin = model.model.rotary_emb(raw.float(), torch.arange(n).unsqueeze(0))
+        expect, _ = apply_rotary_pos_emb(raw.float()[:, :, kept], raw.float()[:, :, kept], cos, sin)
+        torch.testing.assert_close(layer.keys, expect, atol=1e-5, rtol=1e-5)
+        assert layer.rotations[0, 0].tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_generate_and_hand_loop_agree(model, prompt, name):
+    kw = {} if name == "full" else ({"max_tokens": 40} if name == "streaming_llm" else {"keep": 0.5})
+    with kvtrim.attach(model):
+        cache = KVTrimCache(model, name, **kw)
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    res = generate_ids(model, None, prompt[0].tolist(), create_policy(name, **kw), max_new_tokens=8, stop_at_eos=False)
+    assert out[0, prompt.shape[1] :].tolist() == res.token_ids
+
+
+def test_compress_context_manager_with_sampling_equals_full(model, prompt):
+    torch.manual_seed(3)
+    ref = model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=0)
+    torch.manual_seed(3)
+    with kvtrim.compress(model, "h2o", keep=1.0) as cache:
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=6, do_sample=True, top_k=0)
+    assert torch.equal(out, ref)
+
+
+def test_sliding_window_layers_use_transformers_layer():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, use_sliding_window=True, sliding_window=16,
+        max_window_layers=2,
+    )
+    m = Qwen2ForCausalLM(cfg).eval()
+    m.set_attn_implementation("sdpa")
+    assert "sliding_attention" in cfg.layer_types
+    ids = torch.randint(3, 128, (1, 60))
+    ref = run_loop(m, ids, DynamicCache(config=cfg), steps=4)
+    cache = KVTrimCache(m, "snapkv", keep=1.0)
+    kinds = [type(layer) for layer in cache.layers]
+    assert [k is DynamicSlidingWindowLayer for k in kinds] == [t == "sliding_attention" for t in cfg.layer_types]
+    with kvtrim.attach(m):
+        got = run_loop(m, ids, cache, steps=4)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+# --- integration hygiene -----------------------------------------------------------------------
+def test_import_changes_nothing_and_attach_is_reversible(model):
+    from transformers import AttentionInterface
+
+    assert "kvtrim" not in AttentionInterface._global_mapping
+    before = model.config._attn_implementation
+    with kvtrim.attach(model):
+        assert model.config._attn_implementation == "kvtrim"
+        assert "kvtrim" in AttentionInterface._global_mapping
+    assert model.config._attn_implementation == before
+    assert "kvtrim" not in AttentionInterface._global_mapping
+
+
+# --- bad input --------------------------------------------------------------------------------
+def test_unknown_method_lists_known():
+    with pytest.raises(KVTrimError, match="known methods: full, streaming_llm"):
+        create_policy("nope")
+
+
+@pytest.mark.parametrize("keep", [0.0, -0.1, 1.5, float("nan")])
+def test_keep_out_of_range(keep):
+    with pytest.raises(KVTrimError, match=r"keep must be a fraction in \(0, 1\]"):
+        create_policy("snapkv", keep=keep)
+
+
+def test_max_tokens_below_what_method_keeps():
+    with pytest.raises(KVTrimError, match="smaller than the 32 tokens"):
+        create_policy("snapkv", max_tokens=10)
+    with pytest.raises(KVTrimError, match="4 sink tokens"):
+        create_policy("streaming_llm", max_tokens=3)
+
+
+def test_keep_and_max_tokens_together():
+    with pytest.raises(KVTrimError, match="either keep or max_tokens"):
+        create_policy("h2o", keep=0.5, max_tokens=10)
+
+
+def test_unknown_position_policy():
+    with pytest.raises(KVTrimError, match="allowed: true, reassigned, compressed"):
+        create_policy("h2o", keep=0.5, position="weird")
+
+
+def test_prompt_longer_than_context_for_non_streaming(model):
+    ids = list(range(3, 123)) * 3  # 360 tokens > 256
+    with pytest.raises(KVTrimError, match="cannot stream"):
+        generate_ids(model, None, ids, create_policy("snapkv", keep=0.5), max_new_tokens=4)
+
+
+def test_streaming_method_runs_past_the_context(model):
+    ids = (list(range(3, 123)) * 5)[:520]  # 520 tokens, context is 256
+    res = generate_ids(model, None, ids, create_policy("streaming_llm", max_tokens=64), max_new_tokens=4, stop_at_eos=False)
+    assert res.stored_tokens <= 64 + 4 and res.new_tokens == 4
+
+
+def test_empty_prompt(model):
+    with pytest.raises(KVTrimError, match="prompt is empty"):
+        generate_ids(model, None, [], create_policy("full"))
+
+
+def test_batch_above_one_is_refused(model):
+    ids = torch.randint(3, 128, (2, 10))
+    with kvtrim.attach(model), pytest.raises(KVTrimError, match="batch size 1"):
+        model(input_ids=ids, past_key_values=KVTrimCache(model, "snapkv", keep=0.5), use_cache=True)
+
+
+def test_cache_without_attach_is_refused(model, prompt):
+    with pytest.raises(KVTrimError, match="kvtrim.attach"):
+        with torch.no_grad():
+            model(input_ids=prompt, past_key_values=KVTrimCache(model, "snapkv", keep=0.5), use_cache=True)

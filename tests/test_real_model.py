@@ -1,0 +1,44 @@
+"""The real embedded model (SmolLM2-135M-Instruct, 30 layers, GQA 3:1): the marked slower tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvtrim
+from kvtrim.cache import KVTrimCache
+from kvtrim.generation import generate_ids
+from kvtrim.models import build_prompt_ids
+from kvtrim.registry import create_policy, method_names
+from kvtrim.tasks import passkey_sample
+
+pytestmark = pytest.mark.model
+
+
+def test_embedded_model_shape(real):
+    cfg = real.model.config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert real.max_context == 8192
+
+
+def test_keep_everything_equals_full_on_real_model(real):
+    ids = torch.tensor([build_prompt_ids(real.tokenizer, "Name three rivers in Europe and say one thing about each.")])
+    with torch.no_grad():
+        ref = real.model(input_ids=ids, past_key_values=DynamicCache(config=real.model.config), use_cache=True).logits
+    for name in method_names():
+        kw = {} if name == "full" else {"keep": 1.0}
+        with kvtrim.attach(real.model), torch.no_grad():
+            got = real.model(input_ids=ids, past_key_values=KVTrimCache(real.model, name, **kw), use_cache=True).logits
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("seed, depth", [(0, 0.5), (1, 0.25), (2, 0.75)])
+def test_snapkv_retrieves_passkey_at_keep_02(real, seed, depth):
+    s = passkey_sample(real.tokenizer, 3000, depth=depth, seed=seed)
+    ids = build_prompt_ids(real.tokenizer, s.prompt)
+    full = generate_ids(real.model, real.tokenizer, ids, create_policy("full"), max_new_tokens=14)
+    assert s.answer in full.answer, "the full cache itself must retrieve the key (reference)"
+    res = generate_ids(real.model, real.tokenizer, ids, create_policy("snapkv", keep=0.2), max_new_tokens=14)
+    assert s.answer in res.answer
+    assert res.kv_bytes <= 0.2 * res.kv_bytes_full + 0.02 * res.kv_bytes_full
