@@ -103,7 +103,7 @@ def cmd_demo(args) -> int:
     from kvtrim.generation import generate_ids
     from kvtrim.models import build_prompt_ids, load_model
     from kvtrim.registry import create_policy, method_names
-    from kvtrim.tasks import passkey_sample
+    from kvtrim.eval.tasks import passkey
 
     names = args.methods.split(",") if args.methods else method_names()
     policies = []
@@ -112,7 +112,8 @@ def cmd_demo(args) -> int:
         policies.append(create_policy(n, **kw))
     print(f"kvtrim demo: loading {args.model or 'the embedded model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
     lm = load_model(args.model)
-    sample = passkey_sample(lm.tokenizer, args.length, depth=args.depth, seed=args.seed)
+    sample = passkey(lm.tokenizer, args.length, depth=args.depth, seed=args.seed)
+    key = sample.answers[0]
     ids = build_prompt_ids(lm.tokenizer, sample.prompt)
     print(
         f"context: {len(ids)} tokens of essays with a 5-digit pass key at depth {args.depth:.0%}; "
@@ -122,7 +123,7 @@ def cmd_demo(args) -> int:
     rows = []
     for pol in tqdm(policies, desc="methods", unit="method", file=sys.stderr):
         r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16)
-        rows.append((pol.name, sample.answer in r.answer, r))
+        rows.append((pol.name, key in r.answer, r))
     print()
     print(f"{'method':<15}{'correct':<9}{'KV MB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")
     for name, ok, r in rows:
@@ -130,7 +131,7 @@ def cmd_demo(args) -> int:
             f"{name:<15}{'yes' if ok else 'no':<9}{r.kv_bytes / 1e6:>8.1f}{r.kv_bytes / r.kv_bytes_full:>9.0%}"
             f"{r.prefill_seconds:>11.2f}{r.decode_tokens_per_s:>14.1f}  {r.answer[:40]!r}"
         )
-    print(f"\npass key: {sample.answer}; KV MB = resident key/value buffers at the end (1 MB = 10^6 bytes)")
+    print(f"\npass key: {key}; KV MB = resident key/value buffers at the end (1 MB = 10^6 bytes)")
     return 0
 
 
