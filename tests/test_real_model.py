@@ -33,13 +33,22 @@ def test_keep_everything_equals_full_on_real_model(real):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("seed, depth", [(0, 0.5), (1, 0.25), (2, 0.75)])
-def test_snapkv_retrieves_passkey_at_keep_02(real, seed, depth):
-    s = passkey(real.tokenizer, 3000, depth=depth, seed=seed)
-    key = s.answers[0]
-    ids = build_prompt_ids(real.tokenizer, s.prompt)
-    full = generate_ids(real.model, real.tokenizer, ids, create_policy("full"), max_new_tokens=14)
-    assert key in full.answer, "the full cache itself must retrieve the key (reference)"
-    res = generate_ids(real.model, real.tokenizer, ids, create_policy("snapkv", keep=0.2), max_new_tokens=14)
-    assert key in res.answer
-    assert res.kv_bytes <= 0.2 * res.kv_bytes_full + 0.02 * res.kv_bytes_full
+def test_snapkv_retrieves_passkey_at_keep_02(real):
+    """Every ~3k-token sample the full cache answers, snapkv at keep 0.2 answers too.
+
+    The full cache is the reference: the 135M model itself misses some samples (e.g. seed 1 at
+    depth 0.25 with this needle), so those cannot judge compression; at least 3 of 5 must count.
+    """
+    judged = 0
+    for seed, depth in enumerate([0.1, 0.3, 0.5, 0.7, 0.9]):
+        s = passkey(real.tokenizer, 3000, depth=depth, seed=seed)
+        key = s.answers[0]
+        ids = build_prompt_ids(real.tokenizer, s.prompt)
+        full = generate_ids(real.model, real.tokenizer, ids, create_policy("full"), max_new_tokens=14)
+        if key not in full.answer:
+            continue
+        judged += 1
+        res = generate_ids(real.model, real.tokenizer, ids, create_policy("snapkv", keep=0.2), max_new_tokens=14)
+        assert key in res.answer, (seed, depth, res.answer)
+        assert res.kv_bytes <= 0.2 * res.kv_bytes_full + 0.02 * res.kv_bytes_full
+    assert judged >= 3, f"the full cache retrieved only {judged} of 5 samples"
