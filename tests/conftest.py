@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+
+if not torch.cuda.is_available():
+    # Triton picks its interpreter when it is first imported, and transformers imports triton when
+    # it is installed: set this before transformers so kernels run on CPU (tests/test_sparse_attention.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def tiny_llama(n_kv: int = 2, groups: int = 3, layers: int = 3, head_dim: int = 16, seed: int = 0, **extra):

@@ -10,17 +10,9 @@ bound gets an absolute floor of 4 float32 ulps of 1.0 (measured: both errors 2-9
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    # Triton reads this when it is first imported (its own library is decorated then), so it must
-    # be set before anything imports triton; without a GPU the kernels run in the interpreter.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -212,7 +204,7 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not 
 
 
 def _interpreter_effective() -> bool:
-    """On CPU the kernels need triton imported *after* TRITON_INTERPRET=1 was set."""
+    """On CPU the kernels need triton imported *after* TRITON_INTERPRET=1 (set in conftest.py)."""
     if torch.cuda.is_available():
         return True
     import triton.language.standard as std
@@ -223,28 +215,11 @@ def _interpreter_effective() -> bool:
 
 @pytest.fixture(scope="module")
 def triton_interp():
-    """The kernel module; on CPU it runs in Triton's interpreter (TRITON_INTERPRET set above)."""
-    try:
-        from kvtrim.attention.triton import kernels
-    except Exception as e:  # pragma: no cover - broken triton install
-        pytest.skip(f"triton not importable: {e}")
-    if not _interpreter_effective():
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 (conftest imports transformers, which "
-                    "imports triton); test_triton_in_fresh_process runs these tests")
+    """The kernel module; on CPU it runs in Triton's interpreter."""
+    from kvtrim.attention.triton import kernels
+
+    assert _interpreter_effective(), "triton was imported before TRITON_INTERPRET=1 was set (see tests/conftest.py)"
     return kernels
-
-
-@needs_triton
-def test_triton_in_fresh_process() -> None:
-    """Run the interpreter tests in a process where nothing imported triton first (no conftest)."""
-    if os.environ.get("KVTRIM_TRITON_CHILD") or torch.cuda.is_available() or _interpreter_effective():
-        pytest.skip("the Triton tests run in this process")
-    env = dict(os.environ, TRITON_INTERPRET="1", KVTRIM_TRITON_CHILD="1")
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "--noconftest", "-p", "no:cacheprovider", "-k", "triton and not fresh_process", "-m", "not slow"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    tail = res.stdout[-3000:] + res.stderr[-2000:]
-    assert res.returncode == 0, tail
-    assert " passed" in res.stdout and " skipped" not in res.stdout, tail
 
 
 @needs_triton

@@ -227,7 +227,6 @@ class CompressedLayer(CacheLayerMixin):
             raise ValueError("cannot keep more tokens than are stored")
         shrink = self.capacity > k + 2 * self.slack(k)
         cap = k + self.slack(k)
-        d = self._k.shape[-1]
 
         def take(t: torch.Tensor) -> torch.Tensor:
             src = t[:, :, : self.length]
@@ -251,7 +250,6 @@ class CompressedLayer(CacheLayerMixin):
                     self._k[:, :, :k] = rotate(self._k[:, :, :k], delta, self.cache.inv_freq)
                     self._rot[:, :, :k] = target
         self.length = k
-        assert self._k.shape[-1] == d
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> None:
         """Keep slots ``idx`` but overwrite their keys and values (merging methods)."""

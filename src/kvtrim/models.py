@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,8 +100,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     tok.save_pretrained(str(tmp))
     (tmp / _CONVERTED_MARKER).write_text(json.dumps({"source": str(gguf)}))
     if out_dir.exists():
-        import shutil
-
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return out_dir

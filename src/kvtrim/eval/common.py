@@ -311,18 +311,23 @@ def _absent(value: str, window: str) -> bool:
     return value.lower() not in window.lower()
 
 
-def unique_numbers(rng: random.Random, k: int, digits: int, window: str, taken: set[str] | None = None) -> list[str]:
-    """``k`` distinct ``digits``-digit numbers that occur nowhere in ``window``."""
+def _draw_unique(rng: random.Random, k: int, window: str, draw, taken: set[str] | None, what: str) -> list[str]:
+    """``k`` distinct values from ``draw(rng)`` that are not in ``taken`` and occur nowhere in ``window``."""
     taken = set(taken or ())
     out: list[str] = []
     for _ in range(100 * k + 100):
-        v = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+        v = draw(rng)
         if v not in taken and _absent(v, window):
             taken.add(v)
             out.append(v)
             if len(out) == k:
                 return out
-    raise KVTrimError(f"could not draw {k} numbers absent from the haystack")
+    raise KVTrimError(f"could not draw {k} {what} absent from the haystack")
+
+
+def unique_numbers(rng: random.Random, k: int, digits: int, window: str, taken: set[str] | None = None) -> list[str]:
+    """``k`` distinct ``digits``-digit numbers that occur nowhere in ``window``."""
+    return _draw_unique(rng, k, window, lambda r: str(r.randint(10 ** (digits - 1), 10**digits - 1)), taken, "numbers")
 
 
 def unique_uuids(rng: random.Random, k: int) -> list[str]:
@@ -333,16 +338,7 @@ def unique_uuids(rng: random.Random, k: int) -> list[str]:
 
 def unique_names(rng: random.Random, k: int, window: str, letters: int = 5, taken: set[str] | None = None) -> list[str]:
     """``k`` distinct upper-case names (variable tracking) absent from ``window``."""
-    taken = set(taken or ())
-    out: list[str] = []
-    for _ in range(100 * k + 100):
-        v = "".join(rng.choices(string.ascii_uppercase, k=letters))
-        if v not in taken and _absent(v, window):
-            taken.add(v)
-            out.append(v)
-            if len(out) == k:
-                return out
-    raise KVTrimError(f"could not draw {k} variable names absent from the haystack")
+    return _draw_unique(rng, k, window, lambda r: "".join(r.choices(string.ascii_uppercase, k=letters)), taken, "variable names")
 
 
 def unique_keys(rng: random.Random, k: int, window: str, pool: Sequence[str]) -> list[str]:

@@ -14,6 +14,7 @@ k, only the rows it needs) and evict. Layers not bound to a kvtrim cache pass st
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
 
@@ -26,8 +27,8 @@ from kvtrim.rope import rotate
 ATTN_NAME = "kvtrim"
 _lock = threading.Lock()
 _users = 0
-# Which base implementation each attached model wrapped, keyed by id(config).
-_BASE: dict[int, str] = {}
+# The base attention function each attached model wraps, keyed by id(config).
+_BASE: dict[int, object] = {}
 # Optional prefill attention override (sparse prefill), keyed by id(config): fn(module, q, k, v, mask, scaling, **kw)
 _PREFILL: dict[int, object] = {}
 
@@ -44,7 +45,7 @@ def _base_fn(name: str):
 
 def kvtrim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers attention function: base attention, then the cache's policy hook."""
-    base = _base_fn(_BASE.get(id(module.config), "sdpa"))
+    base = _BASE.get(id(module.config)) or _base_fn("sdpa")
     binding = ACTIVE.get()
     layer_idx = getattr(module, "layer_idx", None)
     if binding is None or binding.layer.layer_idx != layer_idx:
@@ -112,7 +113,7 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
         if _users == 0:
             _register()
         _users += 1
-    _BASE[id(cfg)] = base
+    _BASE[id(cfg)] = _base_fn(base)
     if prefill_attention is not None:
         _PREFILL[id(cfg)] = prefill_attention
     try:
@@ -148,6 +149,7 @@ def compress(model, method: str = "snapkv", **policy_kwargs) -> Iterator[KVTrimC
         yield cache
 
 
+@functools.lru_cache(maxsize=1)
 def cache_kwarg() -> str:
     """The keyword ``generate``/``forward`` take the cache under: ``cache`` from transformers 5.20, else ``past_key_values``."""
     import transformers
