@@ -13,14 +13,10 @@ import kvtrim
 from kvtrim.cache import CompressedLayer, KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_ids
-from kvtrim.registry import create_policy, method_names
+from kvtrim.registry import create_policy, get_policy_class, method_names
 
 ALL = method_names()
-COMPRESSING = [m for m in ALL if m != "full"]
-
-
-def _full_kwargs(name):
-    return {} if name == "full" else {"keep": 1.0}
+COMPRESSING = [m for m in ALL if get_policy_class(m).takes_budget]
 
 
 def run_loop(model, ids, cache, steps=6):
@@ -40,7 +36,7 @@ def run_loop(model, ids, cache, steps=6):
 def test_keep_everything_equals_full_cache(model, prompt, name):
     ref = run_loop(model, prompt, DynamicCache(config=model.config))
     with kvtrim.attach(model):
-        got = run_loop(model, prompt, KVTrimCache(model, name, **_full_kwargs(name)))
+        got = run_loop(model, prompt, KVTrimCache(model, name, keep=1.0))
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
 
@@ -170,7 +166,10 @@ def test_reassigned_keys_match_rope_at_in_cache_positions(model, prompt):
 
 @pytest.mark.parametrize("name", ALL)
 def test_generate_and_hand_loop_agree(model, prompt, name):
-    kw = {} if name == "full" else ({"max_tokens": 40} if name == "streaming_llm" else {"keep": 0.5})
+    cls = get_policy_class(name)
+    kw = {"keep": 0.5} if cls.takes_budget else {}
+    if cls.default_position == "reassigned":  # fixed budget: exercises per-step re-rotation inside generate
+        kw = {"max_tokens": 40}
     with kvtrim.attach(model):
         cache = KVTrimCache(model, name, **kw)
         out = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False, min_new_tokens=8)

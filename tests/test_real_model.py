@@ -27,9 +27,8 @@ def test_keep_everything_equals_full_on_real_model(real):
     with torch.no_grad():
         ref = real.model(input_ids=ids, past_key_values=DynamicCache(config=real.model.config), use_cache=True).logits
     for name in method_names():
-        kw = {} if name == "full" else {"keep": 1.0}
         with kvtrim.attach(real.model), torch.no_grad():
-            got = real.model(input_ids=ids, past_key_values=KVTrimCache(real.model, name, **kw), use_cache=True).logits
+            got = real.model(input_ids=ids, past_key_values=KVTrimCache(real.model, name, keep=1.0), use_cache=True).logits
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 

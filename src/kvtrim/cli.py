@@ -102,13 +102,13 @@ def cmd_demo(args) -> int:
 
     from kvtrim.generation import generate_ids
     from kvtrim.models import build_prompt_ids, load_model
-    from kvtrim.registry import create_policy, method_names
+    from kvtrim.registry import create_policy, get_policy_class, method_names
     from kvtrim.eval.tasks import passkey
 
     names = args.methods.split(",") if args.methods else method_names()
     policies = []
     for n in names:
-        kw = {} if n == "full" else {"keep": args.keep}
+        kw = {"keep": args.keep} if get_policy_class(n).takes_budget else {}
         policies.append(create_policy(n, **kw))
     print(f"kvtrim demo: loading {args.model or 'the embedded model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
     lm = load_model(args.model)

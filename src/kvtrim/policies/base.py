@@ -59,6 +59,8 @@ class Policy:
     supports_streaming: ClassVar[bool] = False
     #: meaningful across several turns of one conversation (eviction at each new prompt or step)
     supports_turns: ClassVar[bool] = True
+    #: accepts a compressing budget (``full`` does not)
+    takes_budget: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.keep is not None and self.max_tokens is not None:

@@ -14,6 +14,7 @@ class Full(Policy):
 
     name = "full"
     description = "no compression: every key and value is kept (the reference)"
+    takes_budget = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
