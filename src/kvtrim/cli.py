@@ -1,4 +1,4 @@
-"""The ``kvtrim`` command line: ``methods``, ``generate``, ``demo``.
+"""The ``kvtrim`` command line: ``methods``, ``generate``, ``search-patterns``, ``demo``.
 
 Errors in user input print one line ``kvtrim: error: ...`` naming the problem and what is
 allowed, and exit with status 2.
@@ -55,11 +55,45 @@ def _read_context(path: str | None) -> str:
     return text
 
 
+def _parse_sizes(items: list[str] | None) -> dict:
+    sizes = {}
+    for item in items or []:
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise KVTrimError(f"--prefill-size takes KEY=VALUE (e.g. k_b=32); got {item!r}")
+        try:
+            sizes[key.strip()] = int(val)
+        except ValueError:
+            raise KVTrimError(f"--prefill-size {key.strip()} must be an integer; got {val!r}") from None
+    return sizes
+
+
+def _prefill_from_args(args, model=None):
+    """Validate the sparse-prefill options (before the model loads), then build the hook (after)."""
+    from kvtrim.attention.prefill import PREFILL_MODES, PatternConfig, SparsePrefill, make_prefill
+
+    mode = args.prefill
+    if mode not in PREFILL_MODES:
+        raise KVTrimError(f"unknown --prefill {mode!r}; choose one of: {', '.join(PREFILL_MODES)}")
+    sizes = _parse_sizes(args.prefill_size)
+    cfg = PatternConfig.load(args.pattern_config) if args.pattern_config else None
+    if model is None:  # validation pass: build what can be built without the model
+        if mode != "minference":
+            SparsePrefill(mode, config=cfg, sizes=sizes, min_length=args.prefill_min_length)
+        elif sizes:
+            raise KVTrimError("--prefill-size is for the single-pattern modes; minference takes sizes from --pattern-config")
+        return None
+    if mode == "dense" and not sizes and cfg is None:
+        return None
+    return make_prefill(model, mode, cfg, sizes=sizes, min_length=args.prefill_min_length)
+
+
 def cmd_generate(args) -> int:
     from kvtrim.generation import generate_ids
     from kvtrim.models import build_prompt_ids, load_model
 
     policy = _policy_from_args(args)  # validate before the slow model load
+    _prefill_from_args(args)
     context = _read_context(args.context_file)
     if args.question is not None:
         if not args.question.strip():
@@ -70,6 +104,7 @@ def cmd_generate(args) -> int:
             raise KVTrimError("the prompt is empty; pass a non-empty --prompt")
         text, chat = (f"{context}\n\n{args.prompt}" if context else args.prompt), False
     lm = load_model(args.model)
+    prefill = _prefill_from_args(args, lm.model)
     ids = build_prompt_ids(lm.tokenizer, text, chat=chat)
     res = generate_ids(
         lm.model,
@@ -80,18 +115,23 @@ def cmd_generate(args) -> int:
         do_sample=args.sample,
         temperature=args.temperature,
         seed=args.seed,
+        prefill=prefill,
     )
+    stats = res.prefill or {"prefill": "dense", "density": 1.0, "fallback": None}
     if args.json:
         d = res.to_dict()
         d.pop("token_ids")
         d["model"] = lm.source
+        d["prefill"] = {k: v for k, v in stats.items() if k != "prefill"} | {"mode": stats["prefill"]}
+        d["attention_density"] = stats["density"]
         print(json.dumps(d))
     else:
         print(res.answer)
         print(
             f"[{res.method}] prompt {res.prompt_tokens} tok, {res.new_tokens} new; KV {res.kv_bytes / 2**20:.1f} MiB "
             f"(full {res.kv_bytes_full / 2**20:.1f} MiB); prefill {res.prefill_seconds:.2f}s, "
-            f"decode {res.decode_tokens_per_s:.1f} tok/s",
+            f"decode {res.decode_tokens_per_s:.1f} tok/s; prefill attention {stats['prefill']} "
+            f"(density {stats['density']:.2f}{', fell back to dense: ' + stats['fallback'] if stats['fallback'] and stats['prefill'] != 'dense' else ''})",
             file=sys.stderr,
         )
     return 0
@@ -135,6 +175,33 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_search_patterns(args) -> int:
+    from kvtrim.attention.search import search_patterns
+    from kvtrim.models import load_model
+
+    if not (0.0 < args.density < 1.0):
+        raise KVTrimError(f"--density must be in (0, 1); got {args.density}")
+    if args.length < 256:
+        raise KVTrimError(f"--length must be >= 256 tokens; got {args.length}")
+    out = Path(args.out)
+    if out.exists() and out.is_dir():
+        raise KVTrimError(f"--out {args.out!r} is a directory; give a file name")
+    if not out.parent.exists():
+        raise KVTrimError(f"--out: directory {str(out.parent)!r} does not exist")
+    lm = load_model(args.model)
+    tags = [args.tag] if args.tag else []
+    cfg = search_patterns(lm.model, lm.tokenizer, length=args.length, target_density=args.density, seed=args.seed, model_tags=tags)
+    cfg.save(out)
+    counts = cfg.counts()
+    errs = [e["error"] for row in cfg.layers for e in row]
+    print(
+        f"wrote {out}: {sum(counts.values())} heads ({', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}); "
+        f"mean output error {sum(errs) / len(errs):.4f}; {cfg.search['seconds']} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtrim", description="KV-cache compression for long-context inference.")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
@@ -163,7 +230,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    sp = g.add_argument_group("sparse prefill (MInference)")
+    sp.add_argument("--prefill", default="dense", help="dense (default), minference (per-head config), a_shape, vertical_slash, block_sparse")
+    sp.add_argument("--pattern-config", help="per-head pattern config for --prefill minference (default: the one shipped for the model)")
+    sp.add_argument("--prefill-size", action="append", metavar="KEY=VALUE", help="pattern size for a single-pattern mode, e.g. k_b=32 (repeatable)")
+    sp.add_argument("--prefill-min-length", type=int, default=2048, help="prompts shorter than this prefill densely (default 2048)")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("search-patterns", help="offline per-head MInference pattern search; writes a pattern config")
+    s.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
+    s.add_argument("--length", type=int, default=4096, help="calibration prompt length in tokens (default 4096)")
+    s.add_argument("--density", type=float, default=0.2, help="executed cost of every candidate, as a fraction of dense attention at --length (default 0.2)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tag", help="model name substring the shipped config matches (packaging only)")
+    s.add_argument("--out", required=True, help="output JSON file")
+    s.set_defaults(func=cmd_search_patterns)
 
     d = sub.add_parser("demo", help="pass-key retrieval on a long context with every method")
     d.add_argument("--model")

@@ -36,6 +36,7 @@ class GenerationResult:
     decode_steps: int = 0
     policy: dict = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)
+    prefill: dict | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -92,11 +93,14 @@ def generate_ids(
     stop_at_eos: bool = True,
     prefill_chunk: int | None = None,
     cache: KVTrimCache | None = None,
+    prefill=None,
 ) -> GenerationResult:
     """Prefill ``prompt_ids`` and decode up to ``max_new_tokens`` with ``policy``.
 
     ``prefill_chunk`` feeds the prompt in chunks (each later chunk is a policy "turn"); streaming
     policies get chunks automatically when the prompt exceeds the model's context.
+    ``prefill`` is a :class:`kvtrim.attention.prefill.SparsePrefill` (MInference sparse prefill of
+    the first forward; decode stays dense); its statistics are returned in ``result.prefill``.
     """
     cfg = model.config.get_text_config(decoder=True)
     max_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0)
@@ -112,7 +116,9 @@ def generate_ids(
     eos = getattr(tokenizer, "eos_token_id", None)
     out: list[int] = []
     steps = 0
-    with attach(model):
+    if prefill is not None:
+        prefill.reset_stats()
+    with attach(model, prefill_attention=prefill):
         t0 = time.perf_counter()
         if chunk:
             for s in range(0, ids.shape[1], chunk):
@@ -155,4 +161,5 @@ def generate_ids(
         decode_steps=steps,
         policy=policy.describe(),
         token_ids=out,
+        prefill=prefill.stats() if prefill is not None else None,
     )

@@ -12,9 +12,8 @@ Measured on a 2-core CPU (see ``benchmarks/bench_sparse_kernel.py``): compiled F
 with a BlockMask was ~1.4x slower than dense SDPA at full density and compiles per shape
 (~20 s). This path ran ~125 GFLOP/s of executed work on an idle machine (about SDPA's rate), i.e.
 it beat SDPA at 8k for density 0.44 (0.47 s vs 0.60 s), but it loses badly when the cores are
-shared with other processes (many medium ops, each a thread barrier). The reference
-it must equalThe reference
-it must equal is :func:`kvtrim.attention.reference.masked_attention` with
+shared with other processes (many medium ops, each a thread barrier). The reference it must
+equal is :func:`kvtrim.attention.reference.masked_attention` with
 :func:`~kvtrim.attention.reference.layout_to_mask`.
 
 Layouts: ``q`` ``[B, Hq, T, D]``, ``k``/``v`` ``[B, Hkv, T, D]``, ``Hq = Hkv * G``; query head ``h``
@@ -51,6 +50,36 @@ def _chunks(block_cnt: list[int], col_cnt: list[int], bs: int, budget: int) -> l
         mb, mc = nmb, nmc
     out.append((start, len(block_cnt), mb, mc))
     return out
+
+
+def _window_mask(s, blocks, cols, diag, bs: int, mb: int, n_init: int, n_local: int) -> None:
+    """A-shape's element-wise window: hide key ``j`` from row ``i`` when ``j >= n_init`` and ``i - j >= n_local``.
+
+    Only gathered blocks that hold a key past the sinks *and* at least ``n_local`` before the
+    chunk's last row can hold a hidden key (at most three per query block: the block straddling
+    ``n_init`` and the two under the window's lower edge), so the mask is built and applied on
+    those slots only, instead of over every score.
+    """
+    nrow = s.shape[0]
+    last_row = diag[:, -1:]  # [nrow, 1]
+    if cols.shape[1]:  # generic (not produced by AShape): mask everything
+        keys = torch.cat([(blocks * bs).repeat_interleave(bs, dim=1) + torch.arange(bs).repeat(1 + mb), cols], dim=1)
+        keys = torch.where(keys >= n_init, keys, 1 << 40)[:, None, :]
+        s.masked_fill_(keys <= (diag - n_local)[:, :, None], float("-inf"))
+        return
+    start = blocks * bs
+    need = (start <= last_row - n_local) & (start + bs - 1 >= n_init)  # [nrow, 1 + mb]
+    width = int(need.sum(1).max())
+    if width == 0:
+        return
+    slots = torch.sort((~need).to(torch.uint8), dim=1, stable=True).indices[:, :width]  # needing slots first
+    ar = torch.arange(bs)
+    idx = (slots[:, :, None] * bs + ar).reshape(nrow, 1, width * bs).expand(nrow, bs, width * bs)
+    sub = s.gather(2, idx)
+    keys = (torch.gather(blocks, 1, slots)[:, :, None] * bs + ar).reshape(nrow, 1, width * bs)
+    keys = torch.where(keys >= n_init, keys, 1 << 40)  # sinks are never hidden
+    sub.masked_fill_(keys <= (diag - n_local)[:, :, None], float("-inf"))
+    s.scatter_(2, idx, sub)
 
 
 def sparse_attention_cpu(
@@ -131,9 +160,7 @@ def sparse_attention_cpu(
                 if mc:
                     s[:, :, bs + mb * bs :].masked_fill_(cols[:, None, :] > diag[:, :, None], float("-inf"))
                 if window:
-                    keys = (blocks * bs).repeat_interleave(bs, dim=1) + ar.repeat(1 + mb)
-                    rows, keys = diag[:, :, None], torch.cat([keys, cols], dim=1)[:, None, :]
-                    s.masked_fill_((keys >= layout.n_init) & (rows - keys >= layout.n_local), float("-inf"))
+                    _window_mask(s, blocks, cols, diag, bs, mb, layout.n_init, layout.n_local)
                 o = torch.bmm(torch.softmax(s, dim=-1), vg).nan_to_num_(0.0)  # empty rows -> 0
                 out[bi, h, r0:r1] = o.view(-1, d)[: r1 - r0].to(q.dtype)
     return out

@@ -56,10 +56,12 @@ def kvtrim_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         query = rotate(query, layer.q_delta.unsqueeze(1), binding.cache.inv_freq)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     prefill = _PREFILL.get(id(module.config))
+    res = None
     if prefill is not None and layer.phase == "prefill" and query.shape[-2] > 1:
-        out, weights = prefill(module, query, key, value, attention_mask, scale, **kwargs)
-    else:
-        out, weights = base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        res = prefill(module, query, key, value, attention_mask, scale, **kwargs)  # None: run dense
+    if res is None:
+        res = base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    out, weights = res
     binding.cache.after_attention(layer, query, key, scale)
     return out, weights
 
@@ -133,7 +135,7 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def compress(model, method: str = "snapkv", **policy_kwargs) -> Iterator[KVTrimCache]:
+def compress(model, method: str = "snapkv", prefill=None, **policy_kwargs) -> Iterator[KVTrimCache]:
     """One line for transformers users: attach kvtrim and get a compressing cache.
 
     Example::
@@ -141,11 +143,22 @@ def compress(model, method: str = "snapkv", **policy_kwargs) -> Iterator[KVTrimC
         with kvtrim.compress(model, "snapkv", keep=0.2) as cache:
             out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
 
+    ``prefill`` adds MInference sparse prefill: a mode name (``"minference"`` uses the pattern
+    config shipped for the model; ``"a_shape"``, ``"vertical_slash"``, ``"block_sparse"`` one
+    pattern for every head) or a :class:`kvtrim.attention.prefill.SparsePrefill`. Its ``stats()``
+    is then available as ``cache.prefill_stats()``.
+
     The cache serves one sequence; make another with ``kvtrim.KVTrimCache(model, ...)`` inside
     the same context for the next one.
     """
     cache = KVTrimCache(model, method, **policy_kwargs)
-    with attach(model):
+    if isinstance(prefill, str):
+        from kvtrim.attention.prefill import make_prefill
+
+        prefill = make_prefill(model, prefill)
+    if prefill is not None:
+        cache.prefill_stats = prefill.stats
+    with attach(model, prefill_attention=prefill):
         yield cache
 
 

@@ -1,0 +1,129 @@
+"""MInference quality on the embedded model: pass-key retrieval and perplexity, sparse vs dense prefill.
+
+- Pass key: ``--lengths`` x ``--depths`` samples (essay haystack, kvtrim.eval.tasks.passkey),
+  full KV cache, greedy, 16 new tokens; each sample is answered with dense prefill and with each
+  sparse prefill (``minference`` = the shipped or given per-head config, plus any single-pattern
+  modes asked for). Sparse prefill is forced on every prompt (``min_length=1``), so short prompts
+  are judged too. Decode is dense in every case (MInference is a prefill method).
+- Perplexity: the first ``--ppl-tokens`` tokens of a package text, one prefill forward with all
+  logits, dense vs sparse.
+
+Output: JSON (machine, versions, date, per-sample rows, summary). Example::
+
+    python benchmarks/minference_quality.py --out benchmarks/results/minference_quality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from kvtrim.attention.prefill import SparsePrefill, make_prefill
+from kvtrim.cache import KVTrimCache
+from kvtrim.data import essays_text, pydoc_text
+from kvtrim.eval.tasks import passkey
+from kvtrim.generation import generate_ids
+from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.models import build_prompt_ids, load_model
+from kvtrim.policies.full import Full
+
+
+def _hooks(model, args) -> dict[str, SparsePrefill | None]:
+    hooks: dict[str, SparsePrefill | None] = {"dense": None}
+    hooks["minference"] = make_prefill(model, "minference", args.pattern_config, min_length=1)
+    for spec in args.single or []:
+        name, _, rest = spec.partition(":")
+        sizes = {k: int(v) for k, v in (kv.split("=") for kv in rest.split(",") if kv)}
+        hooks[spec] = SparsePrefill(name, sizes=sizes, min_length=1)
+    return hooks
+
+
+@torch.inference_mode()
+def perplexity(model, ids: torch.Tensor, hook) -> tuple[float, dict | None]:
+    cache = KVTrimCache(model, "full")
+    if hook is not None:
+        hook.reset_stats()
+    with attach(model, prefill_attention=hook):
+        logits = model(input_ids=ids, **{cache_kwarg(): cache}).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="mean")
+    return math.exp(float(nll)), (hook.stats() if hook is not None else None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3072, 4096])
+    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    p.add_argument("--pattern-config", default=None, help="default: the config shipped for the model")
+    p.add_argument("--single", nargs="*", help="extra single-pattern modes, e.g. block_sparse:k_b=8")
+    p.add_argument("--ppl-tokens", type=int, nargs="+", default=[4096, 8000])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    lm = load_model(None)
+    model, tok = lm.model, lm.tokenizer
+    hooks = _hooks(model, args)
+    rows = []
+    jobs = [(n, d) for n in args.lengths for d in args.depths]
+    for n, depth in tqdm(jobs, desc="pass key", unit="sample"):
+        s = passkey(tok, n, depth=depth, seed=args.seed + int(depth * 100) + n)
+        ids = build_prompt_ids(tok, s.prompt)
+        for name, hook in hooks.items():
+            r = generate_ids(model, tok, ids, Full(), max_new_tokens=16, prefill=hook)
+            rows.append({
+                "kind": "passkey", "length": n, "prompt_tokens": len(ids), "depth": depth, "prefill": name,
+                "correct": s.answers[0] in r.answer, "answer": r.answer[:40], "prefill_seconds": r.prefill_seconds,
+                "density": r.prefill["density"] if r.prefill else 1.0,
+            })
+    ppl = []
+    text_ids = tok(pydoc_text(), return_tensors="pt").input_ids
+    for n in args.ppl_tokens:
+        ids = text_ids[:, :n]
+        for name, hook in hooks.items():
+            val, st = perplexity(model, ids, hook)
+            ppl.append({"kind": "perplexity", "text": "pydoc topics", "tokens": n, "prefill": name, "perplexity": val,
+                        "density": st["density"] if st else 1.0})
+            print(json.dumps(ppl[-1]), file=sys.stderr)
+    summary = {}
+    for name in hooks:
+        pk = [r for r in rows if r["prefill"] == name]
+        dense_ok = [r for r in rows if r["prefill"] == "dense"]
+        summary[name] = {
+            "passkey_correct": sum(r["correct"] for r in pk),
+            "passkey_samples": len(pk),
+            "passkey_vs_dense": (sum(r["correct"] for r in pk) / max(1, sum(r["correct"] for r in dense_ok))),
+            "mean_density": sum(r["density"] for r in pk) / max(1, len(pk)),
+            "perplexity": {str(r["tokens"]): r["perplexity"] for r in ppl if r["prefill"] == name},
+            "perplexity_vs_dense": {
+                str(r["tokens"]): r["perplexity"] / next(x["perplexity"] for x in ppl if x["prefill"] == "dense" and x["tokens"] == r["tokens"])
+                for r in ppl if r["prefill"] == name
+            },
+            "ppl_density": {str(r["tokens"]): r["density"] for r in ppl if r["prefill"] == name},
+        }
+    out = {
+        "benchmark": "minference_quality",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "model": lm.source,
+        "pattern_config_search": hooks["minference"].config.search,
+        "summary": summary,
+        "rows": rows + ppl,
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m kvtrim`` runs the command line."""
+
+import sys
+
+from kvtrim.cli import main
+
+sys.exit(main())

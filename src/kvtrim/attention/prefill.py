@@ -1,0 +1,330 @@
+"""Sparse prefill inside a transformers model: per-head MInference patterns behind one hook.
+
+:class:`SparsePrefill` is the function kvtrim's attention calls for a prefill forward (the first
+forward of a sequence, ``q_len == k_len > 1``). It picks each head's pattern (one pattern for all
+heads, or a per-layer, per-head :class:`PatternConfig` found by ``kvtrim search-patterns``),
+estimates the indices from the head's own ``q`` and ``k``, and runs the sparse kernel (the CPU
+path, or Triton on CUDA). Decode steps and later chunks never come here: they stay dense.
+
+It falls back to dense attention, and records why, when the prompt is shorter than
+``min_length`` or than the patterns need (a pattern that would select every block is dense
+anyway, only slower), or when the attention mask is not plain causal (padding). ``stats()``
+reports the executed density (work counted as the kernel runs it: whole 64x64 blocks and 64-row
+columns, against dense causal attention counted the same way) and the time spent estimating
+indices vs computing attention.
+
+Pattern configs are JSON files::
+
+    {"format": "kvtrim-pattern-config/1",
+     "model": {"name": ..., "architecture": ..., "num_hidden_layers": 30, "num_attention_heads": 9,
+               "num_key_value_heads": 3, "head_dim": 64},
+     "search": {...how it was made...},
+     "layers": [[{"pattern": "vertical_slash", "k_v": 400, "k_s": 700, "error": 0.01}, ...], ...]}
+
+A config made for another model (layer or head counts, head_dim) is refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from kvtrim.attention.cpu import sparse_attention_cpu
+from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash
+from kvtrim.errors import KVTrimError
+
+FORMAT = "kvtrim-pattern-config/1"
+PREFILL_MODES = ("dense", "minference", "a_shape", "vertical_slash", "block_sparse")
+PATTERNS = {"a_shape": AShape, "vertical_slash": VerticalSlash, "block_sparse": BlockSparse}
+# Size parameters a config entry may carry per pattern (the rest keep their defaults).
+SIZE_KEYS = {"a_shape": ("n_init", "n_local"), "vertical_slash": ("k_v", "k_s"), "block_sparse": ("k_b",)}
+# Below this many prompt tokens the default SparsePrefill runs dense (see docs/minference.md for
+# the measured crossover on this machine).
+DEFAULT_MIN_LENGTH = 2048
+
+
+def make_pattern(name: str, **sizes):
+    """A pattern object by name with validated sizes: ``make_pattern("block_sparse", k_b=32)``."""
+    if name not in PATTERNS:
+        raise KVTrimError(f"unknown sparse pattern {name!r}; known patterns: {', '.join(PATTERNS)}")
+    allowed = set(SIZE_KEYS[name]) | {"block_size", "last_q", "keep_first_columns", "keep_near_diagonals"}
+    unknown = set(sizes) - allowed
+    if unknown:
+        raise KVTrimError(f"pattern {name!r} does not take {sorted(unknown)}; sizes it takes: {', '.join(SIZE_KEYS[name])}")
+    try:
+        pat = PATTERNS[name](**sizes)
+    except (TypeError, ValueError) as e:
+        raise KVTrimError(f"bad sizes for pattern {name!r}: {e}") from None
+    return pat
+
+
+def model_identity(model) -> dict:
+    """What a pattern config must match: the text model's layer/head counts and head_dim."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model, "config") else model
+    heads = int(cfg.num_attention_heads)
+    return {
+        "name": str(getattr(model.config, "name_or_path", "") or getattr(cfg, "_name_or_path", "") or ""),
+        "architecture": (getattr(model.config, "architectures", None) or [type(model).__name__])[0],
+        "num_hidden_layers": int(cfg.num_hidden_layers),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(cfg, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+    }
+
+
+@dataclass
+class PatternConfig:
+    """Per layer and query head: a pattern name and its sizes (plus search diagnostics)."""
+
+    model: dict
+    layers: list[list[dict]]
+    search: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n_l, n_h = self.model.get("num_hidden_layers"), self.model.get("num_attention_heads")
+        if len(self.layers) != n_l or any(len(row) != n_h for row in self.layers):
+            raise KVTrimError(
+                f"pattern config is inconsistent: the model has {n_l} layers x {n_h} heads, "
+                f"the config lists {len(self.layers)} layers with {sorted({len(r) for r in self.layers})} heads"
+            )
+        self._patterns = [[self._build(li, hi, e) for hi, e in enumerate(row)] for li, row in enumerate(self.layers)]
+
+    @staticmethod
+    def _build(li: int, hi: int, entry: dict):
+        name = entry.get("pattern")
+        sizes = {k: int(entry[k]) for k in SIZE_KEYS.get(name, ()) if k in entry}
+        try:
+            return make_pattern(name, **sizes)
+        except KVTrimError as e:
+            raise KVTrimError(f"pattern config, layer {li} head {hi}: {e}") from None
+
+    def pattern(self, layer: int, head: int):
+        return self._patterns[layer][head]
+
+    def check(self, model) -> None:
+        """Refuse a config made for another model (layer count, head count, KV heads, head_dim)."""
+        ident = model_identity(model)
+        bad = [
+            f"{k}: config {self.model.get(k)} vs model {ident[k]}"
+            for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+            if self.model.get(k) != ident[k]
+        ]
+        if bad:
+            raise KVTrimError(
+                f"pattern config was made for another model ({self.model.get('name') or 'unnamed'}): " + "; ".join(bad)
+                + ". Make one for this model with `kvtrim search-patterns --model ... --out FILE`."
+            )
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for row in self.layers:
+            for e in row:
+                out[e["pattern"]] = out.get(e["pattern"], 0) + 1
+        return out
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "model": self.model, "search": self.search, "layers": self.layers}
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "PatternConfig":
+        p = Path(path)
+        if not p.is_file():
+            raise KVTrimError(f"pattern config {str(path)!r} does not exist or is not a file")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise KVTrimError(f"pattern config {str(path)!r} is not valid JSON: {e}") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise KVTrimError(f"pattern config {str(path)!r} is not a {FORMAT} file")
+        return cls(model=d["model"], layers=d["layers"], search=d.get("search", {}))
+
+
+def shipped_config(model) -> PatternConfig | None:
+    """The config shipped in the package for this model, if any (matched by layer/head counts and name)."""
+    ident = model_identity(model)
+    root = resources.files("kvtrim.attention") / "configs"
+    if not root.is_dir():
+        return None
+    for f in sorted(root.iterdir()):
+        if not f.name.endswith(".json"):
+            continue
+        d = json.loads(f.read_text())
+        m = d.get("model", {})
+        same_shape = all(m.get(k) == ident[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"))
+        if same_shape and any(tag in ident["name"] for tag in d.get("search", {}).get("model_tags", [])):
+            return PatternConfig(model=m, layers=d["layers"], search=d.get("search", {}))
+    return None
+
+
+class SparsePrefill:
+    """The prefill attention hook (see the module docstring).
+
+    Args:
+        mode: ``"minference"`` (per-head config), ``"a_shape"``, ``"vertical_slash"`` or
+            ``"block_sparse"`` (one pattern for every head, sizes from ``sizes``), or ``"dense"``
+            (no sparsity; the hook only measures).
+        config: a :class:`PatternConfig` (``minference`` mode).
+        sizes: pattern sizes for the single-pattern modes (default: the published defaults).
+        min_length: prompts shorter than this run dense (recorded as a fallback).
+        backend: ``"auto"`` (Triton on CUDA when installed, else the CPU path), ``"cpu"``,
+            ``"triton"``, ``"reference"`` (explicit mask; tests only).
+    """
+
+    def __init__(self, mode: str = "minference", config: PatternConfig | None = None, sizes: dict | None = None,
+                 min_length: int = DEFAULT_MIN_LENGTH, backend: str = "auto"):
+        if mode not in PREFILL_MODES:
+            raise KVTrimError(f"unknown prefill mode {mode!r}; choose one of: {', '.join(PREFILL_MODES)}")
+        if mode == "minference" and config is None:
+            raise KVTrimError("prefill mode 'minference' needs a pattern config (see `kvtrim search-patterns`)")
+        if mode != "minference" and config is not None:
+            raise KVTrimError(f"a pattern config is only used with prefill mode 'minference', not {mode!r}")
+        if sizes and mode in ("dense", "minference"):
+            raise KVTrimError(f"pattern sizes are only used with a single-pattern prefill mode, not {mode!r}")
+        if not isinstance(min_length, int) or min_length < 1:
+            raise KVTrimError(f"min_length must be a positive integer; got {min_length!r}")
+        if backend not in ("auto", "cpu", "triton", "reference"):
+            raise KVTrimError(f"backend must be auto, cpu, triton or reference; got {backend!r}")
+        self.mode, self.config, self.min_length, self.backend = mode, config, min_length, backend
+        self.single = make_pattern(mode, **(sizes or {})) if mode in PATTERNS else None
+        self.reset_stats()
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self._work = 0.0
+        self._dense = 0.0
+        self.estimate_seconds = 0.0
+        self.attention_seconds = 0.0
+        self.layers_sparse = 0
+        self.layers_dense = 0
+        self.fallback: str | None = None
+
+    def stats(self) -> dict:
+        return {
+            "prefill": self.mode,
+            "density": (self._work / self._dense) if self._dense else 1.0,
+            "sparse_layers": self.layers_sparse,
+            "dense_layers": self.layers_dense,
+            "fallback": self.fallback,
+            "estimate_seconds": self.estimate_seconds,
+            "attention_seconds": self.attention_seconds,
+            "min_length": self.min_length,
+        }
+
+    def check_model(self, model) -> None:
+        if self.config is not None:
+            self.config.check(model)
+
+    # -- the hook ---------------------------------------------------------------------------
+    def pattern_for(self, layer_idx: int, head: int):
+        return self.single if self.single is not None else self.config.pattern(layer_idx, head)
+
+    def _fallback_reason(self, query, key, attention_mask) -> str | None:
+        t = query.shape[-2]
+        if self.mode == "dense":
+            return "prefill mode is dense"
+        if key.shape[-2] != t:
+            return "not a first prefill (the cache already holds tokens)"
+        if query.shape[0] != 1:
+            return "batch > 1"
+        if t < self.min_length:
+            return f"prompt of {t} tokens is shorter than min_length={self.min_length}"
+        if attention_mask is not None:
+            m = attention_mask[0, 0] if attention_mask.dim() == 4 else attention_mask
+            if m.shape[-2:] != (t, t):
+                return "attention mask is not square"
+            allowed = m if m.dtype == torch.bool else m == 0
+            if not torch.equal(allowed, torch.ones(t, t, dtype=torch.bool, device=m.device).tril_()):
+                return "attention mask is not plain causal (padding)"
+        return None
+
+    def _layouts(self, layer_idx: int, q, k, scale) -> list[SparseLayout]:
+        g = q.shape[1] // k.shape[1]
+        return [
+            self.pattern_for(layer_idx, h).layout(q[:, h : h + 1], k[:, h // g : h // g + 1], scale)
+            for h in range(q.shape[1])
+        ]
+
+    def _kernel(self, q, k, v, lay, scale):
+        backend = self.backend
+        if backend == "auto":
+            from kvtrim.attention.triton import triton_available
+
+            backend = "triton" if (q.is_cuda and triton_available()) else "cpu"
+        if backend == "cpu":
+            return sparse_attention_cpu(q, k, v, lay, scale)
+        from kvtrim.attention import sparse_prefill
+
+        return sparse_prefill(q, k, v, lay, scale, backend=backend)
+
+    def __call__(self, module, query, key, value, attention_mask, scale, dense_fn=None, **kwargs):
+        """``[B, Hq, T, D]`` q and ``[B, Hkv, T, D]`` k, v -> (``[B, T, Hq, D]`` output, None)."""
+        layer_idx = getattr(module, "layer_idx", 0)
+        t = query.shape[-2]
+        reason = self._fallback_reason(query, key, attention_mask)
+        n = math.ceil(t / 64)
+        dense_work = n * (n + 1) / 2 * 64 * 64 * query.shape[1]
+        self._dense += dense_work
+        if reason is not None:
+            if self.mode != "dense":
+                self.fallback = self.fallback or reason
+            self.layers_dense += 1
+            self._work += dense_work
+            if self.mode == "dense" and key.shape[-2] == t and attention_mask is None:  # measured dense SDPA
+                t0 = time.perf_counter()
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    query, key, value, is_causal=True, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+                )
+                self.attention_seconds += time.perf_counter() - t0
+                return out.transpose(1, 2).contiguous(), None
+            return None
+        t0 = time.perf_counter()
+        layouts = self._layouts(layer_idx, query, key, scale)
+        t1 = time.perf_counter()
+        g = query.shape[1] // key.shape[1]
+        out = torch.empty_like(query)
+        for h, lay in enumerate(layouts):
+            kv = h // g
+            out[:, h : h + 1] = self._kernel(query[:, h : h + 1], key[:, kv : kv + 1], value[:, kv : kv + 1], lay, scale)
+            self._work += lay.density() * (lay.n_blocks * (lay.n_blocks + 1) / 2 * lay.block_size**2)
+        t2 = time.perf_counter()
+        self.estimate_seconds += t1 - t0
+        self.attention_seconds += t2 - t1
+        self.layers_sparse += 1
+        return out.transpose(1, 2).contiguous(), None
+
+
+def make_prefill(model, mode: str, pattern_config: str | Path | PatternConfig | None = None, sizes: dict | None = None,
+                 min_length: int = DEFAULT_MIN_LENGTH, backend: str = "auto") -> SparsePrefill:
+    """Build the prefill hook for ``model``, resolving ``minference``'s config.
+
+    ``pattern_config`` may be a path or a :class:`PatternConfig`; for ``minference`` without one,
+    the config shipped for the model is used, and a model with none gets a clear error.
+    """
+    if mode not in PREFILL_MODES:
+        raise KVTrimError(f"unknown prefill mode {mode!r}; choose one of: {', '.join(PREFILL_MODES)}")
+    cfg = pattern_config
+    if isinstance(cfg, (str, Path)):
+        cfg = PatternConfig.load(cfg)
+    if mode == "minference" and cfg is None:
+        cfg = shipped_config(model)
+        if cfg is None:
+            raise KVTrimError(
+                "no pattern config ships for this model; make one with "
+                "`kvtrim search-patterns --model PATH --out FILE` and pass --pattern-config FILE"
+            )
+    if cfg is not None and mode != "minference":
+        raise KVTrimError(f"--pattern-config is used with --prefill minference only, not {mode!r}")
+    hook = SparsePrefill(mode, config=cfg, sizes=sizes, min_length=min_length, backend=backend)
+    hook.check_model(model)
+    return hook

@@ -1,0 +1,212 @@
+"""Offline, kernel-aware pattern search (MInference §3.2, with the paper's output-error objective).
+
+For every layer and query head, candidates of each pattern are sized to the same *executed* cost,
+counted as the kernel runs them (whole 64x64 blocks, 64-row columns; see
+:meth:`SparseLayout.density`), and the candidate whose sparse attention output is closest to the
+dense output on one calibration prompt wins:
+
+- ``a_shape``: ``n_init`` in :data:`A_SHAPE_SINKS`, ``n_local`` bisected to the target cost;
+- ``vertical_slash``: ``k_v : k_s`` in the ratios :data:`VS_RATIOS`, scaled by bisection until the
+  layout estimated *on this head's calibration q/k* costs the target (slashes sharing blocks cost
+  less, so sizes can exceed the naive count);
+- ``block_sparse``: ``k_b`` bisected to the target.
+
+The target cost is ``target_density`` x dense causal attention at the calibration length. Sizes
+are stored as absolute numbers (like MInference's shipped configs), so at longer prompts the same
+config is sparser (cost grows ~linearly with length, dense quadratically) and at shorter prompts
+denser, up to dense.
+
+Error = ``||O_sparse - O_dense||_F / ||O_dense||_F`` over all rows of the head, float32. The model
+runs dense while searching (each layer sees dense inputs), so heads are judged independently.
+The calibration prompt is a multi-key needle retrieval over essays (the paper used a KV-retrieval
+prompt), generated offline by :mod:`kvtrim.eval.tasks`.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvtrim.attention.cpu import sparse_attention_cpu
+from kvtrim.attention.patterns import AShape, BlockSparse, VerticalSlash
+from kvtrim.attention.prefill import PatternConfig, model_identity
+from kvtrim.errors import KVTrimError
+
+A_SHAPE_SINKS = (64, 256)
+VS_RATIOS = ((1, 6), (1, 1), (6, 1))  # k_v : k_s
+# A candidate may exceed the target cost by this factor (its smallest size can cost more than the
+# target at short lengths); costlier ones are left out so every candidate competes at equal cost.
+OVER = 1.05
+
+
+def _dense_cost(t: int, bs: int = 64) -> float:
+    n = math.ceil(t / bs)
+    return n * (n + 1) / 2 * bs * bs
+
+
+def _bisect_int(lo: int, hi: int, cost, target: float) -> int:
+    """Largest integer x in [lo, hi] with cost(x) <= target (lo if even lo is over)."""
+    if cost(hi) <= target:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cost(mid) <= target:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def head_candidates(q: torch.Tensor, k: torch.Tensor, scale: float, target_density: float) -> list[tuple[str, dict, object]]:
+    """Candidates ``(pattern, sizes, layout)`` for one head (``q`` ``[1,1,T,D]``, ``k`` ``[1,1,T,D]``), each at ~the target cost."""
+    t = q.shape[2]
+    target = target_density  # densities are relative to dense causal, blocked
+    out = []
+    for sink in A_SHAPE_SINKS:
+        if sink >= t:
+            continue
+
+        def cost_a(n_local: int, sink=sink) -> float:
+            return AShape(sink, n_local).layout(q, k).density()
+
+        n_local = _bisect_int(1, t, cost_a, target)
+        lay = AShape(sink, n_local).layout(q, k)
+        if lay.density() <= target * OVER:
+            out.append(("a_shape", {"n_init": sink, "n_local": n_local}, lay))
+    vs_cache: dict[tuple[int, int], object] = {}
+    seen_vs: set[tuple[int, int]] = set()
+    for rv, rs in VS_RATIOS:
+
+        def vs(s: int, rv=rv, rs=rs) -> VerticalSlash:  # sizes as run (minimums applied)
+            d = VerticalSlash()
+            return VerticalSlash(k_v=min(t, max(d.min_k_v, rv * s)), k_s=min(t, max(d.min_k_s, rs * s)))
+
+        def cost_vs(s: int) -> float:
+            key = (vs(s).k_v, vs(s).k_s)
+            if key not in vs_cache:
+                vs_cache[key] = vs(s).layout(q, k, scale)
+            return vs_cache[key].density()
+
+        s = _bisect_int(1, max(1, t // min(rv, rs)), cost_vs, target)
+        pat = vs(s)
+        lay = vs_cache.get((pat.k_v, pat.k_s)) or pat.layout(q, k, scale)
+        if lay.density() <= target * OVER and (pat.k_v, pat.k_s) not in seen_vs:
+            seen_vs.add((pat.k_v, pat.k_s))
+            out.append(("vertical_slash", {"k_v": pat.k_v, "k_s": pat.k_s}, lay))
+    n = math.ceil(t / 64)
+    k_b = _bisect_int(1, n, lambda kb: BlockSparse(kb).layout(q, k, scale).density(), target)
+    lay = BlockSparse(k_b).layout(q, k, scale)
+    if lay.density() <= target * OVER:
+        out.append(("block_sparse", {"k_b": k_b}, lay))
+    if not out:
+        raise KVTrimError(
+            f"no pattern fits a density of {target_density} at {t} tokens (the smallest candidates cost more); "
+            "raise --density or --length"
+        )
+    return out
+
+
+class _SearchHook:
+    """Prefill hook: dense output for the model, candidate errors recorded per head."""
+
+    def __init__(self, n_layers: int, n_heads: int, target_density: float, progress=None):
+        self.target = target_density
+        self.rows: list[list[dict] | None] = [None] * n_layers
+        self.n_heads = n_heads
+        self.progress = progress
+
+    def __call__(self, module, query, key, value, attention_mask, scale, **kwargs):
+        li = getattr(module, "layer_idx", 0)
+        q, k, v = query.float(), key.float(), value.float()
+        g = q.shape[1] // k.shape[1]
+        dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        row = []
+        for h in range(q.shape[1]):
+            kv = h // g
+            qh, kh, vh = q[:, h : h + 1], k[:, kv : kv + 1], v[:, kv : kv + 1]
+            ref = dense[:, h : h + 1]
+            ref_norm = ref.norm().clamp(min=1e-12)
+            best = None
+            errors = {}
+            for name, sizes, lay in head_candidates(qh, kh, scale, self.target):
+                o = sparse_attention_cpu(qh, kh, vh, lay, scale)
+                err = float((o - ref).norm() / ref_norm)
+                label = name + ":" + ",".join(f"{a}={b}" for a, b in sizes.items())
+                errors[label] = {"error": round(err, 6), "density": round(lay.density(), 4)}
+                if best is None or err < best["error"]:
+                    best = {"pattern": name, **sizes, "error": round(err, 6), "density": round(lay.density(), 4)}
+            best["candidates"] = errors
+            row.append(best)
+        self.rows[li] = row
+        if self.progress is not None:
+            self.progress.update(1)
+        return dense.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def calibration_ids(tokenizer, length: int, seed: int = 0) -> tuple[list[int], str]:
+    """The calibration prompt: a multi-key needle retrieval over essays, ``length`` tokens."""
+    from kvtrim.eval.tasks import make_samples
+    from kvtrim.models import build_prompt_ids
+
+    s = make_samples("niah_multikey", tokenizer, length, n=1, seed=seed)[0]
+    return build_prompt_ids(tokenizer, s.prompt), f"niah_multikey over essays, seed {seed}"
+
+
+@torch.inference_mode()
+def search_patterns(model, tokenizer, length: int = 4096, target_density: float = 0.2, seed: int = 0,
+                    progress: bool = True, model_tags: list[str] | None = None) -> PatternConfig:
+    """Run the search on ``model`` and return its :class:`PatternConfig`.
+
+    Args:
+        length: calibration prompt length in tokens (>= 256, within the model's context).
+        target_density: the executed cost every candidate is sized to, as a fraction of dense
+            causal attention at ``length`` (0 < d < 1).
+    """
+    from kvtrim.cache import KVTrimCache
+    from kvtrim.integrations.hf import attach, cache_kwarg
+
+    if not (0.0 < target_density < 1.0):
+        raise KVTrimError(f"target density must be in (0, 1); got {target_density}")
+    cfg = model.config.get_text_config(decoder=True)
+    max_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    if not isinstance(length, int) or length < 256:
+        raise KVTrimError(f"--length must be an integer >= 256 tokens; got {length!r}")
+    if max_ctx and length > max_ctx:
+        raise KVTrimError(f"--length {length} exceeds the model's context of {max_ctx} tokens")
+    ident = model_identity(model)
+    ids, desc = calibration_ids(tokenizer, length, seed)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=ident["num_hidden_layers"], desc="search-patterns", unit="layer")
+    hook = _SearchHook(ident["num_hidden_layers"], ident["num_attention_heads"], target_density, bar)
+    t0 = time.perf_counter()
+    cache = KVTrimCache(model, "full")
+    device = next(model.parameters()).device
+    with attach(model, prefill_attention=hook):
+        model(input_ids=torch.tensor([ids], device=device), **{cache_kwarg(): cache}, logits_to_keep=1)
+    if bar is not None:
+        bar.close()
+    if any(r is None for r in hook.rows):
+        missing = [i for i, r in enumerate(hook.rows) if r is None]
+        raise KVTrimError(f"the search saw no prefill attention in layers {missing}; is this a supported (full-attention) model?")
+    import kvtrim
+
+    search = {
+        "objective": "relative L2 error of the head's sparse output vs dense",
+        "calibration": desc,
+        "length": len(ids),
+        "target_density": target_density,
+        "candidates": {"a_shape_sinks": list(A_SHAPE_SINKS), "vertical_slash_ratios": [list(r) for r in VS_RATIOS]},
+        "seconds": round(time.perf_counter() - t0, 1),
+        "kvtrim": kvtrim.__version__,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "model_tags": list(model_tags or []),
+    }
+    return PatternConfig(model=ident, layers=hook.rows, search=search)

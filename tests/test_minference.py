@@ -1,0 +1,253 @@
+"""MInference inside a model: the prefill hook, pattern configs, the search, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtrim.attention.prefill import PatternConfig, SparsePrefill, make_pattern, make_prefill, model_identity
+from kvtrim.attention.search import head_candidates
+from kvtrim.cache import KVTrimCache
+from kvtrim.cli import main
+from kvtrim.errors import KVTrimError
+from kvtrim.generation import generate_ids
+from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.policies.full import Full
+
+
+@pytest.fixture(scope="module")
+def long_prompt():
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(3, 128, (1, 250), generator=g)
+
+
+def _logits(model, ids, hook):
+    cache = KVTrimCache(model, "full")
+    with attach(model, prefill_attention=hook), torch.inference_mode():
+        return model(input_ids=ids, **{cache_kwarg(): cache}).logits
+
+
+def _config(model, entry: dict) -> PatternConfig:
+    ident = model_identity(model)
+    rows = [[dict(entry) for _ in range(ident["num_attention_heads"])] for _ in range(ident["num_hidden_layers"])]
+    return PatternConfig(model=ident, layers=rows)
+
+
+def test_all_blocks_selected_equals_dense_through_the_model(model, long_prompt):
+    dense = _logits(model, long_prompt, None)
+    hook = SparsePrefill("block_sparse", sizes={"k_b": 100}, min_length=1)
+    sparse = _logits(model, long_prompt, hook)
+    assert hook.stats()["sparse_layers"] == model.config.num_hidden_layers
+    assert hook.stats()["density"] == pytest.approx(1.0)
+    torch.testing.assert_close(sparse, dense, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode, sizes", [("a_shape", {"n_init": 16, "n_local": 64}), ("vertical_slash", {"k_v": 40, "k_s": 60}), ("block_sparse", {"k_b": 2})])
+def test_sparse_prefill_cpu_path_equals_reference_through_the_model(model, long_prompt, mode, sizes):
+    ref = _logits(model, long_prompt, SparsePrefill(mode, sizes=sizes, min_length=1, backend="reference"))
+    hook = SparsePrefill(mode, sizes=sizes, min_length=1, backend="cpu")
+    fast = _logits(model, long_prompt, hook)
+    torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-4)
+    dense = _logits(model, long_prompt, None)
+    assert hook.stats()["density"] < 1.0
+    assert not torch.allclose(fast, dense, atol=1e-4)  # it really is sparse
+
+
+def test_per_head_config_mixes_patterns(model, long_prompt):
+    ident = model_identity(model)
+    kinds = [{"pattern": "a_shape", "n_init": 16, "n_local": 64}, {"pattern": "vertical_slash", "k_v": 40, "k_s": 60}, {"pattern": "block_sparse", "k_b": 2}]
+    rows = [[kinds[(li + h) % 3] for h in range(ident["num_attention_heads"])] for li in range(ident["num_hidden_layers"])]
+    cfg = PatternConfig(model=ident, layers=rows)
+    hook = SparsePrefill("minference", config=cfg, min_length=1)
+    out = _logits(model, long_prompt, hook)
+    ref = _logits(model, long_prompt, SparsePrefill("minference", config=cfg, min_length=1, backend="reference"))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert type(hook.pattern_for(0, 0)).__name__ == "AShape" and type(hook.pattern_for(0, 1)).__name__ == "VerticalSlash"
+
+
+def test_decode_stays_dense_and_only_the_first_prefill_is_sparse(model, long_prompt):
+    calls = []
+
+    class Spy(SparsePrefill):
+        def __call__(self, module, query, key, *a, **kw):
+            calls.append((query.shape[-2], key.shape[-2]))
+            return super().__call__(module, query, key, *a, **kw)
+
+    hook = Spy("block_sparse", sizes={"k_b": 2}, min_length=1)
+    res = generate_ids(model, None, long_prompt[0].tolist(), Full(), max_new_tokens=5, stop_at_eos=False, prefill=hook)
+    assert res.new_tokens == 5
+    assert calls and all(q == k == 250 for q, k in calls)  # only the prefill forward, every layer
+    assert len(calls) == model.config.num_hidden_layers
+    assert res.prefill["sparse_layers"] == model.config.num_hidden_layers
+
+
+def test_short_prompt_falls_back_to_dense_and_says_so(model, long_prompt):
+    hook = SparsePrefill("block_sparse", sizes={"k_b": 1}, min_length=1000)
+    out = _logits(model, long_prompt, hook)
+    torch.testing.assert_close(out, _logits(model, long_prompt, None), atol=0, rtol=0)
+    st = hook.stats()
+    assert st["sparse_layers"] == 0 and st["density"] == 1.0
+    assert "shorter than min_length=1000" in st["fallback"]
+
+
+def test_composes_with_a_kv_policy(model, long_prompt):
+    from kvtrim.policies.snapkv import SnapKV
+
+    hook = SparsePrefill("vertical_slash", sizes={"k_v": 40, "k_s": 60}, min_length=1)
+    res = generate_ids(model, None, long_prompt[0].tolist(), SnapKV(keep=0.3), max_new_tokens=4, stop_at_eos=False, prefill=hook)
+    assert res.stored_tokens < 250 and res.prefill["density"] < 1.0
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: make_pattern("diagonal"), "unknown sparse pattern 'diagonal'"),
+        (lambda: make_pattern("block_sparse", k_b=0), "k_b must be a positive integer"),
+        (lambda: make_pattern("a_shape", n_init=-4), "n_init must be a positive integer"),
+        (lambda: make_pattern("block_sparse", k_v=3), "does not take ['k_v']"),
+        (lambda: SparsePrefill("sparse"), "unknown prefill mode 'sparse'"),
+        (lambda: SparsePrefill("minference"), "needs a pattern config"),
+        (lambda: SparsePrefill("block_sparse", min_length=0), "min_length must be a positive integer"),
+    ],
+)
+def test_bad_input(call, message):
+    with pytest.raises(KVTrimError, match=None) as e:
+        call()
+    assert message in str(e.value)
+
+
+def test_config_for_another_model_is_refused(model, tmp_path):
+    from conftest import tiny_llama
+
+    other = tiny_llama(layers=2)
+    cfg = _config(other, {"pattern": "block_sparse", "k_b": 4})
+    path = tmp_path / "cfg.json"
+    cfg.save(path)
+    with pytest.raises(KVTrimError) as e:
+        make_prefill(model, "minference", path)
+    assert "made for another model" in str(e.value) and "num_hidden_layers: config 2 vs model 3" in str(e.value)
+    other_heads = tiny_llama(n_kv=1, groups=4)
+    with pytest.raises(KVTrimError, match="num_attention_heads: config 4 vs model 6"):
+        make_prefill(model, "minference", _config(other_heads, {"pattern": "block_sparse", "k_b": 4}))
+
+
+def test_config_round_trip_and_bad_files(model, tmp_path):
+    cfg = _config(model, {"pattern": "vertical_slash", "k_v": 40, "k_s": 60, "error": 0.1})
+    path = tmp_path / "c.json"
+    cfg.save(path)
+    back = PatternConfig.load(path)
+    assert back.layers == cfg.layers and back.model == cfg.model
+    assert back.counts() == {"vertical_slash": 3 * 6}
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(KVTrimError, match="not valid JSON"):
+        PatternConfig.load(bad)
+    with pytest.raises(KVTrimError, match="does not exist"):
+        PatternConfig.load(tmp_path / "missing.json")
+    d = cfg.to_json()
+    d["layers"][1][2] = {"pattern": "block_sparse", "k_b": 0}
+    bad.write_text(json.dumps(d))
+    with pytest.raises(KVTrimError, match="layer 1 head 2: bad sizes"):
+        PatternConfig.load(bad)
+
+
+def test_minference_without_a_config_for_the_model(model):
+    with pytest.raises(KVTrimError, match="no pattern config ships for this model"):
+        make_prefill(model, "minference")
+
+
+def test_search_candidates_share_one_executed_cost():
+    torch.manual_seed(0)
+    t, d = 1500, 32
+    q, k = torch.randn(1, 1, t, d), torch.randn(1, 1, t, d)
+    target = 0.3
+    cands = head_candidates(q, k, d**-0.5, target)
+    kinds = {c[0] for c in cands}
+    assert kinds == {"a_shape", "vertical_slash", "block_sparse"}
+    for name, sizes, lay in cands:
+        assert lay.density() <= target * 1.05, (name, sizes, lay.density())
+        assert lay.density() >= target * 0.6, (name, sizes, lay.density())  # sized up to the budget, not trivially small
+    vs = [s for n, s, _ in cands if n == "vertical_slash"]
+    assert all(s["k_v"] >= 30 and s["k_s"] >= 50 for s in vs)  # recorded sizes are the sizes that run
+
+
+def test_search_picks_the_lowest_error_candidate(model, long_prompt):
+    from kvtrim.attention.search import _SearchHook
+
+    hook = _SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, 0.6)
+    out = _logits(model, long_prompt, hook)
+    torch.testing.assert_close(out, _logits(model, long_prompt, None), atol=1e-5, rtol=1e-4)  # the model ran dense
+    for row in hook.rows:
+        assert len(row) == model.config.num_attention_heads
+        for e in row:
+            errs = [c["error"] for c in e["candidates"].values()]
+            assert e["error"] == min(errs)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--prefill", "sparse", "--question", "q"], "unknown --prefill 'sparse'"),
+        (["generate", "--prefill", "block_sparse", "--prefill-size", "k_b=0", "--question", "q"], "k_b must be a positive integer"),
+        (["generate", "--prefill", "block_sparse", "--prefill-size", "k_b", "--question", "q"], "takes KEY=VALUE"),
+        (["generate", "--prefill", "a_shape", "--prefill-size", "k_b=3", "--question", "q"], "does not take ['k_b']"),
+        (["generate", "--prefill", "block_sparse", "--pattern-config", "/nonexistent.json", "--question", "q"], "does not exist"),
+        (["search-patterns", "--density", "1.5", "--out", "/tmp/x.json"], "--density must be in (0, 1)"),
+        (["search-patterns", "--length", "100", "--out", "/tmp/x.json"], "--length must be >= 256"),
+        (["search-patterns", "--out", "/nonexistent/dir/x.json"], "does not exist"),
+    ],
+)
+def test_cli_bad_input(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtrim: error:") and message in err
+
+
+@pytest.mark.model
+def test_shipped_config_fits_the_embedded_model(real):
+    from kvtrim.attention.prefill import shipped_config
+
+    cfg = shipped_config(real.model)
+    assert cfg is not None
+    cfg.check(real.model)
+    assert sum(cfg.counts().values()) == 30 * 9
+
+
+@pytest.mark.model
+def test_cli_generate_json_reports_prefill(real, tmp_path, capsys):
+    from kvtrim.data import essays_text
+
+    ctx = tmp_path / "ctx.txt"
+    ctx.write_text(essays_text()[:12000])
+    argv = ["generate", "--context-file", str(ctx), "--question", "Who wrote this?", "--max-new-tokens", "4", "--json",
+            "--method", "snapkv", "--keep", "0.3", "--prefill", "block_sparse", "--prefill-size", "k_b=8", "--prefill-min-length", "512"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["prefill"]["mode"] == "block_sparse" and d["prefill"]["fallback"] is None
+    assert 0.0 < d["attention_density"] < 0.8
+    argv[-1] = "100000"  # longer than the prompt: dense, and the JSON says why
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["attention_density"] == 1.0 and "shorter than min_length=100000" in d["prefill"]["fallback"]
+    other = tmp_path / "other.json"
+    from conftest import tiny_llama
+
+    _config(tiny_llama(), {"pattern": "block_sparse", "k_b": 4}).save(other)
+    assert main(["generate", "--prefill", "minference", "--pattern-config", str(other), "--question", "q"]) == 2
+    assert "made for another model" in capsys.readouterr().err
+
+
+def test_compress_takes_a_prefill_and_reports_its_stats(model, long_prompt):
+    import kvtrim
+
+    hook = SparsePrefill("block_sparse", sizes={"k_b": 2}, min_length=1)
+    with kvtrim.compress(model, "snapkv", keep=0.5, prefill=hook) as cache:
+        out = model.generate(long_prompt, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == 253
+    st = cache.prefill_stats()
+    assert st["sparse_layers"] == model.config.num_hidden_layers and st["density"] < 1.0
+    with pytest.raises(KVTrimError, match="no pattern config ships"):
+        with kvtrim.compress(model, "full", prefill="minference"):
+            pass
