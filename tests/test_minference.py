@@ -251,3 +251,35 @@ def test_compress_takes_a_prefill_and_reports_its_stats(model, long_prompt):
     with pytest.raises(KVTrimError, match="no pattern config ships"):
         with kvtrim.compress(model, "full", prefill="minference"):
             pass
+
+
+def test_dense_entries_of_a_config_run_dense(model, long_prompt):
+    cfg = _config(model, {"pattern": "dense"})
+    hook = SparsePrefill("minference", config=cfg, min_length=1)
+    torch.testing.assert_close(_logits(model, long_prompt, hook), _logits(model, long_prompt, None), atol=1e-5, rtol=1e-4)
+    assert hook.stats()["density"] == pytest.approx(1.0) and cfg.counts() == {"dense": 18}
+
+
+def test_search_takes_the_cheapest_level_within_the_error_tolerance(model, long_prompt):
+    from kvtrim.attention.search import _SearchHook
+
+    eps = 0.3
+    hook = _SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, [0.7, 0.4], max_error=eps)
+    _logits(model, long_prompt, hook)
+    assert hook.levels == [0.4, 0.7]
+    seen_dense = seen_sparse = False
+    for row in hook.rows:
+        for e in row:
+            best = {}
+            for label, c in e["candidates"].items():
+                lvl = float(label.split(":")[0])
+                best[lvl] = min(best.get(lvl, 1e9), c["error"])
+            if e["pattern"] == "dense":
+                seen_dense = True
+                assert all(v > eps for v in best.values())
+            else:
+                seen_sparse = True
+                assert best[e["level"]] == e["error"] <= eps
+                assert all(best[lv] > eps for lv in best if lv < e["level"])
+                assert all(lv <= e["level"] for lv in best)  # stopped at the first level that met it
+    assert seen_sparse

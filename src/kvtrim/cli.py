@@ -179,8 +179,14 @@ def cmd_search_patterns(args) -> int:
     from kvtrim.attention.search import search_patterns
     from kvtrim.models import load_model
 
-    if not (0.0 < args.density < 1.0):
+    try:
+        levels = sorted(float(x) for x in args.density.split(","))
+    except ValueError:
+        raise KVTrimError(f"--density takes comma-separated fractions, e.g. 0.1,0.2,0.35,0.5; got {args.density!r}") from None
+    if not all(0.0 < d < 1.0 for d in levels):
         raise KVTrimError(f"--density must be in (0, 1); got {args.density}")
+    if args.max_error is not None and not args.max_error > 0:
+        raise KVTrimError(f"--max-error must be > 0; got {args.max_error}")
     if args.length < 256:
         raise KVTrimError(f"--length must be >= 256 tokens; got {args.length}")
     out = Path(args.out)
@@ -190,7 +196,8 @@ def cmd_search_patterns(args) -> int:
         raise KVTrimError(f"--out: directory {str(out.parent)!r} does not exist")
     lm = load_model(args.model)
     tags = [args.tag] if args.tag else []
-    cfg = search_patterns(lm.model, lm.tokenizer, length=args.length, target_density=args.density, seed=args.seed, model_tags=tags)
+    cfg = search_patterns(lm.model, lm.tokenizer, length=args.length, target_density=levels, seed=args.seed, model_tags=tags,
+                          max_error=args.max_error)
     cfg.save(out)
     counts = cfg.counts()
     errs = [e["error"] for row in cfg.layers for e in row]
@@ -240,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("search-patterns", help="offline per-head MInference pattern search; writes a pattern config")
     s.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
     s.add_argument("--length", type=int, default=4096, help="calibration prompt length in tokens (default 4096)")
-    s.add_argument("--density", type=float, default=0.2, help="executed cost of every candidate, as a fraction of dense attention at --length (default 0.2)")
+    s.add_argument("--density", default="0.1,0.2,0.35,0.5", help="cost levels: executed cost of the candidates as fractions of dense attention at --length, tried cheapest first (default 0.1,0.2,0.35,0.5)")
+    s.add_argument("--max-error", type=float, default=0.05, help="a head takes the cheapest level whose best pattern's relative output error is <= this, else stays dense (default 0.05)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tag", help="model name substring the shipped config matches (packaging only)")
     s.add_argument("--out", required=True, help="output JSON file")

@@ -98,6 +98,8 @@ class PatternConfig:
     @staticmethod
     def _build(li: int, hi: int, entry: dict):
         name = entry.get("pattern")
+        if name == "dense":  # a head the search found no sparse pattern good enough for
+            return None
         sizes = {k: int(entry[k]) for k in SIZE_KEYS.get(name, ()) if k in entry}
         try:
             return make_pattern(name, **sizes)
@@ -248,12 +250,14 @@ class SparsePrefill:
                 return "attention mask is not plain causal (padding)"
         return None
 
-    def _layouts(self, layer_idx: int, q, k, scale) -> list[SparseLayout]:
+    def _layouts(self, layer_idx: int, q, k, scale) -> list[SparseLayout | None]:
+        """One layout per query head; ``None`` for a head the config keeps dense."""
         g = q.shape[1] // k.shape[1]
-        return [
-            self.pattern_for(layer_idx, h).layout(q[:, h : h + 1], k[:, h // g : h // g + 1], scale)
-            for h in range(q.shape[1])
-        ]
+        out = []
+        for h in range(q.shape[1]):
+            pat = self.pattern_for(layer_idx, h)
+            out.append(None if pat is None else pat.layout(q[:, h : h + 1], k[:, h // g : h // g + 1], scale))
+        return out
 
     def _kernel(self, q, k, v, lay, scale):
         backend = self.backend
@@ -295,7 +299,12 @@ class SparsePrefill:
         out = torch.empty_like(query)
         for h, lay in enumerate(layouts):
             kv = h // g
-            out[:, h : h + 1] = self._kernel(query[:, h : h + 1], key[:, kv : kv + 1], value[:, kv : kv + 1], lay, scale)
+            qh, kh, vh = query[:, h : h + 1], key[:, kv : kv + 1], value[:, kv : kv + 1]
+            if lay is None:  # dense head: SDPA
+                out[:, h : h + 1] = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+                self._work += dense_work / query.shape[1]
+                continue
+            out[:, h : h + 1] = self._kernel(qh, kh, vh, lay, scale)
             self._work += lay.density() * (lay.n_blocks * (lay.n_blocks + 1) / 2 * lay.block_size**2)
         t2 = time.perf_counter()
         self.estimate_seconds += t1 - t0

@@ -41,6 +41,10 @@ VS_RATIOS = ((1, 6), (1, 1), (6, 1))  # k_v : k_s
 # A candidate may exceed the target cost by this factor (its smallest size can cost more than the
 # target at short lengths); costlier ones are left out so every candidate competes at equal cost.
 OVER = 1.05
+# Default cost levels and error tolerance: each head takes the cheapest level at which its best
+# candidate's relative output error is <= DEFAULT_MAX_ERROR, else stays dense.
+DEFAULT_LEVELS = (0.1, 0.2, 0.35, 0.5)
+DEFAULT_MAX_ERROR = 0.05
 
 
 def _dense_cost(t: int, bs: int = 64) -> float:
@@ -111,10 +115,16 @@ def head_candidates(q: torch.Tensor, k: torch.Tensor, scale: float, target_densi
 
 
 class _SearchHook:
-    """Prefill hook: dense output for the model, candidate errors recorded per head."""
+    """Prefill hook: dense output for the model, candidate errors recorded per head.
 
-    def __init__(self, n_layers: int, n_heads: int, target_density: float, progress=None):
-        self.target = target_density
+    ``target_density`` is one cost level or an ascending sequence of levels: a head takes the
+    cheapest level whose best candidate's error is at most ``max_error`` (``None``: the first
+    level, no tolerance), and stays dense when no level meets it.
+    """
+
+    def __init__(self, n_layers: int, n_heads: int, target_density, progress=None, max_error: float | None = None):
+        self.levels = sorted(target_density) if isinstance(target_density, (list, tuple)) else [target_density]
+        self.max_error = max_error
         self.rows: list[list[dict] | None] = [None] * n_layers
         self.n_heads = n_heads
         self.progress = progress
@@ -130,17 +140,30 @@ class _SearchHook:
             qh, kh, vh = q[:, h : h + 1], k[:, kv : kv + 1], v[:, kv : kv + 1]
             ref = dense[:, h : h + 1]
             ref_norm = ref.norm().clamp(min=1e-12)
-            best = None
             errors = {}
-            for name, sizes, lay in head_candidates(qh, kh, scale, self.target):
-                o = sparse_attention_cpu(qh, kh, vh, lay, scale)
-                err = float((o - ref).norm() / ref_norm)
-                label = name + ":" + ",".join(f"{a}={b}" for a, b in sizes.items())
-                errors[label] = {"error": round(err, 6), "density": round(lay.density(), 4)}
-                if best is None or err < best["error"]:
-                    best = {"pattern": name, **sizes, "error": round(err, 6), "density": round(lay.density(), 4)}
-            best["candidates"] = errors
-            row.append(best)
+            chosen = None
+            for level in self.levels:
+                try:
+                    cands = head_candidates(qh, kh, scale, level)
+                except KVTrimError:  # nothing fits this level at this length
+                    continue
+                best = None
+                for name, sizes, lay in cands:
+                    o = sparse_attention_cpu(qh, kh, vh, lay, scale)
+                    err = float((o - ref).norm() / ref_norm)
+                    label = f"{level}:" + name + ":" + ",".join(f"{a}={b}" for a, b in sizes.items())
+                    errors[label] = {"error": round(err, 6), "density": round(lay.density(), 4)}
+                    if best is None or err < best["error"]:
+                        best = {"pattern": name, **sizes, "error": round(err, 6), "density": round(lay.density(), 4), "level": level}
+                if best is not None and (self.max_error is None or best["error"] <= self.max_error):
+                    chosen = best
+                    break
+            if chosen is None:
+                if self.max_error is None:
+                    raise KVTrimError(f"no pattern fits the density levels {self.levels} at {q.shape[2]} tokens; raise --density or --length")
+                chosen = {"pattern": "dense", "error": 0.0, "density": 1.0, "level": None}
+            chosen["candidates"] = errors
+            row.append(chosen)
         self.rows[li] = row
         if self.progress is not None:
             self.progress.update(1)
@@ -157,20 +180,26 @@ def calibration_ids(tokenizer, length: int, seed: int = 0) -> tuple[list[int], s
 
 
 @torch.inference_mode()
-def search_patterns(model, tokenizer, length: int = 4096, target_density: float = 0.2, seed: int = 0,
-                    progress: bool = True, model_tags: list[str] | None = None) -> PatternConfig:
+def search_patterns(model, tokenizer, length: int = 4096, target_density=DEFAULT_LEVELS, seed: int = 0,
+                    progress: bool = True, model_tags: list[str] | None = None, max_error: float | None = DEFAULT_MAX_ERROR) -> PatternConfig:
     """Run the search on ``model`` and return its :class:`PatternConfig`.
 
     Args:
         length: calibration prompt length in tokens (>= 256, within the model's context).
-        target_density: the executed cost every candidate is sized to, as a fraction of dense
-            causal attention at ``length`` (0 < d < 1).
+        target_density: the executed cost candidates are sized to, as a fraction of dense
+            causal attention at ``length`` (0 < d < 1): one level, or ascending levels tried in
+            turn per head (see ``max_error``).
+        max_error: a head takes the cheapest level whose best candidate has a relative output
+            error at most this, and stays dense if none does. ``None``: one level, best candidate.
     """
     from kvtrim.cache import KVTrimCache
     from kvtrim.integrations.hf import attach, cache_kwarg
 
-    if not (0.0 < target_density < 1.0):
-        raise KVTrimError(f"target density must be in (0, 1); got {target_density}")
+    levels = list(target_density) if isinstance(target_density, (list, tuple)) else [target_density]
+    if not levels or not all(0.0 < d < 1.0 for d in levels):
+        raise KVTrimError(f"target densities must be in (0, 1); got {target_density}")
+    if max_error is not None and not max_error > 0:
+        raise KVTrimError(f"max_error must be > 0; got {max_error}")
     cfg = model.config.get_text_config(decoder=True)
     max_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0)
     if not isinstance(length, int) or length < 256:
@@ -184,7 +213,7 @@ def search_patterns(model, tokenizer, length: int = 4096, target_density: float 
         from tqdm import tqdm
 
         bar = tqdm(total=ident["num_hidden_layers"], desc="search-patterns", unit="layer")
-    hook = _SearchHook(ident["num_hidden_layers"], ident["num_attention_heads"], target_density, bar)
+    hook = _SearchHook(ident["num_hidden_layers"], ident["num_attention_heads"], levels, bar, max_error)
     t0 = time.perf_counter()
     cache = KVTrimCache(model, "full")
     device = next(model.parameters()).device
@@ -201,7 +230,8 @@ def search_patterns(model, tokenizer, length: int = 4096, target_density: float 
         "objective": "relative L2 error of the head's sparse output vs dense",
         "calibration": desc,
         "length": len(ids),
-        "target_density": target_density,
+        "target_density": levels,
+        "max_error": max_error,
         "candidates": {"a_shape_sinks": list(A_SHAPE_SINKS), "vertical_slash_ratios": [list(r) for r in VS_RATIOS]},
         "seconds": round(time.perf_counter() - t0, 1),
         "kvtrim": kvtrim.__version__,
