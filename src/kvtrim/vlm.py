@@ -262,3 +262,35 @@ def load_vlm(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Loa
     except Exception:  # noqa: BLE001 - older/newer processor APIs; fall back to the default backend
         proc = AutoProcessor.from_pretrained(str(p))
     return LoadedVLM(model, proc, p.name)
+
+
+def generate_with_images(args, policy, context: str = "") -> dict:
+    """``kvtrim generate --image FILE ...``: load the VLM, prepare the inputs, run ``generate_ids``.
+
+    Returns the result as a dict (with the prompt's modality spans). Refuses a text-only model.
+    """
+    from kvtrim.cache import KVTrimCache
+    from kvtrim.generation import generate_ids
+    from kvtrim.models import DEFAULT_NAME
+
+    imgs = [load_image(p) for p in args.image]  # fail on a bad file before the slow load
+    if args.model is None:
+        raise KVTrimError(
+            f"the embedded model {DEFAULT_NAME} is a text-only model; --image needs a vision-language model "
+            "directory (LLaVA-style or Qwen2-VL-style) passed with --model"
+        )
+    if args.prompt is not None:
+        raise KVTrimError("--image goes with --question (the chat template places the image); --prompt is raw text")
+    v = load_vlm(args.model)
+    text = f"{context}\n\n{args.question}" if context else args.question
+    ids, extra = prepare(v.processor, text, imgs)
+    cache = KVTrimCache(v.model, policy)
+    res = generate_ids(
+        v.model, v.tokenizer, ids, policy, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
+        temperature=args.temperature, seed=args.seed, cache=cache, model_inputs=extra,
+    )
+    d = res.to_dict()
+    d.pop("token_ids")
+    d["model"] = v.source
+    d["spans"] = [{"start": s.start, "end": s.end, "modality": s.modality} for s in (cache.spans or [])]
+    return d
