@@ -11,11 +11,12 @@ is not a target, i.e. not image/video) over the keys, averaged over all query he
   so layers 1.. never compute them (prefill compute saved; ``kvtrim.pruning``);
 * ``dap_mode="kv"``: a normal prefill, then every layer's KV is sliced to the kept set.
 
-Relationship (tested): both modes hold the same token set in every layer and identical layer-0
-KV; in layers 1.., the KV of every token *before the first dropped token* is identical in both
-modes (causal attention: such tokens never see a dropped one), while later kept tokens differ
-because in ``prune`` mode they never attended to the dropped tokens. With nothing dropped the
-two modes equal the full cache.
+Relationship (tested): both modes hold the same token set in every layer, and identical KV in
+layers 0 and 1 (layer 1's keys and values are projections of layer 0's output, which both modes
+compute on every token). From layer 2 on, the KV of every token *before the first dropped token*
+is identical in both modes (causal attention: such tokens never see a dropped one), while later
+kept tokens differ, because in ``prune`` mode layers 1.. never let them attend to the dropped
+tokens. With nothing dropped the two modes equal the full cache.
 
 **DDES (decoding).** With a budget ``B`` (``keep`` or ``max_tokens``; none = no decode eviction)
 and a recycle bin of capacity ``D = max(1, round(bin_ratio * B))`` (default ``bin_ratio`` 0.15,
