@@ -77,9 +77,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/ddes.json")
     args = ap.parse_args()
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(args.threads)
     CompressedLayer.keep_indices = _counting_keep  # this script only: counts the gathers
     lm = load_model(None)
     hay = lm.tokenizer(prose_haystack()[:100000], add_special_tokens=False)["input_ids"]

@@ -17,9 +17,10 @@ from kvtrim.policies.hae import HAE, dap_keep  # noqa: E402
 from kvtrim.registry import create_policy  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def llava():
-    v = vlm.tiny_llava(layers=4)
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+def llava(request):
+    """A tiny 4-layer VLM of each supported class (Qwen2-VL exercises mrope under pruning)."""
+    v = (vlm.tiny_llava if request.param == "llava" else vlm.tiny_qwen2_vl)(layers=4)
     ids, extra = vlm.prepare(v.processor, "What animal is in the picture, and what colour is it?", [vlm.sample_images()["chelsea"]])
     return v, ids, extra
 

@@ -99,6 +99,10 @@ class PrefillTokenPruning(Policy):
                 self._slice(layer)
         self.after_token_pruning(layer, query, key, scaling)
 
+    def on_turn(self, layer, query, key, scaling) -> None:
+        """Later prompts (turns, chunks) are appended; the token set is decided once, at the prefill."""
+        self.after_token_pruning(layer, query, key, scaling)
+
     @staticmethod
     def _slice(layer) -> None:
         kept = layer.cache.layers[layer.cache.policy.decision_layer].state["kept_stream"]
