@@ -248,3 +248,16 @@ def test_hidden_state_pruning_outside_attach_is_refused(model):
     cache = KVTrimCache(model, "fastv")
     with pytest.raises(KVTrimError, match="kvtrim.attach"):
         prune_after(cache, 0, torch.arange(3))
+
+
+def test_pruning_hooks_exist_only_inside_attach(llava):
+    v, _, _ = llava
+    layers = vlm_layers(v)
+
+    def n_hooks():
+        return len(v.model._forward_pre_hooks) + len(v.model._forward_hooks) + sum(len(x._forward_pre_hooks) for x in layers)
+
+    before = n_hooks()
+    with kvtrim.attach(v.model):
+        assert n_hooks() == before + 2 + len(layers)
+    assert n_hooks() == before
