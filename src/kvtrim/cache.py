@@ -82,6 +82,10 @@ class CompressedLayer(CacheLayerMixin):
         self.n_new = 0
         self.phase = "prefill"
         self.awaiting_attention = False
+        # Hidden-state pruning (kvtrim.pruning): the true stream indices of the tokens the next
+        # update() receives, and how many tokens that forward really covers.
+        self.pending_positions: torch.Tensor | None = None
+        self.pending_seen = 0
 
     # --- views -----------------------------------------------------------------------------
     @property
@@ -141,7 +145,17 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         dev = key_states.device
-        stream = torch.arange(self.seen, self.seen + q, device=dev)
+        n_seen = q
+        if self.pending_positions is not None:  # earlier layers pruned this forward's hidden states
+            if self.pending_positions.numel() != q:
+                raise KVTrimError(
+                    f"layer {self.layer_idx}: pruned hidden states carry {q} tokens but {self.pending_positions.numel()} "
+                    "positions were recorded"
+                )
+            stream, n_seen = self.pending_positions.to(dev), self.pending_seen
+            self.pending_positions = None
+        else:
+            stream = torch.arange(self.seen, self.seen + q, device=dev)
         self.q_delta = None
         if self._rot is not None:
             extra = kwargs.get("kwargs") or {}
@@ -164,7 +178,7 @@ class CompressedLayer(CacheLayerMixin):
         self.phase = "prefill" if self.seen == 0 else ("decode" if q == 1 else "turn")
         self.n_new = q
         self.length += q
-        self.seen += q
+        self.seen += n_seen
         self.awaiting_attention = True
         return self.keys, self.values
 
@@ -291,7 +305,7 @@ class KVTrimCache(Cache):
     function that scores and evicts; the cache refuses to run without it.
     """
 
-    def __init__(self, model, policy: "Policy | str" = "full", **policy_kwargs):
+    def __init__(self, model, policy: "Policy | str" = "full", *, spans=None, **policy_kwargs):
         from kvtrim.registry import create_policy
 
         if isinstance(policy, str):
@@ -328,6 +342,21 @@ class KVTrimCache(Cache):
                 raise KVTrimError(f"layer type {lt!r} (layer {i}) is not supported; kvtrim supports full and sliding attention layers")
         super().__init__(layers=layers)
         self._last_layer: CompressedLayer | None = None
+        # Modality spans of the prompt (kvtrim.spans.SpanSet): given here, set with set_spans(), or
+        # found from the prompt's token ids for vision-language models when the prefill runs.
+        self.spans = None
+        self._raw_spans = spans
+
+    def set_spans(self, spans, n_tokens: int | None = None) -> None:
+        """Tag prompt positions with modalities (a ``SpanSet`` or ``(start, end, modality)`` items)."""
+        from kvtrim.spans import SpanSet, as_span_set
+
+        if isinstance(spans, SpanSet) and n_tokens is None:
+            self.spans, self._raw_spans = spans, None
+        elif n_tokens is None:
+            self._raw_spans = spans  # validated against the prompt length at prefill
+        else:
+            self.spans, self._raw_spans = as_span_set(spans, n_tokens), None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         last = self._last_layer
@@ -336,8 +365,11 @@ class KVTrimCache(Cache):
                 "KVTrimCache was used without kvtrim's attention function, so it cannot score or evict. "
                 "Wrap the call in `with kvtrim.attach(model):` (or use kvtrim.compress)."
             )
-        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
+        if self._raw_spans is not None and isinstance(layer, CompressedLayer) and not layer.is_initialized:
+            n = layer.pending_seen if layer.pending_positions is not None else key_states.shape[-2]
+            self.set_spans(self._raw_spans, n)
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if isinstance(layer, CompressedLayer):
             self._last_layer = layer
             ACTIVE.set(_Binding(self, layer))

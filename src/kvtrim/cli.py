@@ -95,6 +95,14 @@ def cmd_generate(args) -> int:
     policy = _policy_from_args(args)  # validate before the slow model load
     _prefill_from_args(args)
     context = _read_context(args.context_file)
+    if getattr(args, "image", None):
+        from kvtrim.vlm import generate_with_images
+
+        if args.question is not None and not args.question.strip():
+            raise KVTrimError("the question is empty; pass a non-empty --question")
+        d = generate_with_images(args, policy, context)
+        print(json.dumps(d) if args.json else d["answer"])
+        return 0
     if args.question is not None:
         if not args.question.strip():
             raise KVTrimError("the question is empty; pass a non-empty --question")
@@ -229,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget_args(g)
     g.add_argument("--position", help="position policy: true, reassigned or compressed (default: the method's)")
     g.add_argument("--context-file", help="a text file prepended to the question/prompt")
+    g.add_argument("--image", action="append", metavar="FILE", help="an image for a vision-language --model (repeatable)")
     q = g.add_mutually_exclusive_group(required=True)
     q.add_argument("--question", help="a question (chat template applied)")
     q.add_argument("--prompt", help="raw prompt text to continue (no chat template)")

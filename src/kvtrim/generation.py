@@ -63,8 +63,8 @@ def check_prompt(policy: Policy, n_prompt: int, max_new_tokens: int, max_context
         )
 
 
-def _forward(model, ids: torch.Tensor, cache: KVTrimCache, position_ids: torch.Tensor | None) -> torch.Tensor:
-    kw = {cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 1}
+def _forward(model, ids: torch.Tensor, cache: KVTrimCache, position_ids: torch.Tensor | None, extra: dict | None = None) -> torch.Tensor:
+    kw = {cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 1, **(extra or {})}
     if position_ids is not None:
         kw["position_ids"] = position_ids
     return model(input_ids=ids, **kw).logits[:, -1, :]
@@ -94,6 +94,7 @@ def generate_ids(
     prefill_chunk: int | None = None,
     cache: KVTrimCache | None = None,
     prefill=None,
+    model_inputs: dict | None = None,
 ) -> GenerationResult:
     """Prefill ``prompt_ids`` and decode up to ``max_new_tokens`` with ``policy``.
 
@@ -101,6 +102,8 @@ def generate_ids(
     policies get chunks automatically when the prompt exceeds the model's context.
     ``prefill`` is a :class:`kvtrim.attention.prefill.SparsePrefill` (MInference sparse prefill of
     the first forward; decode stays dense); its statistics are returned in ``result.prefill``.
+    ``model_inputs`` are extra prefill inputs of a vision-language model (``pixel_values``,
+    ``image_grid_thw``, ``mm_token_type_ids``, ... from its processor; see ``kvtrim.vlm``).
     """
     cfg = model.config.get_text_config(decoder=True)
     max_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0)
@@ -109,6 +112,8 @@ def generate_ids(
     device = next(model.parameters()).device
     ids = torch.tensor([prompt_ids], device=device)
     chunk = prefill_chunk
+    if model_inputs and chunk:
+        raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")
     if chunk is None and max_ctx and len(prompt_ids) + max_new_tokens > max_ctx:
         budget = policy.budget(len(prompt_ids))
         chunk = max(1, min(1024, (max_ctx - budget - max_new_tokens) // 2))
@@ -125,7 +130,7 @@ def generate_ids(
                 part = ids[:, s : s + chunk]
                 logits = _forward(model, part, cache, _next_positions(cache, part.shape[1], device))
         else:
-            logits = _forward(model, ids, cache, _next_positions(cache, ids.shape[1], device))
+            logits = _forward(model, ids, cache, _next_positions(cache, ids.shape[1], device), model_inputs)
         t1 = time.perf_counter()
         for step in range(max_new_tokens):
             if do_sample:

@@ -38,6 +38,8 @@ register("full", "kvtrim.policies.full", "Full")
 register("streaming_llm", "kvtrim.policies.streaming", "StreamingLLM")
 register("h2o", "kvtrim.policies.h2o", "H2O")
 register("snapkv", "kvtrim.policies.snapkv", "SnapKV")
+register("fastv", "kvtrim.policies.fastv", "FastV")
+register("hae", "kvtrim.policies.hae", "HAE")
 
 
 def method_names() -> list[str]:

@@ -120,7 +120,10 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
         _PREFILL[id(cfg)] = prefill_attention
     try:
         model.set_attn_implementation(ATTN_NAME)
-        yield
+        from kvtrim.pruning import install as install_hooks
+
+        with install_hooks(model):  # dormant unless a policy prunes hidden states (fastv, hae)
+            yield
     finally:
         try:
             model.set_attn_implementation(original)

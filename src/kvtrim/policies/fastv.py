@@ -1,0 +1,176 @@
+"""``fastv``: drop half of the image tokens after layer K by the last token's attention (Chen et al., 2024, FastV).
+
+At the prefill, in layer ``K - 1`` (0-based; so ``K = 2`` means after two full layers), the last
+prompt token's attention over the image/video tokens, averaged over all query heads, ranks them;
+the top ``ratio`` (default 50%) are kept. With ``mode="prune"`` (FastV's own; default) the hidden
+states of the dropped tokens are removed before layer ``K``, so layers ``K..`` never compute them
+(prefill compute saved, see ``kvtrim.pruning``); with ``mode="kv"`` every layer computes them and
+layers ``K..`` slice them out of their KV after the normal prefill. Layers before ``K`` keep every
+token, as in FastV. Decoded tokens are appended; nothing else is evicted.
+
+Which tokens are prunable comes from the cache's modality spans (``kvtrim.spans``): image and
+video spans by default (``targets``), found automatically for VLMs; for a text model, tag e.g. a
+document ``document`` and pass ``targets=("document",)``. Without such spans nothing is pruned.
+The last prompt token is never pruned.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvtrim.errors import KVTrimError
+from kvtrim.policies.base import Policy
+from kvtrim.scores import _grouped
+from kvtrim.spans import MODALITIES, VISUAL
+
+MODES = ("prune", "kv")
+
+
+@dataclass
+class PrefillTokenPruning(Policy):
+    """Shared mechanism of FastV and HAE's DAP: decide a kept token set once, in one layer of the
+    prefill, and broadcast it to later layers (hidden-state pruning or KV slicing).
+
+    Subclasses set ``decision_layer`` (0-based layer whose attention decides), write
+    ``decide(layer, query, key, scaling, target) -> keep mask`` over the prompt, and say with
+    ``slice_decision_layers`` whether layers ``<= decision_layer`` drop the tokens from their KV too.
+    """
+
+    mode: str = "prune"
+    targets: tuple = VISUAL
+
+    slice_decision_layers: ClassVar[bool] = False
+    takes_budget = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise KVTrimError(f"{self.name}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if isinstance(self.targets, str):
+            self.targets = (self.targets,)
+        self.targets = tuple(self.targets)
+        bad = [t for t in self.targets if t not in MODALITIES or t in ("text", "system")]
+        if bad or not self.targets:
+            raise KVTrimError(
+                f"{self.name}: targets must be prunable modalities among image, video, document; got {self.targets!r}"
+            )
+        super().__post_init__()
+
+    @property
+    def decision_layer(self) -> int:
+        raise NotImplementedError
+
+    def decide(self, layer, query, key, scaling, target: torch.Tensor) -> torch.Tensor:
+        """Boolean keep mask over this prefill's tokens ``[T]``; only ``target`` tokens may be dropped."""
+        raise NotImplementedError
+
+    def target_mask(self, layer) -> torch.Tensor | None:
+        """Boolean ``[T]`` over the prompt: the prunable tokens (from the cache's spans), or None."""
+        spans = layer.cache.spans
+        if spans is None:
+            return None
+        pos = layer.positions[0, 0]
+        target = spans.mask(pos, self.targets)
+        target[-1] = False  # the last prompt token gives the next token's logits
+        return target if bool(target.any()) else None
+
+    def on_prefill(self, layer, query, key, scaling) -> None:
+        from kvtrim.pruning import prune_after
+
+        cache = layer.cache
+        first = cache.layers[self.decision_layer] if self.decision_layer < len(cache.layers) else None
+        if layer.layer_idx == self.decision_layer:
+            target = self.target_mask(layer)
+            if target is not None:
+                keep = self.decide(layer, query, key, scaling, target) | ~target
+                layer.state["kept_stream"] = layer.positions[0, 0][keep]
+                layer.state["targets"] = int(target.sum())
+                layer.state["targets_kept"] = int((keep & target).sum())
+                if self.mode == "prune":
+                    prune_after(cache, layer.layer_idx, keep.nonzero().flatten())
+                if self.slice_decision_layers:
+                    for li in range(layer.layer_idx + 1):
+                        self._slice(cache.layers[li])
+        elif layer.layer_idx > self.decision_layer and first is not None and "kept_stream" in first.state:
+            if self.mode == "kv":
+                self._slice(layer)
+        self.after_token_pruning(layer, query, key, scaling)
+
+    def on_turn(self, layer, query, key, scaling) -> None:
+        """Later prompts (turns, chunks) are appended; the token set is decided once, at the prefill."""
+        self.after_token_pruning(layer, query, key, scaling)
+
+    @staticmethod
+    def _slice(layer) -> None:
+        kept = layer.cache.layers[layer.cache.policy.decision_layer].state["kept_stream"]
+        hit = torch.isin(layer.positions, kept.to(layer.positions.device))  # [B, H, S], same per head at prefill
+        n = int(hit[0, 0].sum())
+        if n == layer.length:
+            return
+        idx = hit[0, 0].nonzero().flatten().expand(*layer.positions.shape[:2], n).contiguous()
+        layer.keep_indices(idx)
+
+    def after_token_pruning(self, layer, query, key, scaling) -> None:
+        """Hook for a budget on top of the pruned set (HAE's DDES); default: nothing."""
+
+
+def head_mean_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Causal softmax attention of the prompt queries ``rows`` (indices into the ``T`` prompt
+    tokens) over all keys, averaged over every query head: ``[len(rows), S]`` (float32).
+
+    ``query [1, Hq, T, D]``, ``key [1, Hkv, S, D]`` with the prompt's keys last (``S >= T``).
+    Computed ``chunk`` rows at a time; only the needed rows, never the whole T x T matrix.
+    """
+    t, s = query.shape[-2], key.shape[-2]
+    kf = key.float()
+    kj = torch.arange(s, device=key.device)
+    out = []
+    for a in range(0, rows.numel(), chunk):
+        r = rows[a : a + chunk].to(query.device)
+        qg = _grouped(query[:, :, r].float(), key.shape[1])  # [1, Hkv, G, n, D]
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf) * scaling
+        qi = (s - t + r).unsqueeze(1)
+        logits = logits.masked_fill(kj.unsqueeze(0) > qi, float("-inf"))
+        out.append(torch.softmax(logits, dim=-1).mean(dim=(1, 2))[0])  # mean over all query heads
+    return torch.cat(out, dim=0)
+
+
+@dataclass
+class FastV(PrefillTokenPruning):
+    """Args: ``k`` (2: decide in layer k-1, prune before layer k), ``ratio`` (0.5: share of the
+    target tokens kept, rounded down), ``mode`` ("prune" or "kv"), ``targets`` (image, video)."""
+
+    k: int = 2
+    ratio: float = 0.5
+
+    name = "fastv"
+    description = "FastV: keep the top 50% of image tokens by the last token's attention in layer K=2, prune hidden states after"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise KVTrimError(f"fastv: k must be a positive integer layer index, got {self.k!r}")
+        if not (0.0 <= float(self.ratio) <= 1.0):
+            raise KVTrimError(f"fastv: ratio must be in [0, 1], got {self.ratio!r}")
+        super().__post_init__()
+        if self.max_tokens is not None or (self.keep is not None and self.keep != 1.0):
+            raise KVTrimError("fastv takes no cache budget (keep/max_tokens); set the share of image tokens kept with ratio")
+
+    @property
+    def decision_layer(self) -> int:
+        return self.k - 1
+
+    def decide(self, layer, query, key, scaling, target):
+        last = torch.tensor([query.shape[-2] - 1], device=query.device)
+        att = head_mean_probs(query, key, scaling, last)[0, -query.shape[-2] :]  # [T]
+        n_keep = math.floor(self.ratio * int(target.sum()) + 1e-9)
+        s = att.masked_fill(~target, float("-inf"))
+        keep = torch.zeros_like(target)
+        if n_keep:
+            keep[torch.topk(s, n_keep).indices] = True
+        return keep
+
+    def describe(self) -> dict:
+        return {**super().describe(), "k": self.k, "ratio": self.ratio, "mode": self.mode, "targets": list(self.targets)}

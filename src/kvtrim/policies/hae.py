@@ -1,0 +1,176 @@
+"""``hae``: hierarchical adaptive eviction for multimodal models (seed 004; METHODS.md §4).
+
+**DAP (prefill).** In the first layer, the attention of the text tokens (every prompt token that
+is not a target, i.e. not image/video) over the keys, averaged over all query heads, gives
+``A[i, j]`` for text row ``i`` and target (visual) token ``j``. Global relevance
+``g_j = sum_i A[i, j]``, local relevance ``m_j = max_i A[i, j]``. Token ``j`` is dropped only if
+``g_j < r * sum_k g_k`` **and** ``m_j < alpha`` (defaults r = 0.0015 [paper], alpha = 0.0005
+[seed]). The kept set is computed once and broadcast to every layer, layer 0 included. Two modes:
+
+* ``dap_mode="prune"`` (default): the hidden states of dropped tokens are removed after layer 0,
+  so layers 1.. never compute them (prefill compute saved; ``kvtrim.pruning``);
+* ``dap_mode="kv"``: a normal prefill, then every layer's KV is sliced to the kept set.
+
+Relationship (tested): both modes hold the same token set in every layer, and identical KV in
+layers 0 and 1 (layer 1's keys and values are projections of layer 0's output, which both modes
+compute on every token). From layer 2 on, the KV of every token *before the first dropped token*
+is identical in both modes (causal attention: such tokens never see a dropped one), while later
+kept tokens differ, because in ``prune`` mode layers 1.. never let them attend to the dropped
+tokens. With nothing dropped the two modes equal the full cache.
+
+**DDES (decoding).** With a budget ``B`` (``keep`` or ``max_tokens``; none = no decode eviction)
+and a recycle bin of capacity ``D = max(1, round(bin_ratio * B))`` (default ``bin_ratio`` 0.15,
+within the seed's 10-20%). Each step, every stored token's score is updated from q and k:
+
+    hist <- gamma * hist + (1 - gamma) * a_t          (gamma = 0.9)
+    score = lam * a_t + (1 - lam) * hist              (lam = 0.5)
+
+where ``a_t`` is the attention the token gets from the current query (mean over the query heads
+of its KV group; design decision [open]: the formula is kvtrim's). ``hist`` starts at the mean
+attention from the last ``window`` (32) prompt queries. The ``B - D`` top-scoring tokens (the
+``recent`` newest forced in) are *active*; the other stored tokens are in the *bin*: still
+resident, so a binned token whose score climbs back into the top ``B - D`` is restored (counted in
+``layer.state["hae_restored"]``). When the bin overflows (stored > B) it is emptied in one batch
+(one gather per layer for ``D + 1`` tokens, against one per step for ``h2o``). The cache never
+holds more than ``B`` tokens after a step. Text and visual tokens are treated alike. At the
+prefill, if the prompt left after DAP exceeds ``B``, the top ``B`` by the window score are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtrim.errors import KVTrimError
+from kvtrim.policies.fastv import PrefillTokenPruning, head_mean_probs
+from kvtrim.scores import group_reduce, window_probs
+
+
+def dap_keep(attn: torch.Tensor, r: float = 0.0015, alpha: float = 0.0005) -> torch.Tensor:
+    """DAP's rule on ``attn [n_text, n_visual]`` (head-averaged text->visual attention): boolean
+    keep mask ``[n_visual]``; visual token j is dropped iff ``g_j < r * sum(g)`` and ``m_j < alpha``."""
+    g = attn.sum(dim=0)
+    m = attn.max(dim=0).values if attn.shape[0] else torch.zeros_like(g)
+    drop = (g < r * g.sum()) & (m < alpha)
+    return ~drop
+
+
+@dataclass
+class HAE(PrefillTokenPruning):
+    """Args: ``r`` (0.0015), ``alpha`` (0.0005), ``dap_mode`` ("prune" | "kv"), ``targets``
+    (image, video), budget ``keep``/``max_tokens`` for DDES (none: decoded tokens are appended),
+    ``bin_ratio`` (0.15), ``gamma`` (0.9), ``lam`` (0.5), ``recent`` (8), ``window`` (32)."""
+
+    r: float = 0.0015
+    alpha: float = 0.0005
+    dap_mode: str = "prune"
+    bin_ratio: float = 0.15
+    gamma: float = 0.9
+    lam: float = 0.5
+    recent: int = 8
+    window: int = 32
+
+    name = "hae"
+    description = "HAE: first-layer dual-attention pruning of visual tokens (broadcast) + recycle-bin decode eviction"
+    takes_budget = True
+
+    def __post_init__(self) -> None:
+        for n in ("r", "alpha"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= float(v) <= 1.0):
+                raise KVTrimError(f"hae: {n} must be a number in [0, 1], got {v!r}")
+        if not (0.0 < float(self.bin_ratio) < 1.0):
+            raise KVTrimError(f"hae: bin_ratio must be in (0, 1) (the seed suggests 0.1-0.2), got {self.bin_ratio!r}")
+        for n in ("gamma", "lam"):
+            if not (0.0 <= float(getattr(self, n)) <= 1.0):
+                raise KVTrimError(f"hae: {n} must be in [0, 1], got {getattr(self, n)!r}")
+        for n in ("recent", "window"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise KVTrimError(f"hae: {n} must be a positive integer, got {v!r}")
+        self.mode = self.dap_mode
+        super().__post_init__()
+
+    @property
+    def min_tokens(self) -> int:
+        return self.recent + 2
+
+    def min_tokens_reason(self) -> str:
+        return f"{self.recent} recent tokens + 1 active token + a bin of 1"
+
+    @property
+    def decision_layer(self) -> int:
+        return 0
+
+    slice_decision_layers = True
+
+    def bin_size(self, budget: int) -> int:
+        return max(1, min(budget - self.recent - 1, round(self.bin_ratio * budget)))
+
+    # --- DAP -------------------------------------------------------------------------------------
+    def decide(self, layer, query, key, scaling, target):
+        rows = (~target).nonzero().flatten()
+        attn = head_mean_probs(query, key, scaling, rows)[:, -query.shape[-2] :]  # [n_text, T]
+        keep = torch.ones_like(target)
+        keep[target] = dap_keep(attn[:, target], self.r, self.alpha)
+        return keep
+
+    # --- DDES ------------------------------------------------------------------------------------
+    def after_token_pruning(self, layer, query, key, scaling) -> None:
+        if not self.compresses:
+            return
+        hist = layer.new_token_state("hae_hist")
+        layer.new_token_state("hae_bin", torch.bool)
+        w = min(self.window, query.shape[-2])
+        probs = group_reduce(window_probs(query, key, scaling, w).mean(dim=-2), "mean")  # [B, Hkv, S_key]
+        if probs.shape[-1] != layer.length:  # the prompt's KV was sliced after attention (DAP kv mode / layer 0)
+            probs = torch.gather(probs, -1, layer.positions - (layer.seen - probs.shape[-1]))
+        layer.state_view("hae_hist")[:] = probs
+        layer.state.setdefault("hae_evictions", 0)
+        layer.state.setdefault("hae_restored", 0)
+        layer.state.setdefault("hae_binned", 0)
+        budget = self.budget(layer.seen)
+        if layer.length > budget:
+            idx = self.select(layer.state_view("hae_hist"), self.recent_mask(layer, self.recent), budget)
+            layer.keep_indices(idx)
+            layer.state["hae_evictions"] += 1
+        self._rebin(layer, layer.state_view("hae_hist"), budget, count=False)
+
+    def on_turn(self, layer, query, key, scaling) -> None:
+        self.after_token_pruning(layer, query, key, scaling)
+
+    def on_decode(self, layer, query, key, scaling) -> None:
+        if not self.compresses:
+            return
+        a = group_reduce(window_probs(query, key, scaling, 1)[..., 0, :], "mean")  # [B, Hkv, S]
+        hist = layer.state_view("hae_hist")
+        hist.mul_(self.gamma).add_(a, alpha=1.0 - self.gamma)
+        score = self.lam * a + (1.0 - self.lam) * hist
+        budget = self.budget(layer.seen)
+        self._rebin(layer, score, budget, count=True)
+        if layer.length > budget:  # the bin overflowed: empty it in one batch
+            keep = ~layer.state_view("hae_bin")
+            n = int(keep[0, 0].sum())
+            idx = keep.nonzero()[:, -1].reshape(*keep.shape[:2], n)
+            layer.keep_indices(idx)
+            layer.state["hae_evictions"] += 1
+
+    def _rebin(self, layer, score: torch.Tensor, budget: int, count: bool) -> None:
+        """Active = top ``budget - D`` by ``score`` (recent forced in); the rest of the stored tokens are binned."""
+        n_active = min(layer.length, budget - self.bin_size(budget))
+        binned = layer.state_view("hae_bin")
+        idx = self.select(score, self.recent_mask(layer, self.recent), n_active)
+        new_bin = torch.ones_like(binned)
+        new_bin.scatter_(-1, idx, False)
+        if count:
+            layer.state["hae_restored"] += int((binned & ~new_bin).sum())
+            layer.state["hae_binned"] += int((~binned & new_bin).sum())
+        binned.copy_(new_bin)
+
+    def describe(self) -> dict:
+        return {
+            **super().describe(),
+            "r": self.r, "alpha": self.alpha, "dap_mode": self.dap_mode, "bin_ratio": self.bin_ratio,
+            "gamma": self.gamma, "lam": self.lam, "targets": list(self.targets),
+        }
