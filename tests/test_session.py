@@ -193,3 +193,58 @@ def test_chat_turns_hold_exactly_the_templated_conversation(real):
     with torch.no_grad():
         ref = real.model(input_ids=torch.tensor([fed])).logits[0, -1]
     torch.testing.assert_close(s._last_logits, ref.float(), atol=1e-3, rtol=1e-3)
+
+
+# --- command line: kvtrim chat / kvtrim stream --------------------------------------------------
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["stream", "--file", "/nonexistent/t.txt"], "does not exist"),
+        (["stream", "--file", "{f}", "--chunk", "0"], "--chunk must be a positive number of tokens"),
+        (["stream", "--file", "{f}", "--max-tokens", "8"], "smaller than the 32 tokens this method always keeps (the retrieval window"),
+        (["stream", "--file", "{f}", "--method", "snapkv"], "cannot stream"),
+        (["stream", "--file", "{empty}"], "is empty"),
+        (["chat", "--max-tokens", "16"], "smaller than the 32 tokens"),
+        (["chat", "--method", "nope"], "unknown method 'nope'"),
+        (["chat", "--load", "/nonexistent/session"], "does not exist"),
+    ],
+)
+def test_cli_bad_input(argv, message, tmp_path, capsys):
+    from kvtrim.cli import main
+
+    f, empty = tmp_path / "t.txt", tmp_path / "e.txt"
+    f.write_text("some text " * 10)
+    empty.write_text("  \n")
+    assert main([a.format(f=f, empty=empty) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtrim: error:") and message in err
+
+
+@pytest.mark.model
+def test_cli_stream_json_lines(real, tmp_path, capsys):
+    from kvtrim.cli import main
+    from kvtrim.data import pydoc_text
+
+    f = tmp_path / "doc.txt"
+    f.write_text(pydoc_text()[:12000])
+    assert main(["stream", "--file", str(f), "--chunk", "256", "--max-tokens", "256", "--limit", "1100", "--json",
+                 "--no-progress"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    chunks, summary = lines[:-1], lines[-1]
+    assert [c["tokens"] for c in chunks] == [256] * 4 + [76] and summary["tokens"] == 1100
+    assert all(c["stored"] <= 256 and c["rss_bytes"] > 0 and c["tokens_per_s"] > 0 and 1 < c["ppl"] < 1000 for c in chunks)
+    assert summary["kv_bytes"] < summary["kv_bytes_full"]
+
+
+@pytest.mark.model
+def test_cli_chat_streams_and_reports_memory(real, tmp_path, capsys, monkeypatch):
+    import io
+
+    from kvtrim.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is the capital of France?\n\n/stats\n"))
+    assert main(["chat", "--max-tokens", "256", "--max-new-tokens", "12", "--save", str(tmp_path / "s")]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip()  # the streamed reply
+    assert "turn is empty" in err and "resident" in err and "tokens stored of" in err
+    assert (tmp_path / "s" / "session.json").is_file()
