@@ -69,6 +69,21 @@ def stream_ids(tokenizer, args) -> tuple[list[int], dict]:
     return ids[: args.tokens], src
 
 
+def tiny_model(real):
+    """A random-weight Llama with the real model's vocabulary, KV heads, head dim and RoPE, 4 layers."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = real.config
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=c.vocab_size, hidden_size=288, intermediate_size=576, num_hidden_layers=4,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
+                      rope_parameters=c.rope_parameters, tie_word_embeddings=True)
+    m = LlamaForCausalLM(cfg).eval()
+    m.set_attn_implementation("sdpa")
+    return m
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--file", help="text file to stream (default: kvtrim package texts)")
@@ -79,8 +94,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--max-seconds", type=float, default=None, help="stop (cleanly, results kept) after this long")
     ap.add_argument("--save-every", type=int, default=20, help="rewrite the JSON every N chunks")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a small random-weight Llama with SmolLM2's tokenizer and KV layout per layer (mechanism check: "
+                         "memory, RSS, speed over very long streams; its perplexity means nothing)")
+    ap.add_argument("--no-ppl", action="store_true", help="skip perplexity (only the last logits are computed)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from tqdm import tqdm
 
@@ -89,6 +111,8 @@ def main(argv=None) -> int:
     from kvtrim.session import Session, peak_rss_bytes, rss_bytes
 
     lm = load_model(None)
+    if args.tiny:
+        lm.model, lm.source = tiny_model(lm.model), "tiny random Llama (4 layers, hidden 288, SmolLM2 vocab and KV heads)"
     ids, src = stream_ids(lm.tokenizer, args)
     names = args.methods.split(",")
     sessions = {}
@@ -104,6 +128,8 @@ def main(argv=None) -> int:
         "chunk": args.chunk,
         "max_tokens": args.max_tokens,
         "tokens_requested": args.tokens,
+        "tiny_model": args.tiny,
+        "perplexity": not args.no_ppl,
         "methods": {n: {"policy": s.policy.describe(), "chunks": []} for n, s in sessions.items()},
         "rss_bytes_after_load": rss_bytes(),
     }
@@ -125,7 +151,7 @@ def main(argv=None) -> int:
     for c in range(n_chunks):
         part = ids[c * args.chunk : (c + 1) * args.chunk]
         for n, s in sessions.items():
-            for st in s.feed_ids_iter(part, chunk=args.chunk):
+            for st in s.feed_ids_iter(part, chunk=args.chunk, score=not args.no_ppl):
                 d = st.to_dict()
                 d["loadavg1"] = os.getloadavg()[0]
                 result["methods"][n]["chunks"].append(d)

@@ -335,11 +335,12 @@ class Session:
 
     # --- streams ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def feed_ids_iter(self, ids: list[int], chunk: int = DEFAULT_CHUNK) -> Iterator[ChunkStats]:
+    def feed_ids_iter(self, ids: list[int], chunk: int = DEFAULT_CHUNK, score: bool = True) -> Iterator[ChunkStats]:
         """Feed ``ids`` in chunks of ``chunk`` tokens, yielding each chunk's :class:`ChunkStats`.
 
         Perplexity is teacher-forced: each token is scored by the logits before it (the chunk's
         first token by the previous chunk's last logits), under the compressed cache.
+        ``score=False`` skips it (only the last position's logits are computed; ``scored`` is 0).
         """
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise KVTrimError(f"chunk must be a positive number of tokens, got {chunk!r}")
@@ -361,11 +362,15 @@ class Session:
                 target = torch.tensor(part, device=self.device)
                 prev = self._last_logits
                 t0 = time.perf_counter()
-                logits = self._forward(part, all_logits=True)
+                logits = self._forward(part, all_logits=score)
                 dt = time.perf_counter() - t0
-                nll = F.cross_entropy(logits[:-1], target[1:], reduction="sum") if len(part) > 1 else logits.new_zeros(())
-                scored = len(part) - 1
-                if prev is not None:
+                if not score:
+                    nll, scored = logits.new_zeros(()), 0
+                elif len(part) > 1:
+                    nll, scored = F.cross_entropy(logits[:-1], target[1:], reduction="sum"), len(part) - 1
+                else:
+                    nll, scored = logits.new_zeros(()), 0
+                if score and prev is not None:
                     nll = nll + F.cross_entropy(prev.unsqueeze(0), target[:1], reduction="sum")
                     scored += 1
                 stats = ChunkStats(self.chunks_fed, len(part), self.seen, self.stored(), float(nll), scored,
