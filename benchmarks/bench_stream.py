@@ -23,6 +23,7 @@ import argparse
 import datetime
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -69,6 +70,32 @@ def stream_ids(tokenizer, args) -> tuple[list[int], dict]:
     return ids[: args.tokens], src
 
 
+def table(r: dict) -> str:
+    """Markdown table of a stream result: per method, the first and last stretch of the stream."""
+    lines = [f"{r['model']}; chunk {r['chunk']}, max_tokens {r['max_tokens']}; text: {r['source']['note'] or r['source']['file']}"
+             f"{' (repeated)' if r['source'].get('repeated') else ''}.", "",
+             "| method | tokens streamed | KV resident (first / last chunk) | stored tokens (last) | ppl first 10% of chunks | "
+             "ppl last 10% | tok/s first 10% | tok/s last 10% | RSS first / last chunk |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    mib = 2**20
+    for n, m in r["methods"].items():
+        c = m["chunks"]
+        if not c:
+            continue
+        k = max(1, len(c) // 10)
+
+        def agg(part, key):
+            if key == "ppl":
+                sc = sum(x["scored"] for x in part)
+                return f"{math.exp(sum(x['nll_sum'] for x in part) / sc):.1f}" if sc else "-"
+            return f"{sum(x['tokens'] for x in part) / sum(x['seconds'] for x in part):.0f}"
+
+        lines.append(f"| {n} | {c[-1]['seen']:,} | {c[0]['kv_bytes'] / mib:.1f} / {c[-1]['kv_bytes'] / mib:.1f} MiB | {c[-1]['stored']} | "
+                     f"{agg(c[:k], 'ppl')} | {agg(c[-k:], 'ppl')} | {agg(c[:k], 'tps')} | {agg(c[-k:], 'tps')} | "
+                     f"{c[0]['rss_bytes'] / mib:.0f} / {c[-1]['rss_bytes'] / mib:.0f} MiB |")
+    return "\n".join(lines)
+
+
 def tiny_model(real):
     """A random-weight Llama with the real model's vocabulary, KV heads, head dim and RoPE, 4 layers."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,8 +126,14 @@ def main(argv=None) -> int:
                          "memory, RSS, speed over very long streams; its perplexity means nothing)")
     ap.add_argument("--no-ppl", action="store_true", help="skip perplexity (only the last logits are computed)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="JSON output (required unless --table)")
+    ap.add_argument("--table", help="print the README table of an existing result JSON and exit")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
+    if not args.out:
+        ap.error("--out is required")
     if args.threads:
         torch.set_num_threads(args.threads)
 

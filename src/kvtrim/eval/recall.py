@@ -92,7 +92,7 @@ def recall_sample(tokenizer, n_facts: int = 3, context_turns: int = 3, context_t
     return RecallSample(tuple(turns), seed, meta)
 
 
-def run_recall(session, sample: RecallSample, max_new_tokens: int = 12) -> list[dict]:
+def run_recall(session, sample: RecallSample, max_new_tokens: int = 24) -> list[dict]:
     """Play ``sample`` on a :class:`kvtrim.session.Session`; one record per question turn."""
     out = []
     for t in sample.turns:
