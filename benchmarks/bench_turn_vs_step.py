@@ -34,7 +34,8 @@ def table(r: dict) -> str:
     for n, med in r["median_ms_per_token"].items():
         runs = r["runs"][n]
         pre = statistics.median(x["prefill_seconds"] for x in runs)
-        lines.append(f"| {n} | {med:.1f} | {', '.join(f'{x['ms_per_token']:.0f}' for x in runs)} | {pre:.1f} |")
+        ms = ", ".join(f"{x['ms_per_token']:.0f}" for x in runs)
+        lines.append(f"| {n} | {med:.1f} | {ms} | {pre:.1f} |")
     return "\n".join(lines)
 
 

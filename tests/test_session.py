@@ -33,9 +33,9 @@ def _ids(n, seed):
                                         ("streaming_llm", {"max_tokens": 40})])
 def test_saved_and_restored_session_continues_identically(model, tmp_path, method, kw):
     a = Session(model, None, method, **kw)
-    a.send_ids(_ids(50, 1), max_new_tokens=12, stop_ids=())
+    a.send_ids(_ids(50, 1), max_new_tokens=10, stop_ids=())  # > decode_cap for inf_mllm: a decode trim
     a.feed_ids(_ids(30, 2), chunk=16)
-    a.send_ids(_ids(9, 3), max_new_tokens=5, stop_ids=(), do_sample=True)  # advances the sampling RNG
+    a.send_ids(_ids(9, 3), max_new_tokens=3, stop_ids=(), do_sample=True)  # advances the sampling RNG
     a.save(tmp_path / "s")
     b = Session.load(tmp_path / "s", model)
     assert b.seen == a.seen and b.stored() == a.stored() and b.policy == a.policy
@@ -43,9 +43,9 @@ def test_saved_and_restored_session_continues_identically(model, tmp_path, metho
         assert torch.equal(la.positions, lb.positions) and torch.equal(la.keys, lb.keys)
         assert la.token_state.keys() == lb.token_state.keys()
     for s in (a, b):
-        s.out1 = s.send_ids(_ids(20, 4), max_new_tokens=10, stop_ids=(), do_sample=True)
+        s.out1 = s.send_ids(_ids(20, 4), max_new_tokens=5, stop_ids=(), do_sample=True)
         s.stats = s.feed_ids(_ids(40, 5), chunk=16)
-        s.out2 = s.send_ids(_ids(7, 6), max_new_tokens=6, stop_ids=())
+        s.out2 = s.send_ids(_ids(7, 6), max_new_tokens=4, stop_ids=())
     assert a.out1 == b.out1 and a.out2 == b.out2
     assert [x.nll_sum for x in a.stats] == pytest.approx([x.nll_sum for x in b.stats], abs=1e-4)
     torch.testing.assert_close(a._last_logits, b._last_logits, atol=1e-5, rtol=0)
