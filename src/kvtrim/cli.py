@@ -1,4 +1,4 @@
-"""The ``kvtrim`` command line: ``methods``, ``generate``, ``search-patterns``, ``demo``.
+"""The ``kvtrim`` command line: ``methods``, ``generate``, ``search-patterns``, ``demo``, ``chat``, ``stream``.
 
 Errors in user input print one line ``kvtrim: error: ...`` naming the problem and what is
 allowed, and exit with status 2.
@@ -271,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--methods", help="comma-separated methods (default: all registered)")
     d.set_defaults(func=cmd_demo)
+
+    from kvtrim.cli_session import add_session_commands
+
+    add_session_commands(sub)  # chat, stream
     return p
 
 

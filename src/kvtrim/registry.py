@@ -40,6 +40,7 @@ register("h2o", "kvtrim.policies.h2o", "H2O")
 register("snapkv", "kvtrim.policies.snapkv", "SnapKV")
 register("fastv", "kvtrim.policies.fastv", "FastV")
 register("hae", "kvtrim.policies.hae", "HAE")
+register("inf_mllm", "kvtrim.policies.inf_mllm", "InfMLLM")
 
 
 def method_names() -> list[str]:

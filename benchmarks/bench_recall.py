@@ -1,0 +1,130 @@
+"""Multi-turn recall: inf_mllm (attention bias swept) vs streaming_llm vs h2o at equal budgets, full cache as reference.
+
+Each sample is a :func:`kvtrim.eval.recall.recall_sample` conversation (facts, unrelated package
+prose, then questions), played on a :class:`kvtrim.session.Session` per configuration. Samples are
+the outer loop and configurations the inner one, so a run stopped by ``--max-seconds`` has the same
+samples for every configuration. Score: exact match of the first number in each answer.
+
+    nice -n 10 python benchmarks/bench_recall.py --samples 4 --budget 256 --biases 0,1,8 --out benchmarks/results/recall.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_stream import machine_info  # noqa: E402
+
+
+def configs(budget: int, biases: list[float]) -> list[tuple[str, str, dict]]:
+    out = [("full", "full", {})]
+    out += [(f"inf_mllm(bias={b:g})", "inf_mllm", {"max_tokens": budget, "bias": b}) for b in biases]
+    out += [("streaming_llm", "streaming_llm", {"max_tokens": budget}),
+            ("h2o", "h2o", {"max_tokens": budget, "position": "reassigned"})]
+    return out
+
+
+def table(r: dict) -> str:
+    """Markdown table of a recall result."""
+    n = len(r["samples"])
+    lines = [f"Budget {r['budget']} tokens per layer and KV head; {n} conversations of ~{r['samples'][0]['conversation_tokens']} "
+             f"tokens, {r['task']['n_facts']} questions each; exact match of the first number.", "",
+             "| config | correct | of the questions the full cache answers | max stored tokens |", "|---|---:|---:|---:|"]
+    for label, v in r["summary"].items():
+        ref = f"{v['correct_where_full_correct']:.0f}/{v['full_correct']}"
+        lines.append(f"| {label} | {v['correct']:.0f}/{v['questions']} | {ref} | {v['max_stored']} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--biases", default="0,1,8")
+    ap.add_argument("--n-facts", type=int, default=3)
+    ap.add_argument("--context-turns", type=int, default=2)
+    ap.add_argument("--context-tokens", type=int, default=300)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--max-seconds", type=float, default=None)
+    ap.add_argument("--out", help="JSON output (required unless --table)")
+    ap.add_argument("--table", help="print the README table of an existing result JSON and exit")
+    args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
+    if not args.out:
+        ap.error("--out is required")
+
+    from kvtrim.eval.recall import recall_sample, run_recall
+    from kvtrim.models import load_model
+    from kvtrim.registry import create_policy
+    from kvtrim.session import Session
+
+    lm = load_model(None)
+    cfgs = configs(args.budget, [float(b) for b in args.biases.split(",")])
+    result = {"benchmark": "recall", "model": lm.source, "dtype": "float32", "info": machine_info(),
+              "task": {"n_facts": args.n_facts, "context_turns": args.context_turns, "context_tokens": args.context_tokens,
+                       "max_new_tokens": args.max_new_tokens, "seed": args.seed, "metric": "exact match of the first number"},
+              "budget": args.budget, "samples": [], "configs": {label: {"policy": create_policy(m, **kw).describe()}
+                                                                for label, m, kw in cfgs}}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+
+    def save(final):
+        summary = {}
+        for label, _, _ in cfgs:
+            rows = [q for s in result["samples"] for q in s["results"].get(label, [])]
+            full_ok = [q["full_correct"] for s in result["samples"] for q in s["results"].get(label, [])]
+            summary[label] = {
+                "questions": len(rows),
+                "correct": sum(q["score"] for q in rows),
+                "accuracy": sum(q["score"] for q in rows) / len(rows) if rows else None,
+                "correct_where_full_correct": sum(q["score"] for q, f in zip(rows, full_ok) if f),
+                "full_correct": sum(full_ok),
+                "max_stored": max((q["stored"] for q in rows), default=None),
+            }
+        result["summary"] = summary
+        result["complete"] = final
+        result["wall_seconds"] = time.perf_counter() - t0
+        result["info"]["loadavg_end"] = list(os.getloadavg())
+        out.write_text(json.dumps(result, indent=1))
+
+    for i in range(args.samples):
+        seed = args.seed * 1000 + i
+        smp = recall_sample(lm.tokenizer, n_facts=args.n_facts, context_turns=args.context_turns,
+                            context_tokens=args.context_tokens, seed=seed)
+        rec = {"seed": seed, "keys": smp.meta["keys"], "values": smp.meta["values"], "results": {}}
+        full_scores = None
+        for label, m, kw in cfgs:
+            s = Session(lm.model, lm.tokenizer, create_policy(m, **kw))
+            t = time.perf_counter()
+            rows = run_recall(s, smp, max_new_tokens=args.max_new_tokens)
+            if full_scores is None:
+                full_scores = [r["score"] for r in rows]
+            for r, f in zip(rows, full_scores):
+                r["full_correct"] = bool(f)
+            rec["results"][label] = rows
+            rec.setdefault("seconds", {})[label] = time.perf_counter() - t
+            rec["conversation_tokens"] = s.seen
+            print(f"sample {i} {label}: {[r['score'] for r in rows]} {[r['reply'][:20] for r in rows]}", file=sys.stderr, flush=True)
+        result["samples"].append(rec)
+        save(False)
+        if args.max_seconds and time.perf_counter() - t0 > args.max_seconds:
+            break
+    save(True)
+    for label, v in result["summary"].items():
+        print(f"{label:<22} {v['correct']:.0f}/{v['questions']}  (of the {v['full_correct']} the full cache answers: "
+              f"{v['correct_where_full_correct']:.0f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Per-turn eviction (inf_mllm) vs per-step eviction (h2o): time per generated token, side by side.
+
+Same prompt, same budget; each repetition runs every method once, in a rotating order
+(interleaved), and the median per-token decode time over repetitions is reported. ``full`` and
+``streaming_llm`` are timed too for reference. inf_mllm evicts once at the prompt and appends
+decoded tokens (up to ``decode_cap``); h2o scores and evicts at every decoded token.
+
+    nice -n 10 python benchmarks/bench_turn_vs_step.py --prompt-tokens 2048 --budget 512 --new 32 --reps 5 \\
+        --out benchmarks/results/turn_vs_step.json
+
+The JSON is rewritten after every repetition, so a run cut short keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_stream import machine_info  # noqa: E402
+
+
+def table(r: dict) -> str:
+    """Markdown table of a turn-vs-step result."""
+    lines = [f"Prompt {r['prompt_tokens']} tokens, budget {r['budget']}, {r['new_tokens']} new tokens, median of {r['reps']} "
+             f"interleaved repetitions (load average {r['info']['loadavg_start'][0]:.1f} at the start).", "",
+             "| method | decode ms/token (median) | runs (ms/token) | prefill s (median) |", "|---|---:|---|---:|"]
+    for n, med in r["median_ms_per_token"].items():
+        runs = r["runs"][n]
+        pre = statistics.median(x["prefill_seconds"] for x in runs)
+        ms = ", ".join(f"{x['ms_per_token']:.0f}" for x in runs)
+        lines.append(f"| {n} | {med:.1f} | {ms} | {pre:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--methods", default="inf_mllm,h2o,streaming_llm,full")
+    ap.add_argument("--out", help="JSON output (required unless --table)")
+    ap.add_argument("--table", help="print the README table of an existing result JSON and exit")
+    args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
+    if not args.out:
+        ap.error("--out is required")
+
+    from kvtrim.data import pydoc_text
+    from kvtrim.generation import generate_ids
+    from kvtrim.models import load_model
+    from kvtrim.registry import create_policy
+
+    lm = load_model(None)
+    ids = lm.tokenizer(pydoc_text(), add_special_tokens=False)["input_ids"][: args.prompt_tokens]
+    names = args.methods.split(",")
+    per = {n: [] for n in names}
+    raw = {n: [] for n in names}
+    info = machine_info()
+
+    def save(reps_done: int) -> dict:
+        med = {n: statistics.median(v) for n, v in per.items()}
+        result = {"benchmark": "turn_vs_step", "model": lm.source, "dtype": "float32", "info": info,
+                  "prompt_tokens": len(ids), "budget": args.budget, "new_tokens": args.new, "reps": reps_done,
+                  "reps_requested": args.reps, "median_ms_per_token": med, "runs": raw,
+                  "speedup_inf_mllm_over_h2o": med["h2o"] / med["inf_mllm"] if "h2o" in med and "inf_mllm" in med else None}
+        result["info"]["loadavg_end"] = list(os.getloadavg())
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        return med
+    for rep in range(args.reps + 1):  # rep 0 is a warm-up, not recorded
+        order = names[rep % len(names):] + names[: rep % len(names)]
+        for n in order:
+            kw = {} if n == "full" else {"max_tokens": args.budget}
+            pol = create_policy(n, **kw)
+            r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=args.new, stop_at_eos=False)
+            ms = 1000 * r.decode_seconds / r.decode_steps
+            if rep:
+                per[n].append(ms)
+                raw[n].append({"ms_per_token": ms, "prefill_seconds": r.prefill_seconds, "stored": r.stored_tokens,
+                               "kv_bytes": r.kv_bytes, "loadavg1": os.getloadavg()[0]})
+            print(f"rep {rep} {n}: {ms:.1f} ms/token (prefill {r.prefill_seconds:.1f}s)", file=sys.stderr, flush=True)
+        if rep:
+            med = save(rep)
+    for n in names:
+        print(f"{n:<14} {med[n]:.1f} ms/token")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""``kvtrim chat`` and ``kvtrim stream``: sessions from the command line.
+
+``chat`` reads user turns from standard input (one line per turn), streams each reply to standard
+output as it is generated, and prints the KV memory in use to standard error after each reply.
+Lines starting with ``/`` are commands: ``/save DIR``, ``/stats``, ``/quit``.
+
+``stream`` feeds a text file through a session chunk by chunk and reports, per chunk, the chunk's
+perplexity, resident KV bytes, process RSS and tokens/s (``--json``: one JSON object per line),
+with a progress bar on standard error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from kvtrim.errors import KVTrimError
+
+DEFAULT_BUDGET = 1024
+
+
+def _policy(args, streaming: bool):
+    from kvtrim.registry import create_policy, get_policy_class
+
+    cls = get_policy_class(args.method)
+    kw = {}
+    if getattr(args, "keep", None) is not None:
+        kw["keep"] = args.keep
+    if args.max_tokens is not None:
+        kw["max_tokens"] = args.max_tokens
+    elif cls.takes_budget and "keep" not in kw:
+        kw["max_tokens"] = DEFAULT_BUDGET
+    if args.position:
+        kw["position"] = args.position
+    elif cls.supports_streaming and cls.takes_budget:
+        kw["position"] = "reassigned"  # so the session can outrun the model's context
+    pol = create_policy(args.method, **kw)
+    if not pol.supports_turns:
+        raise KVTrimError(f"method {args.method!r} does not support multi-turn sessions")
+    if streaming and not pol.can_stream():
+        raise KVTrimError(
+            f"method {args.method!r} (position {pol.position_policy!r}, max_tokens {pol.max_tokens}) cannot stream: "
+            "streaming needs a method that supports it (inf_mllm, streaming_llm, h2o), reassigned positions and --max-tokens"
+        )
+    return pol
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def cmd_chat(args) -> int:
+    from transformers import TextStreamer
+
+    from kvtrim.models import load_model
+    from kvtrim.session import Session
+
+    policy = None if args.load else _policy(args, streaming=False)
+    if args.load and not Path(args.load).is_dir():
+        raise KVTrimError(f"session directory {args.load!r} does not exist")
+    if args.max_new_tokens < 1:
+        raise KVTrimError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    lm = load_model(args.model)
+    s = Session.load(args.load, lm.model, lm.tokenizer) if args.load else Session(lm.model, lm.tokenizer, policy, seed=args.seed)
+    interactive = sys.stdin.isatty()
+    print(f"kvtrim chat: {lm.source}, method {s.policy.name} {s.policy.describe()}; /save DIR, /stats, /quit",
+          file=sys.stderr)
+
+    def stats() -> str:
+        c = s.cache
+        return (f"[KV {_mib(c.kv_bytes())} resident (uncompressed: {_mib(c.kv_bytes_full())}); "
+                f"{s.stored()} tokens stored of {s.seen} seen]")
+
+    while True:
+        if interactive:
+            print("you> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\n")
+        if text.strip() in ("/quit", "/exit"):
+            break
+        if text.startswith("/save"):
+            target = text[5:].strip() or args.save
+            if not target:
+                print("kvtrim: error: /save needs a directory", file=sys.stderr)
+                continue
+            s.save(target)
+            print(f"[saved to {target}]", file=sys.stderr)
+            continue
+        if text.strip() == "/stats":
+            print(stats(), file=sys.stderr)
+            continue
+        if not text.strip():
+            print("kvtrim: error: the turn is empty; type a message (or /quit)", file=sys.stderr)
+            continue
+        streamer = TextStreamer(lm.tokenizer, skip_special_tokens=True)
+        s.send(text, max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
+               streamer=streamer)
+        sys.stdout.flush()
+        print(stats(), file=sys.stderr)
+    if args.save:
+        s.save(args.save)
+        print(f"[saved to {args.save}]", file=sys.stderr)
+    return 0
+
+
+def cmd_stream(args) -> int:
+    from tqdm import tqdm
+
+    from kvtrim.models import load_model
+    from kvtrim.session import Session, peak_rss_bytes
+
+    if args.chunk < 1:
+        raise KVTrimError(f"--chunk must be a positive number of tokens, got {args.chunk}")
+    p = Path(args.file)
+    if not p.is_file():
+        raise KVTrimError(f"file {args.file!r} does not exist or is not a file")
+    policy = _policy(args, streaming=True)
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise KVTrimError(f"file {args.file!r} is empty")
+    lm = load_model(args.model)
+    ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if args.limit is not None:
+        ids = ids[: args.limit]
+    s = Session(lm.model, lm.tokenizer, policy)
+    nll = scored = 0.0
+    seconds = 0.0
+    bar = tqdm(total=len(ids), unit="tok", unit_scale=True, file=sys.stderr, disable=args.no_progress)
+    for st in s.feed_ids_iter(ids, chunk=args.chunk):
+        nll += st.nll_sum
+        scored += st.scored
+        seconds += st.seconds
+        if args.json:
+            print(json.dumps(st.to_dict()), flush=True)
+        bar.update(st.tokens)
+        bar.set_postfix(ppl=f"{st.ppl:.1f}", kv=_mib(st.kv_bytes), refresh=False)
+    bar.close()
+    summary = {"summary": True, "method": policy.name, "tokens": s.seen, "chunks": s.chunks_fed,
+               "ppl": math.exp(nll / scored) if scored else float("nan"),
+               "kv_bytes": s.cache.kv_bytes(), "kv_bytes_full": s.cache.kv_bytes_full(),
+               "peak_rss_bytes": peak_rss_bytes(), "tokens_per_s": s.seen / seconds if seconds else float("nan")}
+    if args.save:
+        s.save(args.save)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{summary['tokens']} tokens in {summary['chunks']} chunks with {policy.name}: perplexity {summary['ppl']:.2f}, "
+              f"KV {_mib(summary['kv_bytes'])} resident (uncompressed: {_mib(summary['kv_bytes_full'])}), "
+              f"peak RSS {_mib(summary['peak_rss_bytes'])}, {summary['tokens_per_s']:.0f} tokens/s")
+    return 0
+
+
+def add_session_commands(sub) -> None:
+    """Add the ``chat`` and ``stream`` sub-commands to kvtrim's parser."""
+    c = sub.add_parser("chat", help="interactive multi-turn chat over a bounded cache (one line per turn)")
+    c.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
+    c.add_argument("--method", default="inf_mllm", help="KV method supporting turns (default inf_mllm)")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--max-tokens", type=int, help=f"KV budget per layer (default {DEFAULT_BUDGET})")
+    g.add_argument("--keep", type=float, help="fraction of tokens to keep instead of a fixed budget")
+    c.add_argument("--position", help="position policy (default: reassigned for streaming methods)")
+    c.add_argument("--max-new-tokens", type=int, default=256)
+    c.add_argument("--sample", action="store_true")
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--load", help="continue a session saved in this directory")
+    c.add_argument("--save", help="save the session into this directory at the end")
+    c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("stream", help="feed a long text file through a bounded cache, chunk by chunk")
+    s.add_argument("--file", required=True, help="UTF-8 text file")
+    s.add_argument("--chunk", type=int, default=512, help="tokens per chunk (default 512)")
+    s.add_argument("--max-tokens", type=int, default=DEFAULT_BUDGET, help=f"KV budget per layer (default {DEFAULT_BUDGET})")
+    s.add_argument("--method", default="inf_mllm", help="streaming KV method (default inf_mllm)")
+    s.add_argument("--position", help="position policy (default reassigned)")
+    s.add_argument("--model")
+    s.add_argument("--limit", type=int, help="stop after this many tokens of the file")
+    s.add_argument("--json", action="store_true", help="one JSON object per chunk, then a summary object")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--save", help="save the session into this directory at the end")
+    s.set_defaults(func=cmd_stream)

@@ -1,0 +1,145 @@
+"""``inf_mllm``: bounded-memory streaming over many turns (Ning et al., 2024, Inf-MLLM).
+
+Eviction runs once per new prompt (a user turn, a stream chunk, the first prompt), never per
+decoded token. The last ``window`` queries of the new prompt form the *retrieval window*; their
+softmax attention over every stored key (the cache's plus the new prompt's own, causal inside the
+window) is averaged per key over the window queries that can see it (the *causal-normalised
+average*: key ``j`` among the last ``w`` keys is seen by only ``S - j`` of the ``w`` queries, so
+its column is divided by ``S - j`` instead of ``w``), then over the query heads of each KV group.
+
+Scores are scaled so that uniform attention scores 1 and the **attention bias** is added (the
+paper gives no formula; METHODS.md §3 [open]; kvtrim's choice)::
+
+    score_j = S * mean_attention_j + bias * slot_j / (S - 1)
+
+where ``S`` is the number of stored tokens and ``slot_j`` the token's place in the cache
+(0 = oldest, ``S - 1`` = newest; with ``reassigned`` positions it is the token's in-cache
+position). It is a linear recency ramp: ``bias = 1`` gives the newest token the boost of one
+uniform share of attention. A larger bias keeps newer tokens (high-attention regions move forward
+across turns and old saddles do not hold the cache forever); ``bias = 0`` keeps the
+highest-attention ("attention saddle") tokens wherever they are (longer-range dependencies). The
+bias changes only the eviction score; the forward pass stays exact.
+
+The most recent ``min(new prompt, floor(recent_share * budget))`` tokens are always kept (at least
+the retrieval window), the rest of the budget goes to the top-scoring older tokens. Positions are
+``reassigned`` by default, so a stream runs past the model's trained context.
+
+Decoding inside a turn appends tokens beyond the budget, up to ``decode_cap`` extra tokens; they
+are trimmed back to the budget at the next prompt. If a reply reaches the cap, the cache is
+trimmed to the budget once, scored by that decode step's query (one row, plus the bias) with the
+recent share protected, and decoding goes on: stored tokens never exceed
+``max_tokens + decode_cap`` between forwards. (During one prompt's forward the cache briefly holds
+the new prompt on top: ``max_tokens + decode_cap + prompt``.)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvtrim.errors import KVTrimError
+from kvtrim.policies.base import Policy
+from kvtrim.scores import group_reduce, window_probs
+
+
+def retrieval_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
+    """Causal-normalised average attention of the last ``window`` queries, per KV head.
+
+    Args:
+        query: ``[B, Hq, q, D]`` post-RoPE queries of the new prompt (the window is its last
+            ``min(window, q)`` rows).
+        key: ``[B, Hkv, S, D]`` all stored keys, the new prompt's last.
+    Returns:
+        ``[B, Hkv, S]`` float32: each key's softmax column averaged over the window queries that
+        can see it, then averaged over the query heads of its group.
+    """
+    w = min(window, query.shape[-2])
+    s = key.shape[-2]
+    probs = window_probs(query, key, scaling, w)  # [B, Hkv, G, w, S]
+    col = probs.sum(dim=-2)
+    seen_by = torch.clamp(s - torch.arange(s, device=key.device), max=w).to(col.dtype)
+    return group_reduce(col / seen_by, "mean")
+
+
+def bias_ramp(n: int, bias: float, device=None) -> torch.Tensor:
+    """The attention-bias term for ``n`` stored tokens, oldest first: ``bias * slot / (n - 1)``."""
+    if n <= 1:
+        return torch.full((n,), float(bias), device=device)
+    return float(bias) * torch.arange(n, device=device, dtype=torch.float32) / (n - 1)
+
+
+@dataclass
+class InfMLLM(Policy):
+    """Args:
+        window: retrieval window ``L``, the last queries of each new prompt that score the cache
+            (default 32, SnapKV's observation window; the paper does not publish ``L``). A budget
+            below it is refused.
+        bias: attention-bias strength (default 1.0; >= 0). 0 = pure attention saddles; larger
+            keeps newer tokens. Measured over a range in ``benchmarks/bench_recall.py``.
+        recent_share: the share of the budget the newest tokens may claim unconditionally
+            (default 0.5): a new prompt that fits in it is kept whole, a longer one keeps its last
+            ``floor(recent_share * budget)`` tokens and competes on score for the rest.
+        decode_cap: decoded tokens allowed beyond the budget inside one turn (default 256).
+    """
+
+    window: int = 32
+    bias: float = 1.0
+    recent_share: float = 0.5
+    decode_cap: int = 256
+
+    name = "inf_mllm"
+    description = "per-prompt eviction: retrieval-window attention saddles + recency bias, reassigned positions"
+    default_position = "reassigned"
+    supports_streaming = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise KVTrimError(f"inf_mllm: window must be a positive integer, got {self.window!r}")
+        if isinstance(self.bias, bool) or not isinstance(self.bias, (int, float)) or not (float(self.bias) >= 0.0) or math.isinf(self.bias):
+            raise KVTrimError(f"inf_mllm: bias must be a finite number >= 0, got {self.bias!r}")
+        self.bias = float(self.bias)
+        if isinstance(self.recent_share, bool) or not isinstance(self.recent_share, (int, float)) or not (0.0 < float(self.recent_share) <= 1.0):
+            raise KVTrimError(f"inf_mllm: recent_share must be in (0, 1], got {self.recent_share!r}")
+        if isinstance(self.decode_cap, bool) or not isinstance(self.decode_cap, int) or self.decode_cap < 0:
+            raise KVTrimError(f"inf_mllm: decode_cap must be a non-negative integer, got {self.decode_cap!r}")
+        super().__post_init__()
+
+    @property
+    def min_tokens(self) -> int:
+        return self.window
+
+    def min_tokens_reason(self) -> str:
+        return f"the retrieval window of {self.window} tokens"
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update(window=self.window, bias=self.bias, recent_share=self.recent_share, decode_cap=self.decode_cap)
+        return d
+
+    def n_recent(self, layer, budget: int) -> int:
+        """Most recent tokens kept unconditionally at this prompt."""
+        return min(layer.n_new, max(self.window, math.floor(self.recent_share * budget)))
+
+    def score(self, layer, query, key, scaling):
+        att = retrieval_scores(query, key, scaling, self.window)
+        s = att.shape[-1]
+        return att * s + bias_ramp(s, self.bias, att.device)
+
+    def protected(self, layer):
+        return self.recent_mask(layer, self.n_recent(layer, self.budget(layer.seen)))
+
+    def on_prefill(self, layer, query, key, scaling) -> None:
+        self.evict_by_score(layer, query, key, scaling)
+
+    def on_decode(self, layer, query, key, scaling) -> None:
+        budget = self.budget(layer.seen)
+        if layer.length > budget + self.decode_cap:
+            # One batch trim per decode_cap tokens: score by this step's query (window of one row).
+            att = retrieval_scores(query, key, scaling, 1)
+            s = att.shape[-1]
+            scores = att * s + bias_ramp(s, self.bias, att.device)
+            keep_recent = max(1, math.floor(self.recent_share * budget))
+            idx = self.select(scores, self.recent_mask(layer, keep_recent), budget)
+            layer.keep_indices(idx)

@@ -1,0 +1,487 @@
+"""Sessions: one conversation (or one long stream) with its compressed cache, saved to disk and back.
+
+A :class:`Session` owns a :class:`~kvtrim.cache.KVTrimCache` and the turn history of one
+conversation. ``send(text) -> reply`` adds a user turn (the tokenizer's chat template is applied
+per turn, continuing the conversation) and generates the assistant's reply; ``add_turn(user,
+assistant)`` feeds a scripted exchange without generating; ``feed(text)`` streams raw text
+through the cache chunk by chunk and reports each chunk's perplexity, resident KV bytes, process
+RSS and speed. ``save(dir)`` writes the cache tensors to ``cache.safetensors`` and everything else
+(history, policy parameters, counters, pending text) to ``session.json`` - no pickle;
+``Session.load(dir, model, tokenizer)`` restores it, and the restored session continues exactly as
+the original would have (tested token for token).
+
+Continuing a chat template per turn: the cache already holds the conversation up to the last
+token it was fed. A new turn feeds (1) what the template puts after the last reply (for SmolLM2,
+``<|im_end|>\\n``) plus the reply's last sampled token, which generation never feeds, and (2) the
+template's increment for the new user message with the generation prompt. So the cache ends up
+holding exactly the text of ``apply_chat_template(history)``; generated tokens stay as the model
+chose them (re-tokenizing a reply could split it differently).
+
+Memory: with a fixed-budget streaming policy (``inf_mllm``, ``streaming_llm``, ``h2o`` with
+``position="reassigned"``) a session's KV stays bounded however long it runs. The history of
+messages is kept as text (a chat's history is small; ``feed`` keeps no text).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvtrim.cache import CompressedLayer, KVTrimCache
+from kvtrim.errors import KVTrimError
+from kvtrim.integrations.hf import ATTN_NAME, attach, cache_kwarg
+from kvtrim.policies.base import Policy
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "kvtrim-session"
+FORMAT_VERSION = 1
+DEFAULT_CHUNK = 512
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux ``/proc/self/statm``; else the peak from getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # pragma: no cover - non-Linux
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (``getrusage``; kilobytes on Linux)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+@dataclass
+class ChunkStats:
+    """What one ``feed`` chunk cost and how well the model predicted it."""
+
+    chunk: int  # index of the chunk in this session's stream (0-based)
+    tokens: int  # tokens in the chunk
+    seen: int  # tokens the cache has seen after the chunk
+    stored: int  # tokens stored per layer after the chunk (the largest layer)
+    nll_sum: float  # summed negative log-likelihood (nats) of the chunk's scored tokens
+    scored: int  # tokens scored (the stream's very first token has no prediction)
+    kv_bytes: int  # resident key/value buffer bytes after the chunk
+    rss_bytes: int  # process RSS after the chunk
+    seconds: float  # wall time of the chunk's forward pass(es)
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll_sum / self.scored) if self.scored else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ppl"] = self.ppl
+        d["tokens_per_s"] = self.tokens_per_s
+        return d
+
+
+def _policy_params(policy: Policy) -> dict:
+    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
+
+
+def _fingerprint(model) -> dict:
+    cfg = model.config.get_text_config(decoder=True)
+    keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size", "head_dim")
+    return {k: getattr(cfg, k, None) for k in keys}
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """One conversation or stream over a compressing cache.
+
+    Args:
+        model: a transformers causal LM (batch size 1).
+        tokenizer: its tokenizer; ``None`` restricts the session to the id-level API
+            (``send_ids``, ``feed_ids``).
+        policy: a ``Policy`` or a registered method name (default ``inf_mllm``); with a name,
+            ``policy_kwargs`` (``max_tokens``, ``keep``, method parameters) build it. The method
+            must support turns (``Policy.supports_turns``).
+        chat: apply the tokenizer's chat template per turn (default: when it has one).
+        prefill_chunk: feed a turn longer than this in pieces (each piece is a policy "turn").
+            Default: the whole turn at once, unless it would not fit in the model's context, in
+            which case streaming policies get pieces that do (as ``generate_ids`` does).
+        seed: seed of the sampling generator (its state is saved with the session).
+    """
+
+    def __init__(self, model, tokenizer=None, policy: Policy | str = "inf_mllm", *, chat: bool | None = None,
+                 prefill_chunk: int | None = None, seed: int = 0, **policy_kwargs):
+        from kvtrim.registry import create_policy
+
+        if isinstance(policy, str):
+            policy = create_policy(policy, **policy_kwargs)
+        elif policy_kwargs:
+            raise KVTrimError("pass method parameters either in the Policy object or as keywords with a name, not both")
+        if not policy.supports_turns:
+            raise KVTrimError(f"method {policy.name!r} does not support multi-turn sessions")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+            raise KVTrimError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.cache = KVTrimCache(model, policy)
+        has_template = tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
+        self.chat = has_template if chat is None else bool(chat)
+        if self.chat and not has_template:
+            raise KVTrimError("chat=True needs a tokenizer with a chat template")
+        self.prefill_chunk = prefill_chunk
+        self.messages: list[dict] = []
+        self.turns: list[dict] = []  # per turn: prompt_tokens, new_tokens, kv_bytes, seconds
+        self.chunks_fed = 0
+        self._pending_ids: list[int] = []  # generated but not yet fed (the reply's last token)
+        self._pending_text = ""  # template text after the last reply (e.g. "<|im_end|>\n")
+        self._last_logits: torch.Tensor | None = None  # [vocab] float32: prediction of the next token
+        self._gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        cfg = model.config.get_text_config(decoder=True)
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        self.device = next(model.parameters()).device
+
+    # --- plumbing --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _attached(self):
+        if getattr(self.model.config, "_attn_implementation", None) == ATTN_NAME:
+            yield  # the caller attached the model already
+        else:
+            with attach(self.model):
+                yield
+
+    @property
+    def seen(self) -> int:
+        return self.cache.get_seq_length()
+
+    def stored(self) -> int:
+        s = self.cache.stored_tokens()
+        return max(s) if s else 0
+
+    def _check_fits(self, n: int, extra: int = 0) -> None:
+        if self.max_context and self.seen + n + extra > self.max_context and not self.policy.can_stream():
+            raise KVTrimError(
+                f"the session would hold {self.seen + n + extra} tokens, more than the model's context of "
+                f"{self.max_context}; method {self.policy.name!r} with position {self.policy.position_policy!r} cannot "
+                "stream past it. Use a streaming method with a fixed budget (inf_mllm or streaming_llm with max_tokens)."
+            )
+
+    def _pieces(self, n: int, extra: int) -> int:
+        """Size of the pieces a forward of ``n`` new tokens is split into."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        if self.max_context and self.stored() + n + extra > self.max_context:
+            budget = self.policy.budget(self.seen + n)
+            cap = getattr(self.policy, "decode_cap", 0)
+            return max(1, min(1024, (self.max_context - budget - cap - extra) // 2))
+        return n
+
+    def _positions(self, n: int) -> torch.Tensor | None:
+        if self.cache.position_policy == "true":
+            return None
+        start = self.cache.compressed_layers[0].length if self.cache.compressed_layers[0].is_initialized else 0
+        return torch.arange(start, start + n, device=self.device).unsqueeze(0)
+
+    def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """One forward of ``ids`` through the cache; returns float32 logits ``[n or 1, vocab]``."""
+        x = torch.tensor([ids], device=self.device)
+        kw = {cache_kwarg(): self.cache, "use_cache": True, "logits_to_keep": 0 if all_logits else 1}
+        pos = self._positions(len(ids))
+        if pos is not None:
+            kw["position_ids"] = pos
+        logits = self.model(input_ids=x, **kw).logits[0].float()
+        self._last_logits = logits[-1].clone()
+        return logits
+
+    def _prefill(self, ids: list[int], extra: int = 0) -> None:
+        step = self._pieces(len(ids), extra)
+        for s in range(0, len(ids), step):
+            self._forward(ids[s : s + step])
+
+    def _tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise KVTrimError("this session has no tokenizer; use send_ids / feed_ids")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        if not messages:
+            return ""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+
+    def _turn_ids(self, user: str) -> tuple[list[int], str]:
+        """Ids that continue the cache with a new user message (and the generation prompt)."""
+        if not self.chat:
+            prefix = "" if self.seen == 0 else "\n"
+            return self._pending_ids + self._tokenize(self._pending_text + prefix + user), user
+        before = self._render(self.messages, False)
+        after = self._render(self.messages + [{"role": "user", "content": user}], True)
+        cut = _common_prefix(before, after)
+        if cut < len(before):
+            logger.warning("the chat template does not render the history as a prefix; continuing from the common prefix")
+        return self._pending_ids + self._tokenize(self._pending_text + after[cut:]), after
+
+    def _close_reply(self, prompt_render: str, fed_reply_ids: list[int], pending: list[int], reply: str) -> None:
+        """After a reply: what the template adds after it, minus what the cache holds already."""
+        self._pending_ids = pending
+        if not self.chat:
+            self._pending_text = ""
+            return
+        history = self._render(self.messages, False)
+        held = prompt_render + self.tokenizer.decode(fed_reply_ids + pending, skip_special_tokens=False)
+        self._pending_text = history[_common_prefix(history, held):]
+
+    # --- chat ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def send_ids(self, ids: list[int], max_new_tokens: int = 256, *, do_sample: bool = False, temperature: float = 1.0,
+                 top_p: float = 1.0, stop_ids: tuple[int, ...] | None = None, streamer=None) -> list[int]:
+        """Feed ``ids`` as a new turn and generate up to ``max_new_tokens``; returns the new ids.
+
+        The last generated token (or the stop token) is not fed until the next turn, as in any
+        generate loop; ``streamer`` (transformers ``TextStreamer`` or anything with ``put``/``end``)
+        receives each new token as it is chosen.
+        """
+        if len(ids) == 0:
+            raise KVTrimError("the turn is empty; send a non-empty message")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise KVTrimError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        self._check_fits(len(ids), max_new_tokens)
+        if stop_ids is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+            stop_ids = () if eos is None else (eos,)
+        out: list[int] = []
+        t0 = time.perf_counter()
+        with self._attached():
+            self._prefill(list(ids), extra=max_new_tokens)
+            logits = self._last_logits
+            t1 = time.perf_counter()
+            for step in range(max_new_tokens):
+                if do_sample:
+                    probs = torch.softmax(logits / max(temperature, 1e-6), dim=-1)
+                    if top_p < 1.0:
+                        sp, si = probs.sort(descending=True)
+                        drop = sp.cumsum(-1) - sp > top_p
+                        probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
+                    tok = int(torch.multinomial(probs.cpu(), 1, generator=self._gen))
+                else:
+                    tok = int(logits.argmax())
+                out.append(tok)
+                if streamer is not None and tok not in stop_ids:
+                    streamer.put(torch.tensor([tok]))
+                if tok in stop_ids or step == max_new_tokens - 1:
+                    break
+                logits = self._forward([tok])[-1]
+        if streamer is not None:
+            streamer.end()
+        t2 = time.perf_counter()
+        self.turns.append({"prompt_tokens": len(ids), "new_tokens": len(out), "prefill_seconds": t1 - t0,
+                           "decode_seconds": t2 - t1, "kv_bytes": self.cache.kv_bytes(), "stored": self.stored(),
+                           "seen": self.seen})
+        return out
+
+    def send(self, text: str, max_new_tokens: int = 256, **gen_kwargs) -> str:
+        """Add a user message, generate the assistant's reply and return it (text)."""
+        if not isinstance(text, str) or not text.strip():
+            raise KVTrimError("the turn is empty; send a non-empty message")
+        ids, render = self._turn_ids(text)
+        new = self.send_ids(ids, max_new_tokens, **gen_kwargs)
+        stop = {getattr(self.tokenizer, "eos_token_id", None)}
+        pending = [] if new[-1] in stop else [new[-1]]
+        reply_ids = [t for t in new if t not in stop]
+        reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+        self._close_reply(render, new[:-1], pending, reply)
+        return reply.strip()
+
+    @torch.inference_mode()
+    def add_turn(self, user: str, assistant: str) -> int:
+        """Feed a scripted exchange (user message + given assistant reply) without generating.
+
+        Returns the tokens fed. The reply is fed in full, so nothing is pending afterwards except
+        the template's end-of-turn text.
+        """
+        if not isinstance(user, str) or not user.strip():
+            raise KVTrimError("the turn is empty; send a non-empty message")
+        ids, render = self._turn_ids(user)
+        reply_ids = self._tokenize(assistant)
+        ids = ids + reply_ids
+        self._check_fits(len(ids))
+        with self._attached():
+            self._prefill(ids)
+        self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+        self._close_reply(render, reply_ids, [], assistant)
+        self.turns.append({"prompt_tokens": len(ids), "new_tokens": 0, "kv_bytes": self.cache.kv_bytes(),
+                           "stored": self.stored(), "seen": self.seen})
+        return len(ids)
+
+    # --- streams ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def feed_ids_iter(self, ids: list[int], chunk: int = DEFAULT_CHUNK, score: bool = True) -> Iterator[ChunkStats]:
+        """Feed ``ids`` in chunks of ``chunk`` tokens, yielding each chunk's :class:`ChunkStats`.
+
+        Perplexity is teacher-forced: each token is scored by the logits before it (the chunk's
+        first token by the previous chunk's last logits), under the compressed cache.
+        ``score=False`` skips it (only the last position's logits are computed; ``scored`` is 0).
+        """
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise KVTrimError(f"chunk must be a positive number of tokens, got {chunk!r}")
+        if len(ids) == 0:
+            raise KVTrimError("nothing to feed: the text is empty")
+        held = min(self.policy.budget(self.seen + len(ids)), self.seen + len(ids))
+        if self.max_context and self.policy.can_stream() and held + min(chunk, len(ids)) > self.max_context:
+            raise KVTrimError(
+                f"chunk {chunk} + budget {held} exceed the model's context of {self.max_context} (the positions a chunk "
+                "is given); use a smaller chunk or budget"
+            )
+        with self._attached():
+            if self._pending_ids or self._pending_text:  # close a pending reply first
+                self._prefill(self._pending_ids + (self._tokenize(self._pending_text) if self._pending_text else []))
+                self._pending_ids, self._pending_text = [], ""
+            for s in range(0, len(ids), chunk):
+                part = list(ids[s : s + chunk])
+                self._check_fits(len(part))
+                target = torch.tensor(part, device=self.device)
+                prev = self._last_logits
+                t0 = time.perf_counter()
+                logits = self._forward(part, all_logits=score)
+                dt = time.perf_counter() - t0
+                if not score:
+                    nll, scored = logits.new_zeros(()), 0
+                elif len(part) > 1:
+                    nll, scored = F.cross_entropy(logits[:-1], target[1:], reduction="sum"), len(part) - 1
+                else:
+                    nll, scored = logits.new_zeros(()), 0
+                if score and prev is not None:
+                    nll = nll + F.cross_entropy(prev.unsqueeze(0), target[:1], reduction="sum")
+                    scored += 1
+                stats = ChunkStats(self.chunks_fed, len(part), self.seen, self.stored(), float(nll), scored,
+                                   self.cache.kv_bytes(), rss_bytes(), dt)
+                self.chunks_fed += 1
+                yield stats
+
+    def feed_ids(self, ids: list[int], chunk: int = DEFAULT_CHUNK) -> list[ChunkStats]:
+        return list(self.feed_ids_iter(ids, chunk))
+
+    def feed(self, text: str, chunk: int = DEFAULT_CHUNK) -> list[ChunkStats]:
+        """Stream raw ``text`` (no chat template) through the cache; per-chunk statistics."""
+        if not isinstance(text, str) or not text:
+            raise KVTrimError("nothing to feed: the text is empty")
+        return self.feed_ids(self._tokenize(text), chunk)
+
+    # --- persistence -----------------------------------------------------------------------------
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write ``cache.safetensors`` (KV buffers, stream indices, policy token state, logits, RNG)
+        and ``session.json`` (history, policy, counters) into ``directory`` (created)."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, torch.Tensor] = {}
+        layers = []
+        for i, layer in enumerate(self.cache.layers):
+            if not isinstance(layer, CompressedLayer):
+                if getattr(layer, "keys", None) is not None:
+                    raise KVTrimError("saving a session whose model has sliding-window layers is not supported")
+                layers.append(None)
+                continue
+            meta = {"initialized": layer.is_initialized, "seen": layer.seen, "length": layer.length,
+                    "phase": layer.phase, "n_new": layer.n_new, "token_state": sorted(layer.token_state)}
+            try:
+                meta["state"] = json.loads(json.dumps(layer.state))
+            except TypeError:
+                raise KVTrimError(f"policy {self.policy.name!r} keeps per-layer state that cannot be saved as JSON") from None
+            if layer.is_initialized:
+                tensors[f"layers.{i}.keys"] = layer.keys.contiguous()
+                tensors[f"layers.{i}.values"] = layer.values.contiguous()
+                tensors[f"layers.{i}.positions"] = layer.positions.contiguous()
+                if layer._rot is not None:
+                    tensors[f"layers.{i}.rotations"] = layer.rotations.contiguous()
+                for name in layer.token_state:
+                    tensors[f"layers.{i}.state.{name}"] = layer.state_view(name).contiguous()
+            layers.append(meta)
+        if self._last_logits is not None:
+            tensors["last_logits"] = self._last_logits.contiguous()
+        tensors["rng_state"] = self._gen.get_state()
+        save_file(tensors, str(d / "cache.safetensors"))
+        info = {
+            "format": FORMAT, "version": FORMAT_VERSION,
+            "model": _fingerprint(self.model),
+            "policy": {"name": self.policy.name, "params": _policy_params(self.policy)},
+            "chat": self.chat, "prefill_chunk": self.prefill_chunk,
+            "messages": self.messages, "turns": self.turns, "chunks_fed": self.chunks_fed,
+            "pending_ids": self._pending_ids, "pending_text": self._pending_text,
+            "layers": layers,
+        }
+        (d / "session.json").write_text(json.dumps(info, indent=1))
+        return d
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, model, tokenizer=None) -> "Session":
+        """Restore a session saved with :meth:`save` onto ``model`` (the same architecture)."""
+        from safetensors.torch import load_file
+
+        from kvtrim.registry import create_policy
+
+        d = Path(directory)
+        if not (d / "session.json").is_file() or not (d / "cache.safetensors").is_file():
+            raise KVTrimError(f"{str(d)!r} is not a saved kvtrim session (expected session.json and cache.safetensors)")
+        info = json.loads((d / "session.json").read_text())
+        if info.get("format") != FORMAT or info.get("version") != FORMAT_VERSION:
+            raise KVTrimError(f"{str(d)!r}: unsupported session format {info.get('format')!r} v{info.get('version')!r}")
+        if info["model"] != _fingerprint(model):
+            raise KVTrimError(f"the session was saved with a different model ({info['model']}); load it with the same model")
+        policy = create_policy(info["policy"]["name"], **info["policy"]["params"])
+        s = cls(model, tokenizer, policy, chat=info["chat"], prefill_chunk=info["prefill_chunk"])
+        tensors = load_file(str(d / "cache.safetensors"), device=str(s.device))
+        for i, meta in enumerate(info["layers"]):
+            if meta is None:
+                continue
+            _restore_layer(s.cache.layers[i], meta, tensors, f"layers.{i}.")
+        s.messages, s.turns, s.chunks_fed = info["messages"], info["turns"], info["chunks_fed"]
+        s._pending_ids, s._pending_text = list(info["pending_ids"]), info["pending_text"]
+        s._last_logits = tensors.get("last_logits")
+        s._gen.set_state(tensors["rng_state"].cpu())
+        return s
+
+
+def _restore_layer(layer: CompressedLayer, meta: dict, tensors: dict, prefix: str) -> None:
+    """Rebuild a ``CompressedLayer``'s buffers (with the usual slack) from saved tensors."""
+    layer.seen, layer.phase, layer.n_new = meta["seen"], meta["phase"], meta["n_new"]
+    layer.state = meta["state"]
+    if not meta["initialized"]:
+        return
+    k, v = tensors[prefix + "keys"], tensors[prefix + "values"]
+    layer.lazy_initialization(k, v)
+    n = meta["length"]
+    cap = n + layer.slack(n)
+
+    def buf(t: torch.Tensor) -> torch.Tensor:
+        out = t.new_empty(*t.shape[:2], cap, *t.shape[3:])
+        out[:, :, :n] = t
+        return out
+
+    layer._k, layer._v, layer._pos = buf(k), buf(v), buf(tensors[prefix + "positions"])
+    if layer._rot is not None:
+        layer._rot = buf(tensors[prefix + "rotations"])
+    layer.token_state = {name: buf(tensors[f"{prefix}state.{name}"]) for name in meta["token_state"]}
+    layer.length = n
+    layer.awaiting_attention = False
