@@ -307,7 +307,9 @@ class KVTrimCache(Cache):
         self.num_kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // self.num_heads)
         self.max_context = int(getattr(text_cfg, "max_position_embeddings", 0) or 0)
-        self.inv_freq: torch.Tensor | None = None
+        # rotary frequencies: needed by the reassigned/compressed policies; under "true" they are kept
+        # when available for policies that re-rotate keys themselves (Elastic Cache's aligned merge)
+        self.inv_freq: torch.Tensor | None = find_inv_freq(model) if isinstance(model, torch.nn.Module) else None
         if self.position_policy != "true":
             if not isinstance(model, torch.nn.Module):
                 raise KVTrimError(f"position policy {self.position_policy!r} needs the model (its rotary embedding), not a config")

@@ -38,6 +38,7 @@ register("full", "kvtrim.policies.full", "Full")
 register("streaming_llm", "kvtrim.policies.streaming", "StreamingLLM")
 register("h2o", "kvtrim.policies.h2o", "H2O")
 register("snapkv", "kvtrim.policies.snapkv", "SnapKV")
+register("elastic", "kvtrim.policies.elastic", "Elastic")
 
 
 def method_names() -> list[str]:
