@@ -79,6 +79,8 @@ def configs(budgets: list[float]) -> dict[str, tuple[str, dict]]:
     out[f"elastic-recent@{ab}"] = ("elastic", {"keep": ab, "eviction": "recent"})
     out[f"elastic-frequency@{ab}"] = ("elastic", {"keep": ab, "eviction": "frequency"})
     out[f"elastic-mergeall@{ab}"] = ("elastic", {"keep": ab, "merge_protected": True})
+    for b in (0.1, 0.5):  # investigation: also keep the instruction (the last 32 prompt tokens) exact
+        out[f"elastic-window32@{b}"] = ("elastic", {"keep": b, "window": 32})
     return out
 
 

@@ -137,6 +137,7 @@ class Elastic(Policy):
     chunk: int = 256
     align: bool = False
     merge_protected: bool = False
+    window: int = 0
 
     name = "elastic"
     description = "Elastic Cache: merge into top-importance anchors at the prompt, fixed-point eviction while decoding"
@@ -154,21 +155,31 @@ class Elastic(Policy):
             raise KVTrimError(f"elastic: eviction must be one of {', '.join(EVICTION)}, got {self.eviction!r}")
         if not (0.0 < float(self.ema_decay) < 1.0):
             raise KVTrimError(f"elastic: ema_decay must be in (0, 1), got {self.ema_decay!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise KVTrimError(f"elastic: window must be a non-negative integer, got {self.window!r}")
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
             raise KVTrimError(f"elastic: chunk must be a positive integer, got {self.chunk!r}")
         super().__post_init__()
 
     @property
+    def n_last(self) -> int:
+        """Prompt tokens at the end that are always kept exact (the last one, or ``window``)."""
+        return max(1, self.window)
+
+    @property
     def min_tokens(self) -> int:
-        return 2
+        return 1 + self.n_last
 
     def min_tokens_reason(self) -> str:
+        if self.window > 1:
+            return f"the first token and the last {self.window} prompt tokens"
         return "the first token and the last prompt token"
 
     def describe(self) -> dict:
         d = super().describe()
         d.update(distance=self.distance, combine=self.combine, importance=self.importance, eviction=self.eviction, align=self.align,
             merge_protected=self.merge_protected,
+            window=self.window,
         )
         return d
 
@@ -181,7 +192,7 @@ class Elastic(Policy):
         """Top-``budget`` slots of ``importance [B, S]`` with slots 0 and S-1 forced in, ascending ``[B, budget]``."""
         s = importance.float().clone()
         s[:, 0] = float("inf")
-        s[:, -1] = float("inf")
+        s[:, -self.n_last :] = float("inf")
         return torch.topk(s, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
     def merge(self, layer, anchors: torch.Tensor) -> None:
@@ -205,12 +216,12 @@ class Elastic(Policy):
         inv_freq = layer.cache.inv_freq
         if self.align and inv_freq is None:
             raise KVTrimError("elastic: align=True needs a model with a plain rotary embedding (rotary_emb.inv_freq)")
-        last = layer.length - 1
+        last = layer.length - self.n_last  # slots >= last are protected
         for i in range(b):
             a = anchors[i]
             targets = torch.arange(k, device=a.device)
             if not self.merge_protected:
-                targets = targets[(a[targets] != 0) & (a[targets] != last)]
+                targets = targets[(a[targets] != 0) & (a[targets] < last)]
             if targets.numel() == 0:
                 continue
             is_anchor = torch.zeros(layer.length, dtype=torch.bool, device=a.device)
