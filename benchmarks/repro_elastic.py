@@ -390,6 +390,38 @@ def run(args) -> None:
     meta_path.write_text(json.dumps(meta, indent=1))
 
 
+# --- where the anchors go ------------------------------------------------------------------------
+def anchor_stats(args) -> None:
+    """Share of anchors in the first 10% of the prompt and share of the instruction tail kept, per importance."""
+    from kvtrim.models import load_model
+
+    torch.set_num_threads(args.threads)
+    lm = load_model(args.model)
+    prompts = build_prompts(lm.tokenizer, args.anchor_stats, args.min_tokens, args.max_tokens, args.seed)
+    out = {"keep": 0.5, "tail_tokens": 32, "prompts": len(prompts), "by_importance": {}, "start": machine_info()}
+    _, SharedElastic, _ = _policy_classes()
+    import kvtrim
+
+    acc: dict[str, dict[str, list[float]]] = {}
+    with kvtrim.attach(lm.model), torch.inference_mode():
+        for p in prompts:
+            _, _, record = record_prompt(lm.model, p["ids"])
+            t = len(p["ids"])
+            for how in ("sum", "mean", "ema"):
+                pol = SharedElastic(keep=0.5, importance=how)
+                for i in sorted(record):
+                    q, k, _, scaling = record[i]
+                    a = pol.select_anchors(pol.layer_importance(None, q, k, scaling), pol.budget(t))[0]
+                    d = acc.setdefault(how, {"first10pct": [], "tail32_kept": []})
+                    d["first10pct"].append(float((a < t // 10).float().mean()))
+                    d["tail32_kept"].append(float((a >= t - 32).sum()) / 32)
+    for how, d in acc.items():
+        out["by_importance"][how] = {k: sum(v) / len(v) for k, v in d.items()}
+    path = ROOT / "benchmarks" / "results" / "elastic_anchor_stats.json"
+    path.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["by_importance"], indent=1))
+
+
 # --- report ---------------------------------------------------------------------------------------
 def report(args) -> None:
     rows = []
@@ -477,9 +509,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS), help="folder of the JSON-lines results")
     ap.add_argument("--no-selfcheck", dest="selfcheck", action="store_false")
     ap.add_argument("--report", action="store_true", help="aggregate finished results (no model runs)")
+    ap.add_argument("--anchor-stats", type=int, default=0, metavar="N",
+                    help="where the anchors go at keep 0.5 on the first N prompts, per importance (JSON)")
     args = ap.parse_args(argv)
     if args.report:
         report(args)
+    elif args.anchor_stats:
+        anchor_stats(args)
     else:
         run(args)
     return 0

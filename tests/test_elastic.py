@@ -328,3 +328,15 @@ def test_repro_cell_teacher_forcing_and_fork_equal_separate_runs(model, prompt):
     assert cell["gen_ids"] == gen
     assert cell["nll_sum"] == pytest.approx(nll, rel=1e-5)
     assert cell["n_tokens"] == len(ref)
+
+
+def test_window_keeps_the_last_prompt_tokens_exact(model, prompt):
+    w = 6
+    cache, _ = _prefill(model, prompt, keep=0.3, window=w)
+    t = prompt.shape[1]
+    for layer, (k_full, v_full) in zip(cache.compressed_layers, _full_kv(model, prompt)):
+        assert layer.positions[0, 0, -w:].tolist() == list(range(t - w, t))
+        torch.testing.assert_close(layer.keys[:, :, -w:], k_full[:, :, -w:])
+        torch.testing.assert_close(layer.values[:, :, -w:], v_full[:, :, -w:])
+    with pytest.raises(KVTrimError, match="the last 6 prompt tokens"):
+        Elastic(max_tokens=5, window=6)
