@@ -228,10 +228,17 @@ class CompressedLayer(CacheLayerMixin):
         shrink = self.capacity > k + 2 * self.slack(k)
         cap = k + self.slack(k)
 
+        # one index set shared by every head (an expanded [1, 1, K] index): index_select is ~10x
+        # faster than a gather with an expanded index
+        shared = idx.shape[0] == 1 and (idx.shape[1] == 1 or idx.stride(1) == 0)
+
         def take(t: torch.Tensor) -> torch.Tensor:
             src = t[:, :, : self.length]
-            ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
-            got = torch.gather(src, 2, ix)
+            if shared:
+                got = src.index_select(2, idx[0, 0])
+            else:
+                ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
+                got = torch.gather(src, 2, ix)
             new = t.new_empty(*t.shape[:2], cap, *t.shape[3:]) if shrink else t
             new[:, :, :k] = got
             return new

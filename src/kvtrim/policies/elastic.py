@@ -211,8 +211,11 @@ class Elastic(Policy):
             layer.keep_indices(idx)
             return
         keys, values = layer.keys, layer.values
-        new_k, new_v = keys.gather(2, idx.unsqueeze(-1).expand(b, h, k, keys.shape[-1])).clone(), None
-        new_v = values.gather(2, idx.unsqueeze(-1).expand(b, h, k, values.shape[-1])).clone()
+        if b == 1:
+            new_k, new_v = keys.index_select(2, anchors[0]), values.index_select(2, anchors[0])
+        else:
+            new_k = torch.stack([keys[i].index_select(1, anchors[i]) for i in range(b)])
+            new_v = torch.stack([values[i].index_select(1, anchors[i]) for i in range(b)])
         inv_freq = layer.cache.inv_freq
         if self.align and inv_freq is None:
             raise KVTrimError("elastic: align=True needs a model with a plain rotary embedding (rotary_emb.inv_freq)")
@@ -229,7 +232,7 @@ class Elastic(Policy):
             members = (~is_anchor).nonzero().squeeze(-1)
             pos = layer.positions[i, 0]
             tgt = targets[nearest_anchor(pos[members], pos[a[targets]])]  # [M] index into anchors
-            km, vm = keys[i][:, members].float(), values[i][:, members].float()
+            km, vm = keys[i].index_select(1, members).float(), values[i].index_select(1, members).float()
             if self.align:  # re-rotate each member key to its anchor's rotation before averaging
                 rot = layer.rotations[i, 0]
                 km = rotate(km, (rot[a[tgt]] - rot[members]).view(1, -1), inv_freq)
