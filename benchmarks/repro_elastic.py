@@ -451,6 +451,17 @@ def report(args) -> None:
             "ppl": math.exp(nll / ntok), "rouge_l": sum(rl) / len(rl), "n_prompts": len(rs), "n_tokens": ntok,
             "rouge_l_exact": sum(1 for x in rl if x == 1.0) / len(rl),
         }
+    # paired per-prompt comparisons: share of prompts where the first config has the lower NLL / higher ROUGE-L
+    pairs = [(f"elastic@{b}", f"{m}@{b}") for b in budgets for m in MAIN_METHODS[1:]]
+    pairs += [(f"elastic@{ab}", f"elastic-drop@{ab}") for ab in (0.5,)]
+    summary["paired"] = {}
+    for a, o in pairs:
+        if a in by and o in by and common:
+            summary["paired"][f"{a} vs {o}"] = {
+                "nll_wins": sum(by[a][p]["nll_sum"] < by[o][p]["nll_sum"] for p in common) / len(common),
+                "rouge_wins": sum(by[a][p]["rouge_l"] > by[o][p]["rouge_l"] for p in common) / len(common),
+                "rouge_ties": sum(by[a][p]["rouge_l"] == by[o][p]["rouge_l"] for p in common) / len(common),
+            }
     summary["all_finished"] = {c: len(by[c]) for c in by}
     metas = [json.loads(f.read_text()) for f in sorted(folder.glob("meta_*.json"))]
     summary["runs"] = metas
@@ -468,6 +479,9 @@ def report(args) -> None:
     for c, s in summary["configs"].items():
         if c.startswith("elastic") and c.endswith("@0.5"):
             lines.append(f"| {c} | {s['ppl']:.3f} | {s['rouge_l']:.3f} |")
+    lines += ["", "| paired, per prompt | first has lower NLL | first has higher ROUGE-L | ROUGE-L tie |", "|---|---:|---:|---:|"]
+    for k2, v in summary["paired"].items():
+        lines.append(f"| {k2} | {v['nll_wins']:.0%} | {v['rouge_wins']:.0%} | {v['rouge_ties']:.0%} |")
     print(f"{len(common)} prompts finished for every config ({summary['answer_tokens']} reference tokens)")
     print("\n".join(lines))
     # plot
