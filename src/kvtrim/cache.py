@@ -242,10 +242,17 @@ class CompressedLayer(CacheLayerMixin):
         shrink = self.capacity > k + 2 * self.slack(k)
         cap = k + self.slack(k)
 
+        # one index set shared by every head (an expanded [1, 1, K] index): index_select is ~10x
+        # faster than a gather with an expanded index
+        shared = idx.shape[0] == 1 and (idx.shape[1] == 1 or idx.stride(1) == 0)
+
         def take(t: torch.Tensor) -> torch.Tensor:
             src = t[:, :, : self.length]
-            ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
-            got = torch.gather(src, 2, ix)
+            if shared:
+                got = src.index_select(2, idx[0, 0])
+            else:
+                ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
+                got = torch.gather(src, 2, ix)
             new = t.new_empty(*t.shape[:2], cap, *t.shape[3:]) if shrink else t
             new[:, :, :k] = got
             return new
@@ -321,7 +328,9 @@ class KVTrimCache(Cache):
         self.num_kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // self.num_heads)
         self.max_context = int(getattr(text_cfg, "max_position_embeddings", 0) or 0)
-        self.inv_freq: torch.Tensor | None = None
+        # rotary frequencies: needed by the reassigned/compressed policies; under "true" they are kept
+        # when available for policies that re-rotate keys themselves (Elastic Cache's aligned merge)
+        self.inv_freq: torch.Tensor | None = find_inv_freq(model) if isinstance(model, torch.nn.Module) else None
         if self.position_policy != "true":
             if not isinstance(model, torch.nn.Module):
                 raise KVTrimError(f"position policy {self.position_policy!r} needs the model (its rotary embedding), not a config")

@@ -41,6 +41,7 @@ register("snapkv", "kvtrim.policies.snapkv", "SnapKV")
 register("fastv", "kvtrim.policies.fastv", "FastV")
 register("hae", "kvtrim.policies.hae", "HAE")
 register("inf_mllm", "kvtrim.policies.inf_mllm", "InfMLLM")
+register("elastic", "kvtrim.policies.elastic", "Elastic")
 
 
 def method_names() -> list[str]:

@@ -1,0 +1,290 @@
+"""``elastic``: Elastic Cache (Liu et al., ECCV 2024, arXiv 2407.18121).
+
+"One sequence, two policies":
+
+* **Instruction encoding (prefill): importance-based merging.** Per layer, the importance of a
+  prompt token is the column sum of the prompt's causal self-attention probabilities, averaged
+  over all query heads: ``I_n = mean_h sum_m A_h[m, n]``. It is computed from ``q`` and ``k`` in
+  chunks of ``chunk`` queries, each chunk against only the keys it can see, so a T-token prompt
+  needs ``chunk x T`` floats per head at once, never ``T x T``. The top ``floor(keep * T)``
+  tokens become *anchors* (the first token and the last prompt token are always anchors).
+  Every other token is merged into the anchor nearest to it by stream position; each anchor's
+  key and value become the unweighted mean of itself and its members. One index set per layer,
+  shared by all KV heads (as in the paper).
+* **Generation (decode): fixed-point eviction.** The budget is elastic:
+  ``budget(t) = floor(keep * (T + t))`` after ``t`` generated tokens. Whenever the cache exceeds
+  it, the entry at one fixed slot ``P`` is deleted. ``P = L - distance`` is set once after the
+  prompt, with ``L`` the compressed prompt length (``distance = 24``, METHODS.md §2). The slots
+  before ``P`` are a frozen prefix; from ``P`` on the cache is a queue. Guard: ``P >= 1``, so the
+  first token is never evicted when the compressed prompt is shorter than ``distance + 1``.
+
+Design decisions where the sources are silent or differ (METHODS.md [open] items):
+
+* Tie rule: a token exactly half-way between two anchors joins the *earlier* anchor (the
+  official code's ``argmin`` over ascending anchors does the same).
+* Anchors are the intended top-k of the importance (the official code confuses ranks with token
+  indices); the official code also always keeps a few start tokens (``start_size``, 1 in its
+  evaluation scripts); kvtrim forces the first token in, as the spec says.
+* ``distance`` is 24 as the spec states; the official code's ``distance=-25`` gives
+  ``P = L - 25`` (one more recent slot). It is a parameter.
+* A later multi-token forward (a new user turn) is encoded like the prompt: importance from the
+  turn's queries over all stored keys, then a merge of everything stored down to
+  ``floor(keep * seen)`` and a new ``P``. The paper covers single-turn requests only.
+* With ``max_tokens`` instead of ``keep`` the budget is fixed: the prompt is merged to
+  ``max_tokens`` and decoding evicts at ``P`` every step.
+* Default position policy ``true``: ``compressed`` (what the official code does implicitly: a new
+  token's position is the stored length) is offered for faithful reproduction
+  (``position="compressed"``). See docs/elastic.md for the measured difference.
+
+Ablation switches (the paper's Table of ablations):
+
+* ``combine``: ``"merge"`` (default) or ``"drop"`` (keep the anchors, discard the rest).
+* ``importance``: ``"sum"`` (default, column sum), ``"mean"`` (column sum divided by the number
+  of queries that can see the key) or ``"ema"`` (exponential moving average over the query rows
+  in order, ``I <- decay * I + (1 - decay) * A[m]``, ``decay = ema_decay``, default 0.99: the
+  last ~100 queries dominate). The paper does not publish its mean and moving-average formulas;
+  these are kvtrim's readings.
+* ``eviction``: ``"fixed"`` (default, slot ``P``), ``"recent"`` (slot 1: keep the first token
+  and a queue of the most recent entries, StreamingLLM-like) or ``"frequency"`` (the entry with
+  the lowest accumulated importance, the first token and the newest one protected; decode rows
+  keep adding their head-averaged attention, H2O-like).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtrim.errors import KVTrimError
+from kvtrim.policies.base import Policy
+from kvtrim.rope import rotate
+
+COMBINE = ("merge", "drop")
+IMPORTANCE = ("sum", "mean", "ema")
+EVICTION = ("fixed", "recent", "frequency")
+
+
+def attention_importance(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    scaling: float,
+    how: str = "sum",
+    decay: float = 0.99,
+    chunk: int = 256,
+) -> torch.Tensor:
+    """Head-averaged importance of every key from the causal attention of all ``q`` queries: ``[B, S]``.
+
+    ``query [B, Hq, q, D]`` (post-RoPE), ``key [B, Hkv, S, D]`` with the queries' own keys last
+    (query ``i`` sees keys ``<= S - q + i``). ``how``: ``"sum"`` = column sums of the softmax
+    rows; ``"mean"`` = column sums / number of queries that see the key; ``"ema"`` = rows weighted
+    ``(1 - decay) * decay**(q - 1 - m)``. Float32; ``chunk`` queries at a time, each chunk against
+    the keys up to its last query only (the masked upper triangle is never computed).
+    """
+    b, hq, q, d = query.shape
+    n_kv, s = key.shape[1], key.shape[-2]
+    g = hq // n_kv
+    off = s - q
+    out = torch.zeros(b, s, dtype=torch.float32, device=key.device)
+    kf = key.float()
+    for start in range(0, q, chunk):
+        stop = min(q, start + chunk)
+        kmax = off + stop
+        qg = query[:, :, start:stop].float().reshape(b, n_kv, g, stop - start, d)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf[:, :, :kmax]) * scaling
+        qi = torch.arange(off + start, off + stop, device=key.device).unsqueeze(1)
+        kj = torch.arange(kmax, device=key.device).unsqueeze(0)
+        probs = torch.softmax(logits.masked_fill(kj > qi, float("-inf")), dim=-1)
+        if how == "ema":
+            m = torch.arange(start, stop, device=key.device, dtype=torch.float64)
+            w = ((1.0 - decay) * decay ** (q - 1 - m)).float()
+            probs = probs * w.view(1, 1, 1, -1, 1)
+        out[:, :kmax] += probs.sum(dim=-2).mean(dim=(1, 2))
+    if how == "mean":
+        j = torch.arange(s, device=key.device)
+        seen_by = (q - (j - off).clamp(min=0)).clamp(min=1)
+        out = out / seen_by
+    return out
+
+
+def nearest_anchor(positions: torch.Tensor, anchor_positions: torch.Tensor) -> torch.Tensor:
+    """For each token, the index (into ``anchor_positions``) of the anchor nearest to it by position.
+
+    ``positions [N]``, ``anchor_positions [K]`` ascending, ``K >= 1``. A token exactly half-way
+    between two anchors goes to the earlier one.
+    """
+    left = (torch.searchsorted(anchor_positions, positions, right=True) - 1).clamp(min=0)
+    right = (left + 1).clamp(max=anchor_positions.numel() - 1)
+    d_left = (positions - anchor_positions[left]).abs()
+    d_right = (anchor_positions[right] - positions).abs()
+    return torch.where(d_right < d_left, right, left)
+
+
+@dataclass
+class Elastic(Policy):
+    """Args (defaults in brackets): ``distance`` [24] - recent slots kept behind the fixed
+    eviction point, ``P = L - distance``; ``combine`` ["merge"] | "drop"; ``importance`` ["sum"] |
+    "mean" | "ema"; ``ema_decay`` [0.99]; ``eviction`` ["fixed"] | "recent" | "frequency";
+    ``chunk`` [256] - queries per importance chunk (memory ``chunk x T`` per head).
+    ``per_head`` must stay False: Elastic Cache shares one index set per layer."""
+
+    per_head: bool = False
+    distance: int = 24
+    combine: str = "merge"
+    importance: str = "sum"
+    ema_decay: float = 0.99
+    eviction: str = "fixed"
+    chunk: int = 256
+    align: bool = False
+    merge_protected: bool = False
+    window: int = 0
+
+    name = "elastic"
+    description = "Elastic Cache: merge into top-importance anchors at the prompt, fixed-point eviction while decoding"
+
+    def __post_init__(self) -> None:
+        if self.per_head:
+            raise KVTrimError("elastic: per_head=True is not supported; Elastic Cache keeps one index set per layer")
+        if isinstance(self.distance, bool) or not isinstance(self.distance, int) or self.distance < 0:
+            raise KVTrimError(f"elastic: distance must be a non-negative integer, got {self.distance!r}")
+        if self.combine not in COMBINE:
+            raise KVTrimError(f"elastic: combine must be one of {', '.join(COMBINE)}, got {self.combine!r}")
+        if self.importance not in IMPORTANCE:
+            raise KVTrimError(f"elastic: importance must be one of {', '.join(IMPORTANCE)}, got {self.importance!r}")
+        if self.eviction not in EVICTION:
+            raise KVTrimError(f"elastic: eviction must be one of {', '.join(EVICTION)}, got {self.eviction!r}")
+        if not (0.0 < float(self.ema_decay) < 1.0):
+            raise KVTrimError(f"elastic: ema_decay must be in (0, 1), got {self.ema_decay!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise KVTrimError(f"elastic: window must be a non-negative integer, got {self.window!r}")
+        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
+            raise KVTrimError(f"elastic: chunk must be a positive integer, got {self.chunk!r}")
+        super().__post_init__()
+
+    @property
+    def n_last(self) -> int:
+        """Prompt tokens at the end that are always kept exact (the last one, or ``window``)."""
+        return max(1, self.window)
+
+    @property
+    def min_tokens(self) -> int:
+        return 1 + self.n_last
+
+    def min_tokens_reason(self) -> str:
+        if self.window > 1:
+            return f"the first token and the last {self.window} prompt tokens"
+        return "the first token and the last prompt token"
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update(distance=self.distance, combine=self.combine, importance=self.importance, eviction=self.eviction, align=self.align,
+            merge_protected=self.merge_protected,
+            window=self.window,
+        )
+        return d
+
+    # --- instruction encoding ----------------------------------------------------------------------
+    def layer_importance(self, layer, query, key, scaling) -> torch.Tensor:
+        """Importance of each stored token of ``layer``, ``[B, stored]`` (see ``attention_importance``)."""
+        return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk)
+
+    def select_anchors(self, importance: torch.Tensor, budget: int) -> torch.Tensor:
+        """Top-``budget`` slots of ``importance [B, S]`` with slots 0 and S-1 forced in, ascending ``[B, budget]``."""
+        s = importance.float().clone()
+        s[:, 0] = float("inf")
+        s[:, -self.n_last :] = float("inf")
+        return torch.topk(s, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
+
+    def merge(self, layer, anchors: torch.Tensor) -> None:
+        """Keep ``anchors [B, K]`` (slots, ascending, the first and last stored slot among them).
+
+        With ``combine="merge"`` every other token joins the nearest *mergeable* anchor and that
+        anchor's key and value become the unweighted mean of itself and its members. The first
+        and the last slot are mergeable only with ``merge_protected=True``; by default they stay
+        exact, as in the official code (the first token is the attention sink). With no mergeable
+        anchor (a budget of 2) the other tokens are dropped.
+        """
+        b, h = layer.keys.shape[:2]
+        k = anchors.shape[-1]
+        idx = anchors.unsqueeze(1).expand(b, h, k)
+        if self.combine == "drop":
+            layer.keep_indices(idx)
+            return
+        keys, values = layer.keys, layer.values
+        if b == 1:
+            new_k, new_v = keys.index_select(2, anchors[0]), values.index_select(2, anchors[0])
+        else:
+            new_k = torch.stack([keys[i].index_select(1, anchors[i]) for i in range(b)])
+            new_v = torch.stack([values[i].index_select(1, anchors[i]) for i in range(b)])
+        inv_freq = layer.cache.inv_freq
+        if self.align and inv_freq is None:
+            raise KVTrimError("elastic: align=True needs a model with a plain rotary embedding (rotary_emb.inv_freq)")
+        last = layer.length - self.n_last  # slots >= last are protected
+        for i in range(b):
+            a = anchors[i]
+            targets = torch.arange(k, device=a.device)
+            if not self.merge_protected:
+                targets = targets[(a[targets] != 0) & (a[targets] < last)]
+            if targets.numel() == 0:
+                continue
+            is_anchor = torch.zeros(layer.length, dtype=torch.bool, device=a.device)
+            is_anchor[a] = True
+            members = (~is_anchor).nonzero().squeeze(-1)
+            pos = layer.positions[i, 0]
+            tgt = targets[nearest_anchor(pos[members], pos[a[targets]])]  # [M] index into anchors
+            km, vm = keys[i].index_select(1, members).float(), values[i].index_select(1, members).float()
+            if self.align:  # re-rotate each member key to its anchor's rotation before averaging
+                rot = layer.rotations[i, 0]
+                km = rotate(km, (rot[a[tgt]] - rot[members]).view(1, -1), inv_freq)
+            count = 1.0 + torch.bincount(tgt, minlength=k).to(torch.float32).view(1, k, 1)
+            sk = new_k[i].float().index_add_(1, tgt, km)
+            sv = new_v[i].float().index_add_(1, tgt, vm)
+            new_k[i] = (sk / count).to(keys.dtype)
+            new_v[i] = (sv / count).to(values.dtype)
+        layer.replace(new_k, new_v, idx)
+
+    def on_prefill(self, layer, query, key, scaling) -> None:
+        if self.compresses and layer.length < self.min_tokens:
+            raise KVTrimError(
+                f"elastic: the prompt has {layer.length} token(s), fewer than the {self.min_tokens} it always keeps "
+                f"({self.min_tokens_reason()}); give a longer prompt or use keep=1.0"
+            )
+        need_imp = self.eviction == "frequency"
+        budget = self.budget(layer.seen)
+        imp = None
+        if layer.length > budget or need_imp:
+            imp = self.layer_importance(layer, query, key, scaling)
+        if layer.length > budget:
+            anchors = self.select_anchors(imp, budget)
+            self.merge(layer, anchors)
+            imp = torch.gather(imp, 1, anchors)
+        if need_imp:
+            acc = layer.new_token_state("elastic_importance")
+            acc[:, :, : layer.length] = imp.unsqueeze(1)
+        layer.state["elastic_P"] = max(1, layer.length - self.distance)
+
+    def on_turn(self, layer, query, key, scaling) -> None:
+        self.on_prefill(layer, query, key, scaling)
+
+    # --- generation --------------------------------------------------------------------------------
+    def eviction_slot(self, layer) -> int:
+        """The slot the next decode-time eviction deletes."""
+        if self.eviction == "fixed":
+            return min(layer.state["elastic_P"], layer.length - 1)
+        if self.eviction == "recent":
+            return 1
+        acc = layer.state_view("elastic_importance")[0, 0, 1 : layer.length - 1]
+        return 1 + int(torch.argmin(acc))
+
+    def on_decode(self, layer, query, key, scaling) -> None:
+        if self.eviction == "frequency":
+            from kvtrim.scores import window_probs
+
+            row = window_probs(query, key, scaling, 1)[..., 0, :].mean(dim=(1, 2))  # [B, S]
+            layer.state_view("elastic_importance")[:] += row.unsqueeze(1)
+        budget = self.budget(layer.seen)
+        b, h = layer.keys.shape[:2]
+        while layer.length > budget:
+            p = self.eviction_slot(layer)
+            keep = torch.cat([torch.arange(p), torch.arange(p + 1, layer.length)]).to(layer.keys.device)
+            layer.keep_indices(keep.view(1, 1, -1).expand(b, h, -1))
