@@ -46,7 +46,7 @@ PATTERNS = {"a_shape": AShape, "vertical_slash": VerticalSlash, "block_sparse": 
 SIZE_KEYS = {"a_shape": ("n_init", "n_local"), "vertical_slash": ("k_v", "k_s"), "block_sparse": ("k_b",)}
 # Below this many prompt tokens the default SparsePrefill runs dense (see docs/minference.md for
 # the measured crossover on this machine).
-DEFAULT_MIN_LENGTH = 2048
+DEFAULT_MIN_LENGTH = 4096
 
 
 def make_pattern(name: str, **sizes):
