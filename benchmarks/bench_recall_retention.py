@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_recall import configs  # noqa: E402
-from bench_stream import machine_info  # noqa: E402
+from _bench import machine_info  # noqa: E402
 
 
 def fact_retention(session, sample) -> list[float]:

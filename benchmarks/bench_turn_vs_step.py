@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_stream import machine_info  # noqa: E402
+from _bench import machine_info, print_table_or_require_out  # noqa: E402
 
 
 def table(r: dict) -> str:
@@ -49,11 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="JSON output (required unless --table)")
     ap.add_argument("--table", help="print the README table of an existing result JSON and exit")
     args = ap.parse_args(argv)
-    if args.table:
-        print(table(json.loads(Path(args.table).read_text())))
+    if print_table_or_require_out(ap, args, table):
         return 0
-    if not args.out:
-        ap.error("--out is required")
 
     from kvtrim.data import pydoc_text
     from kvtrim.generation import generate_ids
