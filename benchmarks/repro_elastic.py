@@ -107,68 +107,8 @@ def build_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[di
 
 
 # --- recording the prompt once and replaying it per configuration --------------------------------
-def _policy_classes():
-    from kvtrim.policies.base import Policy
-    from kvtrim.policies.elastic import Elastic
-    from kvtrim.policies.h2o import H2O
-    from kvtrim.scores import causal_column_sums, group_reduce
-
-    @dataclass
-    class Recorder(Policy):
-        """Keeps everything and records each layer's prefill (query, key, value, scaling)."""
-
-        name = "recorder"
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            self.record: dict[int, tuple] = {}
-
-        def on_prefill(self, layer, query, key, scaling) -> None:
-            self.record[layer.layer_idx] = (query.clone(), key.clone(), layer.values.clone(), scaling)
-
-    @dataclass
-    class SharedElastic(Elastic):
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            self.memo: dict | None = None
-
-        def layer_importance(self, layer, query, key, scaling):
-            if self.memo is None:
-                return super().layer_importance(layer, query, key, scaling)
-            k = ("elastic", layer.layer_idx, self.importance, self.ema_decay)
-            if k not in self.memo:
-                self.memo[k] = super().layer_importance(layer, query, key, scaling)
-            return self.memo[k]
-
-    @dataclass
-    class SharedH2O(H2O):
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            self.memo: dict | None = None
-
-        def _accumulate(self, layer, query, key, scaling) -> None:
-            if self.memo is None or query.shape[-2] == 1:
-                return super()._accumulate(layer, query, key, scaling)
-            k = ("h2o", layer.layer_idx)
-            if k not in self.memo:  # same arithmetic as H2O._accumulate at prefill
-                self.memo[k] = group_reduce(causal_column_sums(query, key, scaling), "sum")
-            layer.new_token_state("h2o_acc")[:, :, : layer.length] += self.memo[k]
-
-    return Recorder, SharedElastic, SharedH2O
-
-
-def make_policy(method: str, params: dict, memo: dict | None):
-    from kvtrim.registry import create_policy
-
-    _, SharedElastic, SharedH2O = _policy_classes()
-    if method == "elastic":
-        pol = SharedElastic(**params)
-    elif method == "h2o":
-        pol = SharedH2O(**params)
-    else:
-        return create_policy(method, **params)
-    pol.memo = memo
-    return pol
+# (kvtrim.eval.replay: the forward pass does not depend on the method, so it runs once per prompt)
+from kvtrim.eval.replay import SharedElastic, make_policy, record_prefill, replay  # noqa: E402
 
 
 def forward_step(model, cache, tok: int) -> torch.Tensor:
@@ -184,26 +124,8 @@ def forward_step(model, cache, tok: int) -> torch.Tensor:
 
 def record_prompt(model, ids: list[int]):
     """Full prefill with the recording policy: (cache, last logits, per-layer record)."""
-    from kvtrim.cache import KVTrimCache
-    from kvtrim.integrations.hf import cache_kwarg
-
-    Recorder, _, _ = _policy_classes()
-    rec = Recorder()
-    cache = KVTrimCache(model, rec)
-    out = model(input_ids=torch.tensor([ids]), **{cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 1})
-    return cache, out.logits[0, -1].float(), rec.record
-
-
-def replay(model, policy, record):
-    """A fresh cache for ``policy`` whose prefill hook ran on the recorded q/k/v of every layer."""
-    from kvtrim.cache import KVTrimCache
-
-    cache = KVTrimCache(model, policy)
-    for i, layer in enumerate(cache.layers):
-        q, k, v, scaling = record[i]
-        layer.update(k.clone(), v.clone())
-        cache.after_attention(layer, q, k, scaling)
-    return cache
+    rec = record_prefill(model, ids, keep_cache=True)
+    return rec.cache, rec.logits, rec.record
 
 
 def greedy_reference(model, cache, logits, n_new: int, eos: int | None) -> list[int]:
@@ -399,7 +321,6 @@ def anchor_stats(args) -> None:
     lm = load_model(args.model)
     prompts = build_prompts(lm.tokenizer, args.anchor_stats, args.min_tokens, args.max_tokens, args.seed)
     out = {"keep": 0.5, "tail_tokens": 32, "prompts": len(prompts), "by_importance": {}, "start": machine_info()}
-    _, SharedElastic, _ = _policy_classes()
     import kvtrim
 
     acc: dict[str, dict[str, list[float]]] = {}

@@ -18,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 def tiny_llama(n_kv: int = 2, groups: int = 3, layers: int = 3, head_dim: int = 16, seed: int = 0, **extra):
     """A tiny Llama with GQA ``groups``:1, float32, SDPA attention, eval mode."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    kw = dict(
         vocab_size=128,
         hidden_size=96,
         intermediate_size=160,
@@ -28,8 +28,8 @@ def tiny_llama(n_kv: int = 2, groups: int = 3, layers: int = 3, head_dim: int = 
         head_dim=head_dim,
         max_position_embeddings=256,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        **extra,
     )
+    cfg = LlamaConfig(**(kw | extra))
     model = LlamaForCausalLM(cfg).eval()
     model.set_attn_implementation("sdpa")
     return model

@@ -1,4 +1,5 @@
-"""The ``kvtrim`` command line: ``methods``, ``generate``, ``search-patterns``, ``demo``, ``chat``, ``stream``.
+"""The ``kvtrim`` command line: ``methods``, ``generate``, ``search-patterns``, ``demo``, ``chat``, ``stream``,
+``eval``, ``report``, ``bench``.
 
 Errors in user input print one line ``kvtrim: error: ...`` naming the problem and what is
 allowed, and exit with status 2.
@@ -275,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtrim.cli_session import add_session_commands
 
     add_session_commands(sub)  # chat, stream
+    from kvtrim.cli_eval import add_eval_commands
+
+    add_eval_commands(sub)  # eval, report, bench
     return p
 
 

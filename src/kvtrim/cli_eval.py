@@ -1,0 +1,108 @@
+"""``kvtrim eval``, ``kvtrim report`` and ``kvtrim bench``: the evaluation and benchmark suite's commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvtrim.errors import KVTrimError
+
+
+def _shard(text: str | None) -> tuple[int, int]:
+    if not text:
+        return 0, 1
+    i, sep, n = text.partition("/")
+    try:
+        shard = (int(i), int(n))
+    except ValueError:
+        raise KVTrimError(f"--shard takes I/N (e.g. 0/2); got {text!r}") from None
+    if not sep or shard[1] < 1 or not 0 <= shard[0] < shard[1]:
+        raise KVTrimError(f"--shard takes I/N with 0 <= I < N; got {text!r}")
+    return shard
+
+
+def cmd_eval(args) -> int:
+    from kvtrim.eval.runner import check_out_dir, make_plan, run_eval
+    from kvtrim.models import load_model
+
+    plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
+                     prefill=args.prefill, haystack=args.haystack)
+    shard = _shard(args.shard)
+    check_out_dir(args.out)  # fail on an unwritable directory before the model loads
+    lm = load_model(args.model)
+    summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet)
+    cells = summary["cells"]
+    print(f"kvtrim eval: {summary['n_lines']} result lines, {len(cells)} cells in {args.out} "
+          f"(summary.json; `kvtrim report {args.out}` for tables and plots)", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from kvtrim.eval.report import render, summarize, load_dirs, write_report
+
+    if args.json:
+        print(json.dumps(summarize(load_dirs(args.dirs)), indent=1))
+        return 0
+    summary = write_report(args.dirs, args.out, readme=args.readme, plots=not args.no_plots,
+                           image_prefix=args.image_prefix)
+    print(render(summary, None))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from kvtrim.eval.bench import make_bench_plan, run_bench, table
+
+    plan = make_bench_plan(args.methods, args.keep, args.lengths, args.reps, args.new_tokens, args.prefill, args.threads)
+    result = run_bench(args.model, plan, rss=not args.no_rss, progress=not args.quiet)
+    if args.out:
+        from pathlib import Path
+
+        try:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        except OSError as e:
+            raise KVTrimError(f"cannot write --out {args.out!r}: {e.strerror or e}") from None
+    print(table(result))
+    return 0
+
+
+def add_eval_commands(sub) -> None:
+    from kvtrim.eval.runner import DEFAULT_KEEPS, DEFAULT_METHODS
+
+    e = sub.add_parser("eval", help="resumable quality sweep: tasks x lengths x methods x budgets, JSONL per sample")
+    e.add_argument("tasks", help="comma-separated tasks: passkey, niah_single, niah_multikey, niah_multivalue, "
+                                 "niah_multiquery, vt, cwe, fwe, multiturn, ppl, labelfree")
+    e.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
+    e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods; full is always included")
+    e.add_argument("--keep", default=",".join(map(str, DEFAULT_KEEPS)), help="comma-separated budgets in (0, 1) (default 0.1,0.25,0.5)")
+    e.add_argument("--length", default="2048", help="comma-separated prompt lengths in tokens (default 2048)")
+    e.add_argument("--samples", type=int, default=20, help="samples per cell, depths spread evenly (default 20)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--prefill", default="dense", help="prefill attention: dense or minference/a_shape/vertical_slash/block_sparse")
+    e.add_argument("--haystack", help="haystack for the needle tasks: prose (default), essays, pydoc, filler")
+    e.add_argument("--shard", help="I/N: run every N-th sample unit starting at I (N processes can share --out)")
+    e.add_argument("--quiet", action="store_true", help="no progress bar")
+    e.add_argument("--out", required=True, help="output directory (created; a rerun resumes)")
+    e.set_defaults(func=cmd_eval)
+
+    r = sub.add_parser("report", help="markdown tables and PNG plots from kvtrim eval result directories")
+    r.add_argument("dirs", nargs="+", help="result directories of kvtrim eval (and anchors in the same line format)")
+    r.add_argument("--out", help="where report.md and the PNGs go (default: the first directory)")
+    r.add_argument("--readme", help="also replace the kvtrim-report block of this markdown file")
+    r.add_argument("--image-prefix", help="path of the PNGs as written in --readme links (default: relative '.')")
+    r.add_argument("--no-plots", action="store_true")
+    r.add_argument("--json", action="store_true", help="print the aggregated cells as JSON and write nothing")
+    r.set_defaults(func=cmd_report)
+
+    b = sub.add_parser("bench", help="speed and memory: prefill vs length, decode per token, resident KV bytes, peak RSS")
+    b.add_argument("--model")
+    b.add_argument("--methods", default="full,snapkv,streaming_llm", help="comma-separated methods (default full,snapkv,streaming_llm)")
+    b.add_argument("--keep", type=float, default=0.25, help="budget of the compressing methods (default 0.25)")
+    b.add_argument("--lengths", default="1024,2048,4096", help="comma-separated prompt lengths (default 1024,2048,4096)")
+    b.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
+    b.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run (default 32)")
+    b.add_argument("--prefill", default="dense", help="prefill attention mode (dense, minference, ...)")
+    b.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    b.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs (one subprocess per configuration)")
+    b.add_argument("--quiet", action="store_true")
+    b.add_argument("--out", help="write the JSON result here")
+    b.set_defaults(func=cmd_bench)

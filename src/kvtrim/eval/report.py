@@ -1,0 +1,296 @@
+"""``kvtrim report``: tables (markdown) and plots (PNG) from the result lines of ``kvtrim eval``.
+
+:func:`summarize` aggregates lines into cells keyed by (task, length, method, keep, prefill):
+
+- ``score``: the mean over samples (``ppl``: the perplexity pooled over all continuation tokens,
+  ``exp(sum nll / sum tokens)``; lower is better). ``labelfree``: mean ROUGE-L F1 against the full
+  cache's answer, and ``ref_ppl``, the pooled perplexity of that answer under the method's cache.
+- ``rel_full``: the cell's score divided by the full cache's on *the same samples* (for ``ppl``
+  and ``ref_ppl``: the ratio of perplexities, so 1.05 = 5% worse).
+- ``kv_bytes``: mean resident key/value bytes at the end of the sample; ``kv_frac``: that over the
+  full cache's mean on the same samples.
+- ``prefill_s``: median prefill seconds; ``decode_ms``: median decode milliseconds per token.
+
+:func:`write_report` writes ``report.md`` and PNG plots (matplotlib): score vs budget per task
+(one panel per task, one line per method, the full cache dashed), KV bytes vs budget, prefill
+and decode time vs length. ``--readme FILE`` replaces the block between
+``<!-- kvtrim-report:start -->`` and ``<!-- kvtrim-report:end -->`` in FILE with the main tables,
+so the README's results are produced from committed result files, never typed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+from kvtrim.errors import KVTrimError
+
+START = "<!-- kvtrim-report:start -->"
+END = "<!-- kvtrim-report:end -->"
+LOWER_IS_BETTER = ("ppl",)
+
+
+def _keep(v):
+    return None if v is None else round(float(v), 6)
+
+
+def summarize(lines: Iterable[dict]) -> dict:
+    """Aggregate result lines into cells (see the module docstring); returns ``{"cells": [...], "n_lines": N}``."""
+    lines = list(lines)
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in lines:
+        groups[(r["task"], int(r["length"]), r["method"], _keep(r.get("keep")), r.get("prefill", "dense"))].append(r)
+    full_by_sample: dict[tuple, dict] = {}
+    for r in lines:
+        if r["method"] == "full":
+            full_by_sample[(r["task"], int(r["length"]), r.get("prefill", "dense"), int(r["sample"]))] = r
+    cells = []
+    for (task, length, method, keep, prefill), rows in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
+        cell = {"task": task, "length": length, "method": method, "keep": keep, "prefill": prefill, "n": len(rows)}
+        cell["score"] = _score(task, rows)
+        fulls = [full_by_sample.get((task, length, prefill, int(r["sample"]))) for r in rows]
+        paired = [(r, f) for r, f in zip(rows, fulls) if f is not None]
+        cell["n_paired"] = len(paired)
+        if paired:
+            s_m = _score(task, [r for r, _ in paired])
+            s_f = _score(task, [f for _, f in paired])
+            cell["full_score"] = s_f
+            cell["rel_full"] = (s_m / s_f) if s_f else (1.0 if s_m == s_f else None)
+            kv_f = statistics.fmean(f["kv_bytes"] for _, f in paired)
+            cell["kv_frac"] = statistics.fmean(r["kv_bytes"] for r, _ in paired) / kv_f if kv_f else None
+        if task == "labelfree":
+            refs = [r for r in rows if r.get("ref_nll_sum") is not None and r.get("ref_tokens")]
+            if refs:
+                cell["ref_ppl"] = math.exp(sum(r["ref_nll_sum"] for r in refs) / sum(r["ref_tokens"] for r in refs))
+        cell["kv_bytes"] = statistics.fmean(r["kv_bytes"] for r in rows)
+        cell["prefill_s"] = statistics.median(r["prefill_seconds"] for r in rows)
+        per_tok = [r["decode_seconds"] / r["decode_steps"] for r in rows if r.get("decode_steps")]
+        cell["decode_ms"] = 1000 * statistics.median(per_tok) if per_tok else None
+        cells.append(cell)
+    return {"cells": cells, "n_lines": len(lines)}
+
+
+def _score(task: str, rows: list[dict]) -> float:
+    if task == "ppl":
+        return math.exp(sum(r["nll_sum"] for r in rows) / sum(r["n_target"] for r in rows))
+    return statistics.fmean(float(r["score"]) for r in rows)
+
+
+def _sort_key(key: tuple) -> tuple:
+    task, length, method, keep, prefill = key
+    return (length, task, prefill, method != "full", method, -1 if keep is None else keep)
+
+
+# ----------------------------------------------------------------------------- tables
+def _fmt(task: str, v) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.1f}" if task == "ppl" else f"{v:.2f}"
+
+
+def _label(method: str, keep) -> str:
+    return method if keep is None else f"{method} @{keep:g}"
+
+
+def score_table(cells: list[dict], length: int, prefill: str = "dense") -> str:
+    """Markdown: rows = method @ keep, columns = tasks (score, and its ratio to full), at one length."""
+    sel = [c for c in cells if c["length"] == length and c["prefill"] == prefill]
+    tasks = list(dict.fromkeys(c["task"] for c in sel))
+    rows = list(dict.fromkeys((c["method"], c["keep"]) for c in sel))
+    by = {(c["task"], c["method"], c["keep"]): c for c in sel}
+    n = sorted({c["n"] for c in sel})
+    head = "| method @ keep | " + " | ".join(tasks) + " | mean rel. to full |"
+    out = [head, "|---|" + "---:|" * (len(tasks) + 1)]
+    for m, k in rows:
+        vals, rels = [], []
+        for t in tasks:
+            c = by.get((t, m, k))
+            if c is None:
+                vals.append("—")
+                continue
+            vals.append(_fmt(t, c["score"]))
+            r = c.get("rel_full")
+            if r is not None:
+                rels.append(1.0 / r if t in LOWER_IS_BETTER and r else r)
+        mean_rel = f"{statistics.fmean(rels):.0%}" if rels else "—"
+        out.append(f"| {_label(m, k)} | " + " | ".join(vals) + f" | {mean_rel} |")
+    note = (f"\n\n{length} tokens, prefill {prefill}; samples per cell: {', '.join(map(str, n))}. Scores: mean "
+            "(passkey/niah/multiturn: fraction correct; multi-answer tasks: recall; labelfree: ROUGE-L F1 against the "
+            "full cache's answer; ppl: pooled perplexity, lower is better). Last column: mean over tasks of the "
+            "score relative to the full cache on the same samples (ppl inverted).")
+    return "\n".join(out) + note
+
+
+def cost_table(cells: list[dict], prefill: str = "dense") -> str:
+    """Markdown: rows = method @ keep, columns per length: KV MB (fraction of full), prefill s, decode ms/token."""
+    sel = [c for c in cells if c["prefill"] == prefill]
+    lengths = sorted({c["length"] for c in sel})
+    rows = list(dict.fromkeys((c["method"], c["keep"]) for c in sel))
+    head = "| method @ keep | " + " | ".join(f"KV MB @{n} | prefill s @{n} | decode ms/tok @{n}" for n in lengths) + " |"
+    out = [head, "|---|" + "---:|" * (3 * len(lengths))]
+    for m, k in rows:
+        parts = []
+        for n in lengths:
+            cs = [c for c in sel if c["method"] == m and c["keep"] == k and c["length"] == n]
+            if not cs:
+                parts += ["—"] * 3
+                continue
+            kv = statistics.fmean(c["kv_bytes"] for c in cs) / 1e6
+            frac = [c["kv_frac"] for c in cs if c.get("kv_frac") is not None]
+            pre = statistics.median(c["prefill_s"] for c in cs)
+            dec = [c["decode_ms"] for c in cs if c.get("decode_ms") is not None]
+            parts += [f"{kv:.1f} ({statistics.fmean(frac):.0%})" if frac else f"{kv:.1f}", f"{pre:.2f}",
+                      f"{statistics.median(dec):.1f}" if dec else "—"]
+        out.append(f"| {_label(m, k)} | " + " | ".join(parts) + " |")
+    return "\n".join(out) + ("\n\nKV MB: mean resident key/value bytes at the end of a sample (10^6 bytes), in brackets the "
+                             "fraction of the full cache's; times: medians over the cells' samples (all tasks).")
+
+
+# ----------------------------------------------------------------------------- plots
+def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sel = [c for c in cells if c["prefill"] == prefill]
+    paths = []
+    lengths = sorted({c["length"] for c in sel})
+    tasks = list(dict.fromkeys(c["task"] for c in sel))
+    methods = [m for m in dict.fromkeys(c["method"] for c in sel) if m != "full"]
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    for n in lengths:
+        cols = min(4, len(tasks))
+        rows = math.ceil(len(tasks) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+        for ax, t in zip(axes.flat, tasks):
+            cs = [c for c in sel if c["length"] == n and c["task"] == t]
+            for m in methods:
+                pts = sorted((c["keep"], c["score"]) for c in cs if c["method"] == m and c["keep"] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", color=colors[m], label=m)
+            full = [c["score"] for c in cs if c["method"] == "full"]
+            if full:
+                ax.axhline(full[0], color="black", linestyle="--", linewidth=1, label="full")
+            ax.set_title(t, fontsize=9)
+            ax.set_xlabel("keep", fontsize=8)
+            ax.set_ylabel("perplexity" if t == "ppl" else "score", fontsize=8)
+            ax.tick_params(labelsize=7)
+        for ax in list(axes.flat)[len(tasks):]:
+            ax.axis("off")
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+        fig.suptitle(f"score vs KV budget, {n} tokens", fontsize=10)
+        fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+        p = out_dir / f"score_vs_keep_{n}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    # KV bytes vs budget, and time vs length
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for m in ["full", *methods]:
+        for n in lengths:
+            cs = [c for c in sel if c["method"] == m and c["length"] == n]
+            by_keep = defaultdict(list)
+            for c in cs:
+                by_keep[c["keep"] if c["keep"] is not None else 1.0].append(c["kv_bytes"] / 1e6)
+            pts = sorted((k, statistics.fmean(v)) for k, v in by_keep.items())
+            if pts:
+                axes[0].plot(*zip(*pts), marker="o", color=colors.get(m, "black"),
+                             linestyle="-" if n == lengths[-1] else ":", label=f"{m} {n}")
+        keep_mid = sorted({c["keep"] for c in sel if c["keep"] is not None})
+        pick = keep_mid[len(keep_mid) // 2] if keep_mid else None
+        for ax, key in ((axes[1], "prefill_s"), (axes[2], "decode_ms")):
+            pts = []
+            for n in lengths:
+                cs = [c[key] for c in sel if c["method"] == m and c["length"] == n and c.get(key) is not None
+                      and (m == "full" or c["keep"] == pick)]
+                if cs:
+                    pts.append((n, statistics.median(cs)))
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=colors.get(m, "black"), label=m if m == "full" else f"{m} @{pick:g}")
+    axes[0].set(xlabel="keep", ylabel="KV MB", title="resident KV bytes vs budget")
+    axes[1].set(xlabel="prompt tokens", ylabel="s", title="prefill time (median)")
+    axes[2].set(xlabel="prompt tokens", ylabel="ms / token", title="decode time per token (median)")
+    for ax in axes:
+        ax.tick_params(labelsize=7)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    p = out_dir / "kv_and_time.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+# ----------------------------------------------------------------------------- report
+def load_dirs(dirs: list[str]) -> list[dict]:
+    from kvtrim.eval.runner import read_lines, result_files
+
+    lines: list[dict] = []
+    for d in dirs:
+        p = Path(d)
+        if not p.is_dir():
+            raise KVTrimError(f"{d!r} is not a directory of kvtrim eval results")
+        files = result_files(p) or sorted(p.glob("*.jsonl"))
+        if not files:
+            raise KVTrimError(f"{d!r} holds no result lines (runs/*.jsonl); run `kvtrim eval ... --out {d}` first")
+        lines += read_lines(files)
+    if not lines:
+        raise KVTrimError(f"no result lines in {', '.join(dirs)}")
+    return lines
+
+
+def render(summary: dict, image_dir: str | None = None) -> str:
+    cells = summary["cells"]
+    parts = []
+    for prefill in dict.fromkeys(c["prefill"] for c in cells):
+        for n in sorted({c["length"] for c in cells if c["prefill"] == prefill}):
+            parts.append(f"#### Score by task, {n} tokens" + ("" if prefill == "dense" else f", prefill {prefill}"))
+            parts.append(score_table(cells, n, prefill))
+        parts.append("#### Memory and time" + ("" if prefill == "dense" else f", prefill {prefill}"))
+        parts.append(cost_table(cells, prefill))
+    if image_dir is not None:
+        lengths = sorted({c["length"] for c in cells if c["prefill"] == "dense"})
+        parts.append("\n".join(f"![score vs budget, {n} tokens]({image_dir}/score_vs_keep_{n}.png)" for n in lengths)
+                     + f"\n![KV bytes and time]({image_dir}/kv_and_time.png)")
+    return "\n\n".join(parts) + "\n"
+
+
+def write_report(dirs: list[str], out_dir: str | None = None, readme: str | None = None, plots: bool = True,
+                 image_prefix: str | None = None) -> dict:
+    """Summarize ``dirs``, write ``report.md`` (+ PNGs) into ``out_dir`` (default: the first dir); optionally
+    replace the report block of ``readme``. Returns the summary."""
+    lines = load_dirs(dirs)
+    summary = summarize(lines)
+    target = Path(out_dir or dirs[0])
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KVTrimError(f"cannot write the report to {str(target)!r}: {e.strerror or e}") from None
+    if plots:
+        plot(summary["cells"], target)
+    prefix = image_prefix if image_prefix is not None else "."
+    md = render(summary, prefix if plots else None)
+    (target / "report.md").write_text(f"# kvtrim eval report\n\nFrom {summary['n_lines']} result lines in "
+                                      f"{', '.join(dirs)}.\n\n" + md)
+    if readme is not None:
+        replace_block(Path(readme), render(summary, image_prefix if plots else None))
+    return summary
+
+
+def replace_block(path: Path, body: str) -> None:
+    text = path.read_text()
+    if START not in text or END not in text:
+        raise KVTrimError(f"{path} has no {START} ... {END} block to fill")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(head + START + "\n" + body + END + tail)
+
+
+def summary_json(dirs: list[str]) -> str:
+    return json.dumps(summarize(load_dirs(dirs)), indent=1)

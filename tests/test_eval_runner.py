@@ -1,0 +1,233 @@
+"""kvtrim eval: replay equals the plain path, resumption, bad input, the report (tiny random models)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvtrim.errors import KVTrimError
+from kvtrim.eval.replay import make_policy, record_prefill, replay
+from kvtrim.eval.runner import _greedy, make_plan, read_lines
+from kvtrim.generation import generate_ids
+from kvtrim.integrations.hf import attach
+from kvtrim.registry import create_policy, get_policy_class, method_names
+
+TEXT_METHODS = [m for m in method_names() if m not in ("fastv", "hae")]
+
+
+@pytest.mark.parametrize("method", TEXT_METHODS)
+def test_replay_equals_plain_generation(model, prompt, method):
+    """The recorded forward + replayed compression gives the tokens and cache of a plain run."""
+    ids = prompt[0].tolist()
+    params = {"keep": 0.3} if get_policy_class(method).takes_budget else {}
+    plain = generate_ids(model, None, ids, create_policy(method, **params), max_new_tokens=12, stop_at_eos=False)
+    rec = record_prefill(model, ids)
+    memo: dict = {}
+    cache = replay(model, make_policy(method, params, memo), rec)
+    with torch.inference_mode(), attach(model):
+        out, steps = _greedy(model, cache, rec.logits, 12, None)
+    assert out == plain.token_ids
+    assert cache.kv_bytes() == plain.kv_bytes
+    assert max(cache.stored_tokens()) == plain.stored_tokens
+    # a second budget sharing the memo still equals its own plain run
+    if params:
+        plain2 = generate_ids(model, None, ids, create_policy(method, keep=0.6), max_new_tokens=12, stop_at_eos=False)
+        cache2 = replay(model, make_policy(method, {"keep": 0.6}, memo), rec)
+        with torch.inference_mode(), attach(model):
+            out2, _ = _greedy(model, cache2, rec.logits, 12, None)
+        assert out2 == plain2.token_ids
+
+
+def test_plan_validation_errors():
+    ok = make_plan("passkey", "512", "snapkv", "0.1,0.5")
+    assert ok.configs[0] == ("full", None) and ("snapkv", 0.5) in ok.configs
+    bad = [
+        (dict(tasks="nope"), "unknown task 'nope'"),
+        (dict(methods="snapkv,zip"), "unknown method 'zip'"),
+        (dict(methods="fastv"), "visual tokens only"),
+        (dict(keeps="0"), "--keep must be a fraction in (0, 1)"),
+        (dict(keeps="1.5"), "--keep must be a fraction in (0, 1)"),
+        (dict(keeps="a"), "--keep takes comma-separated"),
+        (dict(lengths="100"), "--length must be >= 128"),
+        (dict(lengths="x"), "--length takes"),
+        (dict(tasks="passkey,"), "without empty items"),
+    ]
+    for kw, msg in bad:
+        args = dict(tasks="passkey", lengths="512", methods="snapkv", keeps="0.25") | kw
+        with pytest.raises(KVTrimError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            make_plan(args["tasks"], args["lengths"], args["methods"], args["keeps"])
+    with pytest.raises(KVTrimError, match="--samples"):
+        make_plan("passkey", "512", "snapkv", "0.25", samples=0)
+    with pytest.raises(KVTrimError, match="unknown --prefill"):
+        make_plan("passkey", "512", "snapkv", "0.25", prefill="fast")
+
+
+def test_read_lines_repairs_a_cut_line(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text(json.dumps({"a": 1}) + "\n" + '{"a": 2, "b"')
+    assert read_lines([p]) == [{"a": 1}]
+    assert read_lines([p], repair=True) == [{"a": 1}]
+    assert p.read_text() == json.dumps({"a": 1}) + "\n"
+
+
+# ----------------------------------------------------------------------------- the sweep on a tiny model
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """A tiny random Llama with the embedded model's tokenizer (so the task generators can size prompts)."""
+    from conftest import tiny_llama
+
+    from kvtrim.models import LoadedModel
+
+    try:
+        from kvtrim.models import _resolve
+
+        path = _resolve(None)[0]
+    except KVTrimError as e:
+        pytest.skip(str(e))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    model = tiny_llama(vocab_size=len(tok), max_position_embeddings=1024)
+    return LoadedModel(model, tok, "tiny-test-model")
+
+
+SWEEP = dict(tasks="passkey,multiturn,ppl,labelfree", lengths="256", methods="snapkv,h2o", keeps="0.5")
+
+
+def _plan(**kw):
+    a = SWEEP | kw
+    return make_plan(a["tasks"], a["lengths"], a["methods"], a["keeps"], samples=2)
+
+
+def test_sweep_resumes_without_redoing_or_losing(tiny_lm, tmp_path, monkeypatch):
+    from kvtrim.eval import runner
+    from kvtrim.eval.runner import line_key, result_files, run_eval
+
+    plan = _plan()
+    out = tmp_path / "sweep"
+    run_eval(tiny_lm, plan, out, progress=False, stop_after=3)  # "interrupted" after 3 sample units
+    first = read_lines(result_files(out))
+    assert len(first) == 3 * len(plan.configs)
+    # a line cut short by a kill in the middle of a write
+    victim = result_files(out)[0]
+    with open(victim, "a") as f:
+        f.write('{"task": "passkey", "length": 256, "sam')
+    summary = run_eval(tiny_lm, plan, out, progress=False)
+    lines = read_lines(result_files(out))
+    keys = [line_key(d) for d in lines]
+    assert len(keys) == len(set(keys)) == len(plan.units()) * len(plan.configs)
+    assert lines[: len(first)] == first or all(d in lines for d in first)  # finished lines kept as they were
+    assert summary["n_lines"] == len(lines)
+    for d in lines:
+        assert set(runner.LINE_FIELDS) <= set(d), set(runner.LINE_FIELDS) - set(d)
+        assert d["kv_bytes"] > 0 and d["prefill_seconds"] > 0
+        if d["method"] == "snapkv":
+            assert d["stored_tokens"] < d["prompt_tokens"]
+    by = {(d["task"], d["sample"], d["method"]): d for d in lines}
+    for i in range(2):
+        assert by[("labelfree", i, "full")]["score"] == 1.0  # the full cache is its own reference
+        assert by[("ppl", i, "full")]["n_target"] > 0
+        assert len(by[("multiturn", i, "snapkv")]["turn_scores"]) == 4
+    # a finished sweep does no work at all on a rerun
+    monkeypatch.setattr("kvtrim.eval.replay.record_prefill", lambda *a, **k: pytest.fail("re-ran a finished sample"))
+    run_eval(tiny_lm, plan, out, progress=False)
+    assert len(read_lines(result_files(out))) == len(lines)
+
+
+def test_sweep_refuses_bad_output_and_lengths(tiny_lm, tmp_path):
+    from kvtrim.eval.runner import check_out_dir, run_eval
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(KVTrimError, match="cannot write to the output directory"):
+        check_out_dir(blocker / "sub")
+    with pytest.raises(KVTrimError, match="context of 1024.*cannot stream"):
+        run_eval(tiny_lm, _plan(lengths="2048"), tmp_path / "long", progress=False)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"model": "another-model"}))
+    with pytest.raises(KVTrimError, match="holds a sweep of model 'another-model'"):
+        run_eval(tiny_lm, _plan(), tmp_path / "other", progress=False)
+    with pytest.raises(KVTrimError, match="--shard"):
+        run_eval(tiny_lm, _plan(), tmp_path / "s", shard=(2, 2), progress=False)
+
+
+def test_eval_cli_bad_input(tmp_path, capsys):
+    from kvtrim.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cases = [
+        (["eval", "passkey,bogus", "--out", str(tmp_path / "a")], "unknown task 'bogus'"),
+        (["eval", "passkey", "--methods", "nope", "--out", str(tmp_path / "a")], "unknown method 'nope'"),
+        (["eval", "passkey", "--keep", "0,0.5", "--out", str(tmp_path / "a")], "--keep must be a fraction"),
+        (["eval", "passkey", "--out", str(blocker / "x")], "cannot write to the output directory"),
+        (["eval", "passkey", "--shard", "3/2", "--out", str(tmp_path / "a")], "--shard"),
+        (["report", str(tmp_path / "missing")], "is not a directory"),
+        (["bench", "--methods", "zip"], "unknown method 'zip'"),
+        (["bench", "--reps", "0"], "--reps must be"),
+    ]
+    for argv, msg in cases:
+        assert main(argv) == 2, argv
+        assert msg in capsys.readouterr().err, argv
+
+
+# ----------------------------------------------------------------------------- the report
+def _line(task, sample, method, keep, score, kv, **extra):
+    d = {"task": task, "length": 256, "sample": sample, "seed": sample, "depth": 0.0, "method": method, "keep": keep,
+         "prefill": "dense", "score": score, "correct": score == 1.0, "answer": "", "prompt_tokens": 256,
+         "new_tokens": 3, "kv_bytes": kv, "kv_bytes_full": 1000, "kv_bytes_stored": kv, "stored_tokens": 10,
+         "prefill_seconds": 1.0 + sample, "record_seconds": 1.0, "compress_seconds": 0.0, "decode_seconds": 0.3,
+         "decode_steps": 3}
+    d.update(extra)
+    return d
+
+
+def test_summarize_pairs_with_full_and_pools_perplexity():
+    from kvtrim.eval.report import summarize
+
+    lines = [_line("passkey", 0, "full", None, 1.0, 1000), _line("passkey", 1, "full", None, 0.0, 1000),
+             _line("passkey", 0, "snapkv", 0.25, 1.0, 250), _line("passkey", 1, "snapkv", 0.25, 1.0, 250),
+             _line("passkey", 2, "snapkv", 0.25, 0.0, 250),  # no full line for sample 2: not paired
+             _line("ppl", 0, "full", None, 0, 1000, nll_sum=10.0, n_target=10),
+             _line("ppl", 1, "full", None, 0, 1000, nll_sum=30.0, n_target=10),
+             _line("ppl", 0, "h2o", 0.1, 0, 100, nll_sum=20.0, n_target=10),
+             _line("ppl", 1, "h2o", 0.1, 0, 100, nll_sum=40.0, n_target=10)]
+    cells = {(c["task"], c["method"]): c for c in summarize(lines)["cells"]}
+    snap = cells[("passkey", "snapkv")]
+    assert snap["n"] == 3 and snap["n_paired"] == 2
+    assert snap["score"] == pytest.approx(2 / 3)
+    assert snap["rel_full"] == pytest.approx(1.0 / 0.5)  # paired: 1.0 vs the full cache's 0.5
+    assert snap["kv_frac"] == pytest.approx(0.25)
+    assert snap["prefill_s"] == 2.0 and snap["decode_ms"] == pytest.approx(100.0)
+    import math
+
+    assert cells[("ppl", "full")]["score"] == pytest.approx(math.exp(40 / 20))
+    assert cells[("ppl", "h2o")]["rel_full"] == pytest.approx(math.exp(60 / 20) / math.exp(40 / 20))
+
+
+def test_report_writes_tables_plots_and_readme_block(tmp_path):
+    from kvtrim.eval.report import END, START, write_report
+
+    d = tmp_path / "res"
+    (d / "runs").mkdir(parents=True)
+    rows = [_line(t, i, m, k, s, kv) for t in ("passkey", "vt") for i in range(2)
+            for m, k, s, kv in (("full", None, 1.0, 1000), ("snapkv", 0.25, 0.5, 250), ("snapkv", 0.5, 1.0, 500))]
+    (d / "runs" / "x-256.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# t\n\n{START}\nold\n{END}\ntail\n")
+    write_report([str(d)], readme=str(readme), image_prefix="docs/img")
+    md = (d / "report.md").read_text()
+    assert "| snapkv @0.25 | 0.50 | 0.50 | 50% |" in md
+    assert "| full | 1.00 | 1.00 | 100% |" in md
+    for png in ("score_vs_keep_256.png", "kv_and_time.png"):
+        assert (d / png).stat().st_size > 1000
+    text = readme.read_text()
+    assert "old" not in text and text.endswith(f"{END}\ntail\n") and "docs/img/score_vs_keep_256.png" in text
+    readme.write_text("no markers")
+    with pytest.raises(KVTrimError, match="no <!-- kvtrim-report:start -->"):
+        write_report([str(d)], readme=str(readme), plots=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KVTrimError, match="holds no result lines"):
+        write_report([str(tmp_path / "empty")])
