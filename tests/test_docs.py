@@ -46,3 +46,13 @@ def test_demo_runs(capsys, real):
     assert main(["demo", "--length", "1200", "--methods", "full,snapkv"]) == 0
     out = capsys.readouterr().out
     assert "full" in out and "snapkv" in out and "pass key:" in out
+
+
+def test_readme_results_block_is_generated_by_kvtrim_report():
+    """The README's sweep results are `kvtrim report`'s output for the committed result lines."""
+    from kvtrim.eval.report import END, START, load_dirs, render, summarize
+
+    results = README.parent / "benchmarks" / "results" / "eval_baseline"
+    block = README.read_text().split(START, 1)[1].split(END, 1)[0]
+    expected = render(summarize(load_dirs([str(results)])), "docs/eval")
+    assert block.strip() == expected.strip(), "regenerate: kvtrim report benchmarks/results/eval_baseline --out docs/eval --readme README.md --image-prefix docs/eval"

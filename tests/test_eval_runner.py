@@ -231,3 +231,31 @@ def test_report_writes_tables_plots_and_readme_block(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(KVTrimError, match="holds no result lines"):
         write_report([str(tmp_path / "empty")])
+
+
+# ----------------------------------------------------------------------------- kvtrim bench
+def test_bench_on_a_saved_tiny_model(tiny_lm, tmp_path):
+    from kvtrim.eval.bench import make_bench_plan, run_bench, table
+
+    d = tmp_path / "tiny"
+    tiny_lm.model.save_pretrained(d)
+    tiny_lm.tokenizer.save_pretrained(d)
+    plan = make_bench_plan("full,snapkv", 0.25, "256", reps=2, new_tokens=3)
+    res = run_bench(str(d), plan, rss=True, progress=False)
+    rows = {r["method"]: r for r in res["rows"]}
+    assert set(rows) == {"full", "snapkv"} and all(len(r["reps"]) == 2 for r in rows.values())
+    assert rows["snapkv"]["kv_bytes"] < 0.5 * rows["full"]["kv_bytes"]
+    assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 and r["peak_rss_bytes"] > 50e6 for r in rows.values())
+    assert res["machine"]["loadavg_before"] and "torch" in res["machine"]
+    md = table(res)
+    assert "| 256 | snapkv @0.25 |" in md and "100%" in md
+
+
+def test_bench_plan_errors():
+    from kvtrim.eval.bench import make_bench_plan
+
+    for kw, msg in [(dict(keep=0.0), "--keep"), (dict(lengths="64"), ">= 128"), (dict(new_tokens=1), "--new-tokens"),
+                    (dict(prefill="x"), "unknown --prefill"), (dict(threads=0), "--threads")]:
+        args = dict(methods="full", keep=0.25, lengths="256") | kw
+        with pytest.raises(KVTrimError, match=msg):
+            make_bench_plan(**args)

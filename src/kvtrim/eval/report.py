@@ -6,7 +6,7 @@
   ``exp(sum nll / sum tokens)``; lower is better). ``labelfree``: mean ROUGE-L F1 against the full
   cache's answer, and ``ref_ppl``, the pooled perplexity of that answer under the method's cache.
 - ``rel_full``: the cell's score divided by the full cache's on *the same samples* (for ``ppl``
-  and ``ref_ppl``: the ratio of perplexities, so 1.05 = 5% worse).
+  the ratio of perplexities, so 1.05 = 5% worse); None where the full cache scores 0 there.
 - ``kv_bytes``: mean resident key/value bytes at the end of the sample; ``kv_frac``: that over the
   full cache's mean on the same samples.
 - ``prefill_s``: median prefill seconds; ``decode_ms``: median decode milliseconds per token.
@@ -59,7 +59,7 @@ def summarize(lines: Iterable[dict]) -> dict:
             s_m = _score(task, [r for r, _ in paired])
             s_f = _score(task, [f for _, f in paired])
             cell["full_score"] = s_f
-            cell["rel_full"] = (s_m / s_f) if s_f else (1.0 if s_m == s_f else None)
+            cell["rel_full"] = (s_m / s_f) if s_f else None  # undefined where the full cache scores 0
             kv_f = statistics.fmean(f["kv_bytes"] for _, f in paired)
             cell["kv_frac"] = statistics.fmean(r["kv_bytes"] for r, _ in paired) / kv_f if kv_f else None
         if task == "labelfree":
@@ -103,8 +103,9 @@ def score_table(cells: list[dict], length: int, prefill: str = "dense") -> str:
     rows = list(dict.fromkeys((c["method"], c["keep"]) for c in sel))
     by = {(c["task"], c["method"], c["keep"]): c for c in sel}
     n = sorted({c["n"] for c in sel})
-    head = "| method @ keep | " + " | ".join(tasks) + " | mean rel. to full |"
-    out = [head, "|---|" + "---:|" * (len(tasks) + 1)]
+    ref_col = "labelfree" in tasks  # the label-free protocol's second number: PPL of the full cache's answer
+    head = "| method @ keep | " + " | ".join(tasks) + (" | labelfree ref. ppl" if ref_col else "") + " | mean rel. to full |"
+    out = [head, "|---|" + "---:|" * (len(tasks) + 1 + ref_col)]
     for m, k in rows:
         vals, rels = [], []
         for t in tasks:
@@ -116,12 +117,16 @@ def score_table(cells: list[dict], length: int, prefill: str = "dense") -> str:
             r = c.get("rel_full")
             if r is not None:
                 rels.append(1.0 / r if t in LOWER_IS_BETTER and r else r)
+        if ref_col:
+            c = by.get(("labelfree", m, k))
+            vals.append(_fmt("ppl", c.get("ref_ppl")) if c is not None and c.get("ref_ppl") is not None else "—")
         mean_rel = f"{statistics.fmean(rels):.0%}" if rels else "—"
         out.append(f"| {_label(m, k)} | " + " | ".join(vals) + f" | {mean_rel} |")
     note = (f"\n\n{length} tokens, prefill {prefill}; samples per cell: {', '.join(map(str, n))}. Scores: mean "
             "(passkey/niah/multiturn: fraction correct; multi-answer tasks: recall; labelfree: ROUGE-L F1 against the "
             "full cache's answer; ppl: pooled perplexity, lower is better). Last column: mean over tasks of the "
-            "score relative to the full cache on the same samples (ppl inverted).")
+            "score relative to the full cache on the same samples (ppl inverted), over the tasks where the full cache "
+            "scores above 0.")
     return "\n".join(out) + note
 
 
