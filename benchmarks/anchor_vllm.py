@@ -1,6 +1,7 @@
 """Anchor: kvtrim on transformers vs vLLM's CPU backend, same prompts, same threads, same dtype.
 
-    python benchmarks/anchor_vllm.py --out benchmarks/results/anchor_vllm.json   # setup + measure
+    python benchmarks/anchor_vllm.py --vllm-dtypes float32 bfloat16 \
+        --out benchmarks/results/anchor_vllm.json                                # setup + measure
     python benchmarks/anchor_vllm.py --table benchmarks/results/anchor_vllm.json # markdown table
     python benchmarks/anchor_vllm.py --setup                                     # environment only
 
@@ -36,6 +37,14 @@ One warm-up per engine per length, then ``--reps`` repetitions; within a repetit
 run one after another (vLLM first on even repetitions, last on odd ones) so load drift hits both.
 Medians are reported. ``os.getloadavg()`` and the CPU seconds of both processes are recorded
 around every measurement (the machine is shared; the CPU seconds show how many cores a run used).
+
+CPU seconds per phase, the load-robust view on a shared machine: kvtrim's process CPU time split at
+the end of the prefill forward (a forward hook); vLLM's processes (front end + engine core + model
+worker, and the model worker alone) split when the first token reaches the front end.
+
+vLLM gets ``LD_PRELOAD`` of tcmalloc (system package, when present) and the venv's ``libiomp5.so``,
+as vLLM's CPU docs advise (``--no-preload`` turns this off). ``--vllm-dtypes float32 bfloat16``
+runs a vLLM worker per dtype, interleaved with the rest; kvtrim is float32.
 
 Threads. ``--threads`` (default 1) on both sides: kvtrim ``torch.set_num_threads``; vLLM
 ``OMP_NUM_THREADS`` with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` (vLLM's default binds OpenMP threads
