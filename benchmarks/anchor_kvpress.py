@@ -162,6 +162,18 @@ def cell_stats(rows: list[dict], keys: set | None) -> dict:
     return {k: (len(v), sum(v) / len(v)) for k, v in acc.items()}
 
 
+def full_agreement(anchor: list[dict], kvtrim: list[dict], keys: set) -> tuple[int, int, int]:
+    """Full cache on both sides (``kvpress:none`` vs kvtrim ``full``) over the joined samples:
+    (samples with both, same score, same answer text up to kvtrim's early stop). The two sides run
+    different transformers versions and attention paths, so this is the sanity check of the setup."""
+    a = {(d["task"], int(d["length"]), int(d["sample"])): d for d in anchor if d["method"] == "kvpress:none"}
+    k = {(d["task"], int(d["length"]), int(d["sample"])): d for d in kvtrim if d["method"] == "full"}
+    both = [s for s in keys if s in a and s in k]
+    same_score = sum(a[s]["score"] == k[s]["score"] for s in both)
+    same_text = sum(a[s]["answer"].strip().startswith(k[s]["answer"].strip()) for s in both)
+    return len(both), same_score, same_text
+
+
 def _method_rank(m: str) -> tuple:
     if m.startswith("kvpress:"):
         name = m.split(":", 1)[1]
@@ -362,6 +374,9 @@ def table(args) -> None:
     keys, mismatched = joined_keys(anchor, kvtrim)
     print(f"Joined on (task, length, sample, keep): {len(keys)} (task, length, sample) on both sides"
           + (f"; {mismatched} left out because seed/depth differ" if mismatched else "") + ". Cells: mean score (n).\n")
+    n, same_score, same_text = full_agreement(anchor, kvtrim, keys)
+    print(f"Full cache, kvpress side vs kvtrim side: {same_score}/{n} samples with the same score, "
+          f"{same_text}/{n} with the same answer text (kvtrim stops early once the answer is complete).\n")
     print(markdown_table(cell_stats(anchor + kvtrim, keys)))
 
 

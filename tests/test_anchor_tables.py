@@ -56,3 +56,11 @@ def test_resumption_keys_order_and_torn_lines(tmp_path):
     assert ak.keep_of(0.75) == 0.25 and ak.keep_of(None) is None
     assert ak.method_name("ExpectedAttention") == "kvpress:expectedattention" and ak.method_name(None) == "kvpress:none"
     assert ak.sample_order(20, 12) == [0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 1, 3]
+
+
+def test_full_agreement_compares_full_caches_on_joined_samples():
+    a = [dict(row("kvpress:none", None, 0, 1.0), answer=" The key is 12345. Done"),
+         dict(row("kvpress:none", None, 2, 0.0), answer="no idea")]
+    k = [dict(row("full", None, 0, 1.0), answer="The key is 12345"), dict(row("full", None, 2, 1.0), answer="42")]
+    keys, _ = ak.joined_keys(a, k)
+    assert ak.full_agreement(a, k, keys) == (2, 1, 1)
