@@ -362,10 +362,12 @@ def write_summary() -> None:
 
 
 def table(args) -> None:
-    anchor = load_lines(sorted(OUT_DIR.glob("*.jsonl")))
+    tasks, lengths = set(args.tasks.split(",")), {int(x) for x in args.lengths.split(",")}
+    anchor = [d for d in load_lines(sorted(OUT_DIR.glob("*.jsonl"))) if d["task"] in tasks and int(d["length"]) in lengths]
     kvt_dir = Path(args.kvtrim_dir)
     kvtrim = [d for d in load_lines(sorted(kvt_dir.glob("*.jsonl")))
-              if d.get("task") in TASKS and d.get("prefill", "dense") == "dense" and d.get("score") is not None]
+              if d.get("task") in tasks and int(d.get("length", 0)) in lengths
+              and d.get("prefill", "dense") == "dense" and d.get("score") is not None]
     if args.no_join or not kvtrim:
         if not kvtrim:
             print(f"(no kvtrim sweep lines under {kvt_dir}: kvpress side alone)\n")
@@ -531,7 +533,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--setup-only", action="store_true", help="only create/check the kvpress venv")
     ap.add_argument("--summary-only", action="store_true", help="only rewrite the summary JSON from the result lines")
-    ap.add_argument("--table", action="store_true", help="print the markdown table (kvpress vs kvtrim sweep)")
+    ap.add_argument("--table", action="store_true", help="print the markdown table (kvpress vs kvtrim sweep) for --tasks/--lengths")
     ap.add_argument("--kvtrim-dir", default=str(KVTRIM_DIR), help="kvtrim sweep lines ({task}-{length}.jsonl)")
     ap.add_argument("--no-join", action="store_true", help="--table: kvpress side alone, no join")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
