@@ -38,7 +38,8 @@ Defaults and decisions:
   the pool must match for sample ``i`` to be the same sample); ``--samples N`` of the pool are run,
   in the order even indices first, then odd ones, so a partial run still spreads its depths evenly
   and a later ``--samples 20`` adds the rest without redoing anything.
-- max_new_tokens: passkey 12, niah_single 16, niah_multikey 16, vt 32 (as kvtrim's runner).
+- max_new_tokens: passkey 12, niah_single 28, niah_multikey 28, vt 40 (as kvtrim's runner; a line
+  decoded with another budget is not counted as done). ``--lengths 2048`` first, then 4096, if time is short.
 - float32, 1 torch thread (the machine is shared; ``OMP_NUM_THREADS=1``), ``nice`` is up to the caller.
 - ``kv_bytes``: bytes of the cache's key and value tensors after compression (before decoding);
   ``kv_bytes_full``: the same for the uncompressed prompt. ``prefill_seconds`` = the shared dense
@@ -79,7 +80,9 @@ TASKS = ("passkey", "niah_single", "niah_multikey", "vt")
 LENGTHS = (2048, 4096)
 PRESSES = ("StreamingLLM", "SnapKV", "TOVA", "Knorm", "ExpectedAttention")
 RATIOS = (0.9, 0.75, 0.5)
-MAX_NEW_TOKENS = {"passkey": 12, "niah_single": 16, "niah_multikey": 16, "vt": 32}
+#: as kvtrim's runner (kvtrim.eval.runner.MAX_NEW_TOKENS): the model restates the question before the
+#: number (~25 tokens), so 16 cut the 7-digit answers off; lines with other budgets are not reused
+MAX_NEW_TOKENS = {"passkey": 12, "niah_single": 28, "niah_multikey": 28, "vt": 40}
 KVTRIM_METHODS = ("full", "streaming_llm", "h2o", "snapkv", "inf_mllm", "elastic")
 
 
@@ -253,7 +256,9 @@ def setup_env() -> Path:
 
 
 def done_keys() -> set:
-    return {line_key(d) for d in load_lines(sorted(OUT_DIR.glob("*.jsonl")))}
+    """Keys of finished lines decoded with the current ``MAX_NEW_TOKENS`` of their task."""
+    return {line_key(d) for d in load_lines(sorted(OUT_DIR.glob("*.jsonl")))
+            if d.get("max_new_tokens") == MAX_NEW_TOKENS.get(d["task"])}
 
 
 def configs() -> list[tuple[str | None, float | None]]:
