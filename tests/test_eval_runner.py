@@ -259,3 +259,19 @@ def test_bench_plan_errors():
         args = dict(methods="full", keep=0.25, lengths="256") | kw
         with pytest.raises(KVTrimError, match=msg):
             make_bench_plan(**args)
+
+
+def test_early_stop_waits_for_a_boundary(tiny_lm):
+    """Decoding may stop early only when more tokens cannot change the score."""
+    from kvtrim.eval.runner import answer_complete
+
+    tok = tiny_lm.tokenizer
+
+    def done(text, answers=("14314",), metric="contains"):
+        return answer_complete(tok, metric, tok(text, add_special_tokens=False)["input_ids"], list(answers), None)
+
+    assert not done("The pass key is 14314")  # "5" could still follow
+    assert done("The pass key is 14314.")
+    assert not done("The pass key is 1431.")
+    assert not done("a 12, b", ("12", "13"), "recall")
+    assert done("a 12, b 13,", ("12", "13"), "recall")

@@ -21,7 +21,8 @@ How one sample unit runs (all configurations of one generated sample):
    q/k/v -- identical to running the method from scratch (tested), because kvtrim compresses
    after each layer's attention;
 3. greedy decoding (``MAX_NEW_TOKENS[task]`` tokens at most; it stops early at EOS or once the
-   answer is complete, i.e. the score has reached 1, which cannot change the score); multi-turn
+   answer is complete -- every answer found and the text ending in a non-alphanumeric character, so
+   more tokens cannot change the score, see :func:`answer_complete`); multi-turn
    samples feed each later question as a new turn through the same cache; ``ppl`` and ``labelfree``
    teacher-force their continuation / the full cache's answer in one forward.
 
@@ -367,7 +368,7 @@ def run_config(model, tokenizer, sample, recording, method: str, keep: float | N
                     feed = ([] if not out or out[-1] == eos else [out[-1]]) + _turn_tail(tokenizer, turn.question)
                     logits = _step(model, cache, feed)
                     steps += 1
-                done = (lambda ids, t=turn: score_text_one(tokenizer, sample.metric, ids, t.answers, eos) >= 1.0)
+                done = (lambda ids, t=turn: answer_complete(tokenizer, sample.metric, ids, t.answers, eos))
                 out, s = _greedy(model, cache, logits, max_new, eos, done)
                 steps += s
                 text = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
@@ -377,7 +378,7 @@ def run_config(model, tokenizer, sample, recording, method: str, keep: float | N
             answer = answers[0]
             extra = {"answers": answers, "turn_scores": scores}
         else:
-            done = (lambda ids: score_text_one(tokenizer, sample.metric, ids, sample.answers, eos) >= 1.0)
+            done = (lambda ids: answer_complete(tokenizer, sample.metric, ids, sample.answers, eos))
             out, steps = _greedy(model, cache, logits, max_new, eos, done)
             answer = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
             value = score_text(sample, answer)
@@ -408,6 +409,20 @@ def run_config(model, tokenizer, sample, recording, method: str, keep: float | N
     }
     row.update(extra)
     return row
+
+
+def answer_complete(tokenizer, metric: str, ids: list[int], answers: Sequence[str], eos) -> bool:
+    """True once more tokens cannot change the score: every answer is found (score 1) *and* the text
+    ends in a character that is not a letter or digit. (An answer at the very end could still be
+    extended -- "14314" + "5" -- which the metrics' word-boundary check would then reject.)"""
+    text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
+    return bool(text) and not text[-1].isalnum() and METRICS_BY_NAME()[metric](text, answers) >= 1.0
+
+
+def METRICS_BY_NAME():  # noqa: N802 - a lazily imported table
+    from kvtrim.eval.metrics import METRICS
+
+    return METRICS
 
 
 def score_text_one(tokenizer, metric: str, ids: list[int], answers: Sequence[str], eos) -> float:
