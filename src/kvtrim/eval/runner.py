@@ -194,7 +194,7 @@ def check_out_dir(out: str | os.PathLike, model_source: str | None = None) -> Pa
     path = Path(out)
     try:
         (path / "runs").mkdir(parents=True, exist_ok=True)
-        probe = path / ".write-test"
+        probe = path / f".write-test-{os.getpid()}"  # per process: shards start together
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
