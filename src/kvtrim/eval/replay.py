@@ -20,6 +20,7 @@ Cache's per-layer importance) can be computed once per prompt: :func:`make_polic
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -128,7 +129,12 @@ def record_prefill(model, ids: list[int], prefill=None, keep_cache: bool = False
     device = next(model.parameters()).device
     if prefill is not None:
         prefill.reset_stats()
-    with attach(model, prefill_attention=prefill):
+    from kvtrim.integrations.hf import ATTN_NAME
+
+    # inside a caller's attach(model) already (e.g. benchmarks/repro_elastic.py): do not attach twice
+    attached = getattr(model.config, "_attn_implementation", None) == ATTN_NAME
+    ctx = contextlib.nullcontext() if attached and prefill is None else attach(model, prefill_attention=prefill)
+    with ctx:
         t0 = time.perf_counter()
         logits = _forward(model, torch.tensor([ids], device=device), cache, None)
         seconds = time.perf_counter() - t0
