@@ -51,14 +51,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "elastic_repro"
 SUMMARY = ROOT / "benchmarks" / "results" / "elastic_repro_summary.json"
 PLOT = ROOT / "docs" / "elastic_repro.png"
 
-INSTRUCTIONS = [
-    "Summarize the passage above in a few sentences.",
-    "Describe what the passage above is about.",
-    "What is the main point of the passage above? Answer briefly.",
-    "List the key ideas of the passage above.",
-    "Explain the passage above to a beginner.",
-    "What does the passage above say about its main subject?",
-]
+from kvtrim.eval.longtext import LABELFREE_INSTRUCTIONS as INSTRUCTIONS  # noqa: E402 (one list for both protocols)
 
 MAIN_METHODS = ("elastic", "h2o", "local", "snapkv")
 

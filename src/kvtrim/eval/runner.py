@@ -47,6 +47,7 @@ import torch
 
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.longtext import LONGTEXT_TASKS
+from kvtrim.eval.metrics import METRICS
 from kvtrim.eval.tasks import TASKS, even_depths, sample_seed
 
 ALL_TASKS = {**TASKS, **LONGTEXT_TASKS}
@@ -61,6 +62,9 @@ MAX_NEW_TOKENS = {"passkey": 12, "niah_single": 28, "niah_multikey": 28, "niah_m
 LINE_FIELDS = ("task", "length", "sample", "seed", "depth", "method", "keep", "prefill", "score", "correct", "answer",
                "prompt_tokens", "new_tokens", "kv_bytes", "kv_bytes_full", "kv_bytes_stored", "stored_tokens",
                "prefill_seconds", "record_seconds", "compress_seconds", "decode_seconds", "decode_steps")
+
+#: tokens a task adds after the prompt besides the answer (ppl's teacher-forced continuation)
+LONGTEXT_EXTRA = {"ppl": 128}
 
 DEFAULT_KEEPS = (0.1, 0.25, 0.5)
 DEFAULT_METHODS = ("full", "streaming_llm", "h2o", "snapkv")
@@ -185,8 +189,6 @@ def check_lengths(plan: EvalPlan, tokenizer, max_context: int) -> None:
                     "`kvtrim stream` (streaming methods)."
                 )
 
-
-LONGTEXT_EXTRA = {"ppl": 128}
 
 
 def check_out_dir(out: str | os.PathLike, model_source: str | None = None) -> Path:
@@ -416,18 +418,10 @@ def answer_complete(tokenizer, metric: str, ids: list[int], answers: Sequence[st
     ends in a character that is not a letter or digit. (An answer at the very end could still be
     extended -- "14314" + "5" -- which the metrics' word-boundary check would then reject.)"""
     text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
-    return bool(text) and not text[-1].isalnum() and METRICS_BY_NAME()[metric](text, answers) >= 1.0
-
-
-def METRICS_BY_NAME():  # noqa: N802 - a lazily imported table
-    from kvtrim.eval.metrics import METRICS
-
-    return METRICS
+    return bool(text) and not text[-1].isalnum() and METRICS[metric](text, answers) >= 1.0
 
 
 def score_text_one(tokenizer, metric: str, ids: list[int], answers: Sequence[str], eos) -> float:
-    from kvtrim.eval.metrics import METRICS
-
     text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
     return METRICS[metric](text, answers)
 
