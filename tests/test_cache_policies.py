@@ -279,3 +279,47 @@ def test_cache_without_attach_is_refused(model, prompt):
     with pytest.raises(KVTrimError, match="kvtrim.attach"):
         with torch.no_grad():
             model(input_ids=prompt, past_key_values=KVTrimCache(model, "snapkv", keep=0.5), use_cache=True)
+
+
+@pytest.mark.parametrize("q,past,chunk", [(37, 0, 8), (37, 11, 8), (20, 5, 64), (16, 0, 16)])
+def test_causal_column_sums_equal_dense_softmax(q, past, chunk):
+    """Chunked column sums (only the lower triangle computed) equal the dense masked softmax's."""
+    from kvtrim.scores import causal_column_sums
+
+    g = torch.Generator().manual_seed(q + past)
+    query = torch.randn(1, 6, q, 8, generator=g)
+    key = torch.randn(1, 2, past + q, 8, generator=g)
+    got = causal_column_sums(query, key, 0.35, chunk=chunk)
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", query.reshape(1, 2, 3, q, 8), key) * 0.35
+    visible = torch.arange(past + q)[None, :] <= (past + torch.arange(q))[:, None]
+    want = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1).sum(-2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_rotate_by_distinct_deltas_equals_elementwise():
+    """rotate() computes cos/sin once per distinct integer delta; the result equals the per-element path."""
+    from kvtrim.rope import rotate
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 3, 300, 64, generator=g)
+    delta = torch.randint(-5, 3, (1, 3, 300), generator=g)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    torch.testing.assert_close(rotate(x, delta, inv_freq), rotate(x, delta.double(), inv_freq), rtol=0, atol=1e-6)
+
+
+def test_keep_indices_per_head_matches_gather(model, prompt):
+    """Per-head keep sets (one flat index_select) keep exactly the gathered keys, values and positions."""
+    cache = KVTrimCache(model, "full")
+    with torch.inference_mode(), kvtrim.attach(model):
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    layer = cache.compressed_layers[0]
+    n, h = layer.length, layer.keys.shape[1]
+    g = torch.Generator().manual_seed(0)
+    idx = torch.stack([torch.randperm(n, generator=g)[: n // 2].sort().values for _ in range(h)]).unsqueeze(0)
+    want_k = torch.gather(layer.keys, 2, idx.unsqueeze(-1).expand(*idx.shape, layer.keys.shape[-1]))
+    want_v = torch.gather(layer.values, 2, idx.unsqueeze(-1).expand(*idx.shape, layer.values.shape[-1]))
+    want_p = torch.gather(layer.positions, 2, idx)
+    layer.keep_indices(idx)
+    assert layer.length == n // 2
+    assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)
+    assert torch.equal(layer.positions, want_p)

@@ -9,6 +9,7 @@ import torch
 
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.replay import make_policy, record_prefill, replay
+from kvtrim.eval.batched import Clock, Step, Wait, drive
 from kvtrim.eval.runner import _greedy, make_plan, read_lines
 from kvtrim.generation import generate_ids
 from kvtrim.integrations.hf import attach
@@ -26,8 +27,8 @@ def test_replay_equals_plain_generation(model, prompt, method):
     rec = record_prefill(model, ids)
     memo: dict = {}
     cache = replay(model, make_policy(method, params, memo), rec)
-    with torch.inference_mode(), attach(model):
-        out, steps = _greedy(model, cache, rec.logits, 12, None)
+    with attach(model):
+        out, steps = drive(model, {0: _greedy(cache, rec.logits, 12, None)}, batch=False)[0]
     assert out == plain.token_ids
     assert cache.kv_bytes() == plain.kv_bytes
     assert max(cache.stored_tokens()) == plain.stored_tokens
@@ -35,9 +36,61 @@ def test_replay_equals_plain_generation(model, prompt, method):
     if params:
         plain2 = generate_ids(model, None, ids, create_policy(method, keep=0.6), max_new_tokens=12, stop_at_eos=False)
         cache2 = replay(model, make_policy(method, {"keep": 0.6}, memo), rec)
-        with torch.inference_mode(), attach(model):
-            out2, _ = _greedy(model, cache2, rec.logits, 12, None)
+        with attach(model):
+            out2, _ = drive(model, {0: _greedy(cache2, rec.logits, 12, None)}, batch=False)[0]
         assert out2 == plain2.token_ids
+
+
+def test_batched_decode_equals_plain_generation(model, prompt):
+    """Every text method at two budgets, decoded together as rows of one batch (kvtrim.eval.batched),
+    gives each configuration the tokens and cache of its own plain batch-1 run; steps of different
+    lengths (a later turn) are grouped, and a program can wait for another's result."""
+    ids = prompt[0].tolist()
+    configs = [(m, k) for m in TEXT_METHODS for k in ((0.3, 0.6) if get_policy_class(m).takes_budget else (None,))]
+    rec = record_prefill(model, ids)
+    memo: dict = {}
+    turn = [5, 6, 7]
+
+    def program(cache, key, wait=True):
+        clock = Clock()
+        out, _ = yield from _greedy(cache, rec.logits, 6, None, clock=clock)
+        # a second turn: rows feed 3 tokens or 4 (odd rows), so two groups run in the same round
+        logits = yield Step(cache, (turn + [8]) if key[2] else turn)
+        out2, _ = yield from _greedy(cache, logits, 4, None)
+        if wait and key[0] != "full":
+            ref = yield Wait(("full", None))
+            assert ref["out"] == ref_out[0]
+        return {"out": out, "out2": out2, "kv": cache.kv_bytes(), "stored": max(cache.stored_tokens()), "rows": clock.mean_rows}
+
+    caches = {}
+    for m, k in configs:
+        caches[(m, k, 1)] = replay(model, make_policy(m, {} if k is None else {"keep": k}, memo), rec)
+        caches[(m, k, 0)] = replay(model, make_policy(m, {} if k is None else {"keep": k}, memo), rec)
+    ref_out: list = []
+    with attach(model):
+        alone = {}
+        for m, k in configs:
+            res = drive(model, {(m, k): program(caches[(m, k, 0)], (m, k, False), wait=False)}, batch=False)
+            alone.update(res)
+            if m == "full":
+                ref_out.append(res[(m, k)]["out"])
+        together = drive(model, {(m, k): program(caches[(m, k, 1)], (m, k, i % 2 == 1)) for i, (m, k) in enumerate(configs)})
+    for i, key in enumerate(configs):
+        a, b = alone[key], together[key]
+        assert b["out"] == a["out"], key
+        assert a["rows"] == 1 and b["rows"] == len(configs), key  # really one batch row each
+        assert b["kv"] == a["kv"] and b["stored"] == a["stored"], key
+        if i % 2 == 0:  # same second-turn feed as the batch-1 run
+            assert b["out2"] == a["out2"], key
+
+
+def test_drive_reports_dead_wait(model, prompt):
+    def waits():
+        yield Wait("nobody")
+        return {}
+
+    with pytest.raises(KVTrimError, match="never come"):
+        drive(model, {0: waits()})
 
 
 def test_plan_validation_errors():

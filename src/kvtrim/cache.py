@@ -43,9 +43,17 @@ class _Binding:
     layer: "CompressedLayer"
 
 
+@dataclass
+class RowBindings:
+    """Bindings of several batch-1 caches run as the rows of one batch (see ``kvtrim.eval.batched``):
+    per row, the binding (None for a layer the cache does not compress) and the row's keys/values."""
+
+    rows: list[tuple["_Binding | None", torch.Tensor, torch.Tensor]]
+
+
 # Set by KVTrimCache.update() for the layer whose attention runs next; consumed (and cleared) by
 # kvtrim's attention function. A context variable keeps concurrent generations apart.
-ACTIVE: contextvars.ContextVar[_Binding | None] = contextvars.ContextVar("kvtrim_active_layer", default=None)
+ACTIVE: contextvars.ContextVar[_Binding | RowBindings | None] = contextvars.ContextVar("kvtrim_active_layer", default=None)
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -246,10 +254,20 @@ class CompressedLayer(CacheLayerMixin):
         # faster than a gather with an expanded index
         shared = idx.shape[0] == 1 and (idx.shape[1] == 1 or idx.stride(1) == 0)
 
+        flat = None
+        if not shared and idx.shape[0] == 1:
+            # per-head index sets: one index_select over the [heads * capacity] rows of the buffer
+            # (several times faster than a gather with an expanded index)
+            offsets = torch.arange(idx.shape[1], device=idx.device).unsqueeze(1) * self.capacity
+            flat = (idx[0] + offsets).reshape(-1)
+
         def take(t: torch.Tensor) -> torch.Tensor:
             src = t[:, :, : self.length]
             if shared:
                 got = src.index_select(2, idx[0, 0])
+            elif flat is not None and t.is_contiguous() and t.shape[2] == self.capacity:
+                rows = t.reshape(t.shape[1] * t.shape[2], -1).index_select(0, flat)
+                got = rows.view(1, t.shape[1], k, *t.shape[3:])
             else:
                 ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
                 got = torch.gather(src, 2, ix)

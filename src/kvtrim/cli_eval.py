@@ -30,7 +30,7 @@ def cmd_eval(args) -> int:
     shard = _shard(args.shard)
     check_out_dir(args.out)  # fail on an unwritable directory before the model loads
     lm = load_model(args.model)
-    summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet)
+    summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet, batch=not args.unbatched)
     cells = summary["cells"]
     print(f"kvtrim eval: {summary['n_lines']} result lines, {len(cells)} cells in {args.out} "
           f"(summary.json; `kvtrim report {args.out}` for tables and plots)", file=sys.stderr)
@@ -80,6 +80,9 @@ def add_eval_commands(sub) -> None:
     e.add_argument("--prefill", default="dense", help="prefill attention: dense or minference/a_shape/vertical_slash/block_sparse")
     e.add_argument("--haystack", help="haystack for the needle tasks: prose (default), essays, pydoc, filler")
     e.add_argument("--shard", help="I/N: run every N-th sample unit starting at I (N processes can share --out)")
+    e.add_argument("--unbatched", action="store_true",
+                   help="decode the configurations of a sample one at a time at batch 1 (slower; by default they "
+                        "decode together, one batch row each, see docs/eval.md)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.add_argument("--out", required=True, help="output directory (created; a rerun resumes)")
     e.set_defaults(func=cmd_eval)

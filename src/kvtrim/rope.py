@@ -26,9 +26,19 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
     Only the first ``2 * len(inv_freq)`` dims are rotary (partial rotary models keep the rest).
     """
     rot_dim = 2 * inv_freq.shape[-1]
-    ang = delta.to(torch.float64).unsqueeze(-1) * inv_freq.to(device=x.device, dtype=torch.float64)
-    ang = torch.cat((ang, ang), dim=-1)
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    freq = inv_freq.to(device=x.device, dtype=torch.float64)
+    if delta.numel() > 64 and not delta.is_floating_point():
+        # a cache's deltas take few distinct values (an eviction shifts every later key by the same
+        # amount): the float64 cos/sin are computed once per distinct delta, then indexed
+        uniq, inverse = torch.unique(delta.reshape(-1), return_inverse=True)
+        ang = uniq.to(torch.float64).unsqueeze(-1) * freq
+        ang = torch.cat((ang, ang), dim=-1)
+        cos = ang.cos().to(x.dtype).index_select(0, inverse).view(*delta.shape, rot_dim)
+        sin = ang.sin().to(x.dtype).index_select(0, inverse).view(*delta.shape, rot_dim)
+    else:
+        ang = delta.to(torch.float64).unsqueeze(-1) * freq
+        ang = torch.cat((ang, ang), dim=-1)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     if rot_dim == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
     xr, xp = x[..., :rot_dim], x[..., rot_dim:]

@@ -35,23 +35,35 @@ def window_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, window:
     return torch.softmax(logits, dim=-1)
 
 
-def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, chunk: int = 256) -> torch.Tensor:
-    """Sum over all ``q`` queries of their causal softmax rows: ``[B, Hkv, G, S]``.
+def causal_prob_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, chunk: int = 256):
+    """Causal softmax rows of all ``q`` queries, ``chunk`` queries at a time.
 
-    Computed ``chunk`` queries at a time, so memory is ``chunk x S`` per head.
+    Yields ``(start, stop, probs)`` with ``probs [B, Hkv, G, stop - start, kmax]``, ``kmax = S - q + stop``:
+    each chunk is computed against the keys up to its last query only (the masked upper triangle
+    beyond it is never computed), and only the chunk's trailing ``chunk x chunk`` block is masked.
+    Memory is ``chunk x S`` per head.
     """
+    q, n_kv, s = query.shape[-2], key.shape[1], key.shape[-2]
+    off = s - q
+    kf = key.float()
+    for start in range(0, q, chunk):
+        stop = min(q, start + chunk)
+        n = stop - start
+        qg = _grouped(query[:, :, start:stop].float(), n_kv)
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf[:, :, :off + stop])
+        logits.mul_(scaling)
+        # query i of the chunk sees keys <= off + start + i: only the last n columns hold later keys
+        logits[..., off + start:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=key.device).triu(1), float("-inf"))
+        yield start, stop, torch.softmax(logits, dim=-1)
+
+
+def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, chunk: int = 256) -> torch.Tensor:
+    """Sum over all ``q`` queries of their causal softmax rows: ``[B, Hkv, G, S]`` (see ``causal_prob_chunks``)."""
     b, hq, q, d = query.shape
     n_kv, s = key.shape[1], key.shape[-2]
     out = torch.zeros(b, n_kv, hq // n_kv, s, dtype=torch.float32, device=key.device)
-    kf = key.float()
-    kj = torch.arange(s, device=key.device).unsqueeze(0)
-    for start in range(0, q, chunk):
-        stop = min(q, start + chunk)
-        qg = _grouped(query[:, :, start:stop].float(), n_kv)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf) * scaling
-        qi = torch.arange(s - q + start, s - q + stop, device=key.device).unsqueeze(1)
-        logits = logits.masked_fill(kj > qi, float("-inf"))
-        out += torch.softmax(logits, dim=-1).sum(dim=-2)
+    for start, stop, probs in causal_prob_chunks(query, key, scaling, chunk):
+        out[..., :probs.shape[-1]] += probs.sum(dim=-2)
     return out
 
 

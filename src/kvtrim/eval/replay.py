@@ -67,6 +67,8 @@ class SharedElastic(Elastic):
     def layer_importance(self, layer, query, key, scaling):
         if self.memo is None or layer.phase != "prefill":
             return super().layer_importance(layer, query, key, scaling)
+        if self.importance == "sum":  # the head mean of the column sums H2O also uses: computed once
+            return _column_sums(self.memo, layer.layer_idx, query, key, scaling).mean(dim=(1, 2))
         k = ("elastic", layer.layer_idx, self.importance, self.ema_decay)
         if k not in self.memo:
             self.memo[k] = super().layer_importance(layer, query, key, scaling)
@@ -86,8 +88,16 @@ class SharedH2O(H2O):
             return super()._accumulate(layer, query, key, scaling)
         k = ("h2o", layer.layer_idx)
         if k not in self.memo:
-            self.memo[k] = group_reduce(causal_column_sums(query, key, scaling), "sum")
+            self.memo[k] = group_reduce(_column_sums(self.memo, layer.layer_idx, query, key, scaling), "sum")
         layer.new_token_state("h2o_acc")[:, :, : layer.length] += self.memo[k]
+
+
+def _column_sums(memo: dict, layer_idx: int, query, key, scaling) -> torch.Tensor:
+    """Causal softmax column sums ``[B, Hkv, G, S]`` of a layer's prefill, computed once per ``memo``."""
+    k = ("colsums", layer_idx)
+    if k not in memo:
+        memo[k] = causal_column_sums(query, key, scaling)
+    return memo[k]
 
 
 def make_policy(method: str, params: dict, memo: dict | None = None) -> Policy:

@@ -9,7 +9,8 @@
   the ratio of perplexities, so 1.05 = 5% worse); None where the full cache scores 0 there.
 - ``kv_bytes``: mean resident key/value bytes at the end of the sample; ``kv_frac``: that over the
   full cache's mean on the same samples.
-- ``prefill_s``: median prefill seconds; ``decode_ms``: median decode milliseconds per token.
+- ``prefill_s``: median prefill seconds; ``decode_ms``: median decode milliseconds per token over
+  the lines decoded alone (``decode_rows`` 1 or absent); None when all were batch rows.
 
 :func:`write_report` writes ``report.md`` and PNG plots (matplotlib): score vs budget per task
 (one panel per task, one line per method, the full cache dashed), KV bytes vs budget, prefill
@@ -68,7 +69,10 @@ def summarize(lines: Iterable[dict]) -> dict:
                 cell["ref_ppl"] = math.exp(sum(r["ref_nll_sum"] for r in refs) / sum(r["ref_tokens"] for r in refs))
         cell["kv_bytes"] = statistics.fmean(r["kv_bytes"] for r in rows)
         cell["prefill_s"] = statistics.median(r["prefill_seconds"] for r in rows)
-        per_tok = [r["decode_seconds"] / r["decode_steps"] for r in rows if r.get("decode_steps")]
+        # per-token decode time from lines decoded alone; a batch row's decode_seconds is its share of
+        # steps it took with other configurations (kvtrim.eval.batched), not a lone generation's time
+        per_tok = [r["decode_seconds"] / r["decode_steps"] for r in rows
+                   if r.get("decode_steps") and (r.get("decode_rows") or 1) == 1]
         cell["decode_ms"] = 1000 * statistics.median(per_tok) if per_tok else None
         cells.append(cell)
     return {"cells": cells, "n_lines": len(lines)}
@@ -152,7 +156,9 @@ def cost_table(cells: list[dict], prefill: str = "dense") -> str:
                       f"{statistics.median(dec):.1f}" if dec else "—"]
         out.append(f"| {_label(m, k)} | " + " | ".join(parts) + " |")
     return "\n".join(out) + ("\n\nKV MB: mean resident key/value bytes at the end of a sample (10^6 bytes), in brackets the "
-                             "fraction of the full cache's; times: medians over the cells' samples (all tasks).")
+                             "fraction of the full cache's; times: medians over the cells' samples (all tasks); decode ms/tok only "
+                             "from samples decoded alone (— where every sample was decoded as a batch row, see docs/eval.md; "
+                             "`kvtrim bench` measures decode speed).")
 
 
 # ----------------------------------------------------------------------------- plots

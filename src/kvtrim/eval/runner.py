@@ -24,10 +24,16 @@ How one sample unit runs (all configurations of one generated sample):
    answer is complete -- every answer found and the text ending in a non-alphanumeric character, so
    more tokens cannot change the score, see :func:`answer_complete`); multi-turn
    samples feed each later question as a new turn through the same cache; ``ppl`` and ``labelfree``
-   teacher-force their continuation / the full cache's answer in one forward.
+   teacher-force their continuation / the full cache's answer in one forward. The configurations
+   decode **together**, one batch row each, every row attending to its own cache
+   (``kvtrim.eval.batched``): the weights are read once per step for all of them, which at batch 1
+   dominates a small model's decode step. ``--unbatched`` decodes them one at a time instead.
 
 Reported per line: ``prefill_seconds`` = the shared forward pass + this method's compression
-(``record_seconds`` + ``compress_seconds``), ``decode_seconds`` / ``decode_steps``, ``kv_bytes``
+(``record_seconds`` + ``compress_seconds``), ``decode_seconds`` (the configuration's share of the
+forward steps it took part in: each step's time divided by its rows; ``decode_rows`` is the mean
+number of rows per step, 1 when unbatched -- lone-generation decode speed is ``kvtrim bench``'s
+job) / ``decode_steps``, ``kv_bytes``
 (resident key/value buffers at the end, ``KVTrimCache.kv_bytes``), ``kv_bytes_full`` (what an
 uncompressed cache holds for the same tokens).
 """
@@ -46,6 +52,7 @@ from pathlib import Path
 import torch
 
 from kvtrim.errors import KVTrimError
+from kvtrim.eval.batched import Clock, Step, Wait, drive
 from kvtrim.eval.longtext import LONGTEXT_TASKS
 from kvtrim.eval.metrics import METRICS
 from kvtrim.eval.tasks import TASKS, even_depths, sample_seed
@@ -265,21 +272,8 @@ def _prompt_ids(tokenizer, sample) -> list[int]:
     return build_prompt_ids(tokenizer, sample.prompt)
 
 
-def _step(model, cache, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-    """Feed ``ids`` through ``cache``; logits of the last position ``[V]`` or of all ``[n, V]``."""
-    from kvtrim.generation import _next_positions
-    from kvtrim.integrations.hf import cache_kwarg
-
-    device = next(model.parameters()).device
-    kw = {cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 0 if all_logits else 1}
-    pos = _next_positions(cache, len(ids), device)
-    if pos is not None:
-        kw["position_ids"] = pos
-    logits = model(input_ids=torch.tensor([ids], device=device), **kw).logits[0].float()
-    return logits if all_logits else logits[-1]
-
-
-def _greedy(model, cache, logits, max_new: int, eos, finished=None) -> tuple[list[int], int]:
+def _greedy(cache, logits, max_new: int, eos, finished=None, clock=None):
+    """Greedy decoding program (see ``kvtrim.eval.batched``): returns ``(tokens, forward steps)``."""
     out: list[int] = []
     steps = 0
     for step in range(max_new):
@@ -287,18 +281,18 @@ def _greedy(model, cache, logits, max_new: int, eos, finished=None) -> tuple[lis
         out.append(tok)
         if tok == eos or step == max_new - 1 or (finished is not None and finished(out)):
             break
-        logits = _step(model, cache, [tok])
+        logits = yield Step(cache, [tok], False, clock)
         steps += 1
     return out, steps
 
 
-def _forced_nll(model, cache, logits, target: list[int]) -> float:
-    """Sum of -log p(target) with the first token predicted by ``logits`` and the rest in one forward."""
+def _forced_nll(cache, logits, target: list[int], clock=None):
+    """Program: sum of -log p(target), the first token predicted by ``logits``, the rest in one forward."""
     nll = -float(torch.log_softmax(logits, -1)[target[0]])
     if len(target) > 1:
-        all_logits = _step(model, cache, target[:-1], all_logits=True)
+        all_logits = yield Step(cache, list(target[:-1]), True, clock)
         lp = torch.log_softmax(all_logits, -1)
-        idx = torch.tensor(target[1:]).unsqueeze(1)
+        idx = torch.tensor(target[1:], device=lp.device).unsqueeze(1)
         nll -= float(lp.gather(1, idx).sum())
     return nll
 
@@ -330,69 +324,64 @@ def rouge_l(prediction: str, reference: str) -> float:
     return float(_ROUGE.score(reference, prediction)["rougeL"].fmeasure)
 
 
-def run_config(model, tokenizer, sample, recording, method: str, keep: float | None, memo: dict | None,
-               reference: list[int] | None = None) -> dict:
-    """One (method, keep) on one recorded sample: replay, decode/teacher-force, score. Returns the line's fields."""
+def config_program(model, tokenizer, sample, recording, method: str, keep: float | None, memo: dict | None,
+                   reference: list[int] | None = None, reference_key=None):
+    """Program (``kvtrim.eval.batched``) for one (method, keep) on one recorded sample: replay, then
+    decode/teacher-force and score; returns the line's fields. For ``labelfree`` a compressed
+    configuration needs the full cache's answer: ``reference``, or the result of the program
+    registered under ``reference_key``."""
     from kvtrim.eval.metrics import score as score_text
     from kvtrim.eval.replay import make_policy, replay
-    from kvtrim.integrations.hf import attach
 
     params = {} if keep is None else {"keep": keep}
-    policy = make_policy(method, params, memo)
     eos = getattr(tokenizer, "eos_token_id", None)
     t0 = time.perf_counter()
-    cache = replay(model, policy, recording)
+    cache = replay(model, make_policy(method, params, memo), recording)
     compress = time.perf_counter() - t0
     logits = recording.logits
     extra: dict = {}
     max_new = MAX_NEW_TOKENS[sample.task]
-    with torch.inference_mode(), attach(model):
-        t1 = time.perf_counter()
-        if sample.task == "ppl":
-            target = tokenizer(sample.meta["continuation"], add_special_tokens=False)["input_ids"]
-            nll = _forced_nll(model, cache, logits, target)
-            out, steps = [], 1
-            extra = {"nll_sum": nll, "n_target": len(target)}
-            value = math.exp(nll / len(target))
-            answer = ""
-        elif sample.task == "labelfree":
-            out, steps = _greedy(model, cache, logits, max_new, eos)
-            answer = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
-            if reference is None:  # this is the full cache: its answer is the reference
-                reference = out
-            ref_text = tokenizer.decode([t for t in reference if t != eos], skip_special_tokens=True).strip()
-            value = rouge_l(answer, ref_text) if ref_text else float(answer == ref_text)
-            extra = {"answer_ids": out}
-        elif sample.turns:
-            answers, scores, steps = [], [], 0
-            for ti, turn in enumerate(sample.turns):
-                if ti:
-                    feed = ([] if not out or out[-1] == eos else [out[-1]]) + _turn_tail(tokenizer, turn.question)
-                    logits = _step(model, cache, feed)
-                    steps += 1
-                done = (lambda ids, t=turn: answer_complete(tokenizer, sample.metric, ids, t.answers, eos))
-                out, s = _greedy(model, cache, logits, max_new, eos, done)
-                steps += s
-                text = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
-                answers.append(text)
-                scores.append(score_text_one(tokenizer, sample.metric, out, turn.answers, eos))
-            value = sum(scores) / len(scores)
-            answer = answers[0]
-            extra = {"answers": answers, "turn_scores": scores}
-        else:
-            done = (lambda ids: answer_complete(tokenizer, sample.metric, ids, sample.answers, eos))
-            out, steps = _greedy(model, cache, logits, max_new, eos, done)
-            answer = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
-            value = score_text(sample, answer)
-        decode = time.perf_counter() - t1
-    if sample.task == "labelfree" and method != "full":
-        ref_nll = None
-        # perplexity of the full cache's answer under this method's cache: a fresh replay (the greedy run moved it)
-        if reference:
-            cache2 = replay(model, make_policy(method, params, memo), recording)
-            with torch.inference_mode(), attach(model):
-                ref_nll = _forced_nll(model, cache2, recording.logits, list(reference))
-        extra.update({"ref_nll_sum": ref_nll, "ref_tokens": len(reference or [])})
+    clock = Clock()
+    if sample.task == "ppl":
+        target = tokenizer(sample.meta["continuation"], add_special_tokens=False)["input_ids"]
+        nll = yield from _forced_nll(cache, logits, target, clock)
+        out, steps = [], 1
+        extra = {"nll_sum": nll, "n_target": len(target)}
+        value = math.exp(nll / len(target))
+        answer = ""
+    elif sample.task == "labelfree":
+        out, steps = yield from _greedy(cache, logits, max_new, eos, None, clock)
+        answer = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
+        if method == "full":  # the full cache's answer is the reference
+            reference = out
+        elif reference is None:
+            if reference_key is None:
+                raise KVTrimError("labelfree needs the full cache's answer (reference or reference_key)")
+            reference = (yield Wait(reference_key))["answer_ids"]
+        ref_text = tokenizer.decode([t for t in reference if t != eos], skip_special_tokens=True).strip()
+        value = rouge_l(answer, ref_text) if ref_text else float(answer == ref_text)
+        extra = {"answer_ids": out}
+    elif sample.turns:
+        answers, scores, steps = [], [], 0
+        for ti, turn in enumerate(sample.turns):
+            if ti:
+                feed = ([] if not out or out[-1] == eos else [out[-1]]) + _turn_tail(tokenizer, turn.question)
+                logits = yield Step(cache, feed, False, clock)
+                steps += 1
+            done = (lambda ids, t=turn: answer_complete(tokenizer, sample.metric, ids, t.answers, eos))
+            out, s = yield from _greedy(cache, logits, max_new, eos, done, clock)
+            steps += s
+            text = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
+            answers.append(text)
+            scores.append(score_text_one(tokenizer, sample.metric, out, turn.answers, eos))
+        value = sum(scores) / len(scores)
+        answer = answers[0]
+        extra = {"answers": answers, "turn_scores": scores}
+    else:
+        done = (lambda ids: answer_complete(tokenizer, sample.metric, ids, sample.answers, eos))
+        out, steps = yield from _greedy(cache, logits, max_new, eos, done, clock)
+        answer = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
+        value = score_text(sample, answer)
     stored = cache.stored_tokens()
     row = {
         "score": value,
@@ -406,11 +395,31 @@ def run_config(model, tokenizer, sample, recording, method: str, keep: float | N
         "record_seconds": recording.seconds,
         "compress_seconds": compress,
         "prefill_seconds": recording.seconds + compress,
-        "decode_seconds": decode,
+        "decode_seconds": clock.seconds,
         "decode_steps": steps,
+        "decode_rows": round(clock.mean_rows, 3),
     }
+    del cache
+    if sample.task == "labelfree" and method != "full":
+        ref_nll = None
+        # perplexity of the full cache's answer under this method's cache: a fresh replay (the greedy run moved it)
+        if reference:
+            cache2 = replay(model, make_policy(method, params, memo), recording)
+            ref_nll = yield from _forced_nll(cache2, recording.logits, list(reference))
+            del cache2
+        extra.update({"ref_nll_sum": ref_nll, "ref_tokens": len(reference or [])})
     row.update(extra)
     return row
+
+
+def run_config(model, tokenizer, sample, recording, method: str, keep: float | None, memo: dict | None,
+               reference: list[int] | None = None) -> dict:
+    """One (method, keep) on one recorded sample at batch 1 (``config_program`` run alone)."""
+    from kvtrim.integrations.hf import attach
+
+    with attach(model):
+        return drive(model, {0: config_program(model, tokenizer, sample, recording, method, keep, memo, reference)},
+                     batch=False)[0]
 
 
 def answer_complete(tokenizer, metric: str, ids: list[int], answers: Sequence[str], eos) -> bool:
@@ -434,12 +443,17 @@ def build_sample(plan: EvalPlan, tokenizer, task: str, length: int, i: int):
 
 
 def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, int] = (0, 1), progress: bool = True,
-             stop_after: int | None = None) -> dict:
+             stop_after: int | None = None, batch: bool = True) -> dict:
     """Run (or resume) ``plan`` on the loaded model ``lm`` (``kvtrim.models.LoadedModel``), writing into ``out``.
 
-    ``stop_after`` stops after that many sample units (for tests of resumption). Returns the summary.
+    The configurations of a sample decode together, one batch row each (``kvtrim.eval.batched``);
+    ``batch=False`` decodes them one after another at batch 1 (slower; per-line decode times are
+    then those of a lone generation). ``stop_after`` stops after that many sample units (for tests
+    of resumption). Returns the summary.
     """
     from tqdm import tqdm
+
+    from kvtrim.integrations.hf import attach
 
     from kvtrim.eval.replay import record_prefill
     from kvtrim.eval.report import summarize
@@ -480,16 +494,18 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
         memo: dict = {}
         reference = None
         if task == "labelfree":
-            # the full cache's answer is the reference: from the file if full already ran, else run it first
+            # the full cache's answer is the reference: from the file if full already ran, else from its run here
             prev = [r for r in read_lines([runs_file(out_path, task, length)])
                     if r["sample"] == i and r["method"] == "full" and r.get("prefill", "dense") == plan.prefill]
             if prev:
                 reference = prev[-1]["answer_ids"]
             need = sorted(need, key=lambda c: c[0] != "full")
-        for method, keep in need:
-            row = run_config(lm.model, lm.tokenizer, sample, recording, method, keep, memo, reference)
-            if task == "labelfree" and method == "full":
-                reference = row["answer_ids"]
+        ref_key = ("full", None) if ("full", None) in need else None
+        programs = {(m, k): config_program(lm.model, lm.tokenizer, sample, recording, m, k, memo, reference, ref_key)
+                    for m, k in need}
+
+        def write(key, row, task=task, length=length, i=i, sample=sample, ids=ids, recording=recording):
+            method, keep = key
             line = {"task": task, "length": length, "sample": i, "seed": sample.seed, "depth": sample.depth,
                     "method": method, "keep": keep, "prefill": plan.prefill, "prompt_tokens": len(ids),
                     "max_new_tokens": MAX_NEW_TOKENS[task], **row}
@@ -497,6 +513,9 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
                 line["prefill_stats"] = {k: v for k, v in recording.prefill_stats.items() if isinstance(v, (int, float, str)) or v is None}
             append_line(runs_file(out_path, task, length), line)
             bar.update(1)
+
+        with attach(lm.model):
+            drive(lm.model, programs, batch=batch, on_done=write)
         del recording, memo
     bar.close()
     summary = summarize(read_lines(result_files(out_path)))

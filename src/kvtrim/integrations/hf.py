@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvtrim.cache import ACTIVE, KVTrimCache
+from kvtrim.cache import ACTIVE, KVTrimCache, RowBindings
 from kvtrim.errors import KVTrimError
 from kvtrim.rope import rotate
 
@@ -47,6 +47,19 @@ def kvtrim_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """transformers attention function: base attention, then the cache's policy hook."""
     base = _BASE.get(id(module.config)) or _base_fn("sdpa")
     binding = ACTIVE.get()
+    if isinstance(binding, RowBindings):  # several caches in one batch (kvtrim.eval.batched.MultiCache)
+        ACTIVE.set(None)
+        outs = []
+        for b, (row, k, v) in enumerate(binding.rows):
+            q = query[b:b + 1]
+            n, m = q.shape[-2], k.shape[-2]
+            mask = None if n == 1 else torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)[None, None]
+            outs.append(_attend(base, module, row, q, k, v, mask, dropout, scaling, is_causal, kwargs)[0])
+        return torch.cat(outs), None
+    return _attend(base, module, binding, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+
+
+def _attend(base, module, binding, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
     layer_idx = getattr(module, "layer_idx", None)
     if binding is None or binding.layer.layer_idx != layer_idx:
         return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)

@@ -59,6 +59,7 @@ import torch
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.rope import rotate
+from kvtrim.scores import causal_prob_chunks
 
 COMBINE = ("merge", "drop")
 IMPORTANCE = ("sum", "mean", "ema")
@@ -81,25 +82,15 @@ def attention_importance(
     ``(1 - decay) * decay**(q - 1 - m)``. Float32; ``chunk`` queries at a time, each chunk against
     the keys up to its last query only (the masked upper triangle is never computed).
     """
-    b, hq, q, d = query.shape
-    n_kv, s = key.shape[1], key.shape[-2]
-    g = hq // n_kv
+    b, q, s = query.shape[0], query.shape[-2], key.shape[-2]
     off = s - q
     out = torch.zeros(b, s, dtype=torch.float32, device=key.device)
-    kf = key.float()
-    for start in range(0, q, chunk):
-        stop = min(q, start + chunk)
-        kmax = off + stop
-        qg = query[:, :, start:stop].float().reshape(b, n_kv, g, stop - start, d)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf[:, :, :kmax]) * scaling
-        qi = torch.arange(off + start, off + stop, device=key.device).unsqueeze(1)
-        kj = torch.arange(kmax, device=key.device).unsqueeze(0)
-        probs = torch.softmax(logits.masked_fill(kj > qi, float("-inf")), dim=-1)
+    for start, stop, probs in causal_prob_chunks(query, key, scaling, chunk):
         if how == "ema":
             m = torch.arange(start, stop, device=key.device, dtype=torch.float64)
             w = ((1.0 - decay) * decay ** (q - 1 - m)).float()
             probs = probs * w.view(1, 1, 1, -1, 1)
-        out[:, :kmax] += probs.sum(dim=-2).mean(dim=(1, 2))
+        out[:, :off + stop] += probs.sum(dim=-2).mean(dim=(1, 2))
     if how == "mean":
         j = torch.arange(s, device=key.device)
         seen_by = (q - (j - off).clamp(min=0)).clamp(min=1)
