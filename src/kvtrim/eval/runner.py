@@ -516,12 +516,33 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
 
         with attach(lm.model):
             drive(lm.model, programs, batch=batch, on_done=write)
+        del programs, write
         del recording, memo
+        release_memory()
     bar.close()
     summary = summarize(read_lines(result_files(out_path)))
     summary["machine"] = machine()
     (out_path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    A sweep allocates and frees caches of many sizes per sample; without trimming, glibc keeps the
+    freed pages and a long sweep's resident memory grows to several times what one sample needs.
+    """
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name and platform.system() == "Linux":
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
 
 
 def machine() -> dict:
