@@ -226,7 +226,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
                 ax.plot(*zip(*pts), marker="o", color=colors.get(m, "black"), label=m if m == "full" else f"{m} @{pick:g}")
     axes[0].set(xlabel="keep", ylabel="KV MB", title="resident KV bytes vs budget")
     axes[1].set(xlabel="prompt tokens", ylabel="s", title="prefill time (median)")
-    axes[2].set(xlabel="prompt tokens", ylabel="ms / token", title="decode time per token (median)")
+    axes[2].set(xlabel="prompt tokens", ylabel="ms / token", title="decode ms/token (median, lines decoded alone)")
     for ax in axes:
         ax.tick_params(labelsize=7)
     axes[1].legend(fontsize=7)

@@ -412,16 +412,6 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
     return row
 
 
-def run_config(model, tokenizer, sample, recording, method: str, keep: float | None, memo: dict | None,
-               reference: list[int] | None = None) -> dict:
-    """One (method, keep) on one recorded sample at batch 1 (``config_program`` run alone)."""
-    from kvtrim.integrations.hf import attach
-
-    with attach(model):
-        return drive(model, {0: config_program(model, tokenizer, sample, recording, method, keep, memo, reference)},
-                     batch=False)[0]
-
-
 def answer_complete(tokenizer, metric: str, ids: list[int], answers: Sequence[str], eos) -> bool:
     """True once more tokens cannot change the score: every answer is found (score 1) *and* the text
     ends in a character that is not a letter or digit. (An answer at the very end could still be
