@@ -62,13 +62,14 @@ class MultiCache(Cache):
 
 
 def next_positions(cache: KVTrimCache, n: int) -> torch.Tensor:
-    """Positions ``[n]`` of the next ``n`` tokens fed through ``cache``."""
-    layer = cache.compressed_layers[0]
-    if cache.position_policy == "true":
+    """Positions ``[n]`` of the next ``n`` tokens fed through ``cache`` (explicit also under true positions)."""
+    from kvtrim.generation import _next_positions
+
+    pos = _next_positions(cache, n, "cpu")
+    if pos is None:  # true positions: the stream continues after every token seen
         start = cache.get_seq_length()
-    else:
-        start = layer.length if layer.is_initialized else 0
-    return torch.arange(start, start + n)
+        return torch.arange(start, start + n)
+    return pos[0]
 
 
 @torch.inference_mode()
