@@ -5,7 +5,8 @@ prose, then questions), played on a :class:`kvtrim.session.Session` per configur
 the outer loop and configurations the inner one, so a run stopped by ``--max-seconds`` has the same
 samples for every configuration. Score: exact match of the first number in each answer.
 
-    nice -n 10 python benchmarks/bench_recall.py --samples 4 --budget 256 --biases 0,1,8 --out benchmarks/results/recall.json
+    nice -n 10 python benchmarks/bench_recall.py --samples 10 --budgets 256,512 --biases 0,0.25,1,4,16 \
+        --out benchmarks/results/recall.json
 """
 
 from __future__ import annotations
@@ -22,19 +23,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import machine_info, print_table_or_require_out  # noqa: E402
 
 
-def configs(budget: int, biases: list[float]) -> list[tuple[str, str, dict]]:
+def configs(budgets: list[int], biases: list[float]) -> list[tuple[str, str, dict]]:
+    """(label, method, parameters): the full cache once, then every method at every budget."""
     out = [("full", "full", {})]
-    out += [(f"inf_mllm(bias={b:g})", "inf_mllm", {"max_tokens": budget, "bias": b}) for b in biases]
-    out += [("streaming_llm", "streaming_llm", {"max_tokens": budget}),
-            ("h2o", "h2o", {"max_tokens": budget, "position": "reassigned"})]
+    for budget in budgets:
+        out += [(f"inf_mllm(bias={b:g})@{budget}", "inf_mllm", {"max_tokens": budget, "bias": b}) for b in biases]
+        out += [(f"streaming_llm@{budget}", "streaming_llm", {"max_tokens": budget}),
+                (f"h2o@{budget}", "h2o", {"max_tokens": budget, "position": "reassigned"})]
     return out
 
 
 def table(r: dict) -> str:
     """Markdown table of a recall result."""
     n = len(r["samples"])
-    lines = [f"Budget {r['budget']} tokens per layer and KV head; {n} conversations of ~{r['samples'][0]['conversation_tokens']} "
-             f"tokens, {r['task']['n_facts']} questions each; exact match of the first number.", "",
+    budgets = r.get("budgets", [r.get("budget")])
+    lengths = [s["conversation_tokens"] for s in r["samples"]]
+    lines = [f"Budgets {', '.join(str(b) for b in budgets)} tokens per layer and KV head (`@` in the config name); {n} conversations "
+             f"of {min(lengths)}-{max(lengths)} tokens, {r['task']['n_facts']} questions each; exact match of the first number.", "",
              "| config | correct | of the questions the full cache answers | max stored tokens |", "|---|---:|---:|---:|"]
     for label, v in r["summary"].items():
         ref = f"{v['correct_where_full_correct']:.0f}/{v['full_correct']}"
@@ -46,7 +51,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--budgets", default="256", help="comma-separated max_tokens budgets")
     ap.add_argument("--biases", default="0,1,8")
     ap.add_argument("--n-facts", type=int, default=3)
     ap.add_argument("--context-turns", type=int, default=2)
@@ -65,11 +70,12 @@ def main(argv=None) -> int:
     from kvtrim.session import Session
 
     lm = load_model(None)
-    cfgs = configs(args.budget, [float(b) for b in args.biases.split(",")])
+    budgets = [int(b) for b in args.budgets.split(",")]
+    cfgs = configs(budgets, [float(b) for b in args.biases.split(",")])
     result = {"benchmark": "recall", "model": lm.source, "dtype": "float32", "info": machine_info(),
               "task": {"n_facts": args.n_facts, "context_turns": args.context_turns, "context_tokens": args.context_tokens,
                        "max_new_tokens": args.max_new_tokens, "seed": args.seed, "metric": "exact match of the first number"},
-              "budget": args.budget, "samples": [], "configs": {label: {"policy": create_policy(m, **kw).describe()}
+              "budgets": budgets, "samples": [], "configs": {label: {"policy": create_policy(m, **kw).describe()}
                                                                 for label, m, kw in cfgs}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

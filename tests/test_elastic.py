@@ -340,3 +340,57 @@ def test_window_keeps_the_last_prompt_tokens_exact(model, prompt):
         torch.testing.assert_close(layer.values[:, :, -w:], v_full[:, :, -w:])
     with pytest.raises(KVTrimError, match="the last 6 prompt tokens"):
         Elastic(max_tokens=5, window=6)
+
+
+# --- size-aware (proportional) merging ----------------------------------------------------------
+def test_proportional_merge_attends_like_the_tokens_it_stands_for(model, prompt):
+    """A merged key with bias log(size) must attend exactly like ``size`` copies of itself: a plain
+    DynamicCache holding every merged key/value repeated by its bucket size gives the same logits,
+    for one decode step and for a multi-token turn (causal mask plus the bias)."""
+    t = prompt.shape[1]
+    for nxt in (torch.tensor([[7]]), torch.tensor([[7, 19, 42, 5]])):
+        _check_proportional_against_copies(model, prompt, t, nxt)
+
+
+def _check_proportional_against_copies(model, prompt, t, nxt):
+    logits, sizes = {}, {}
+    for proportional in (True, False):
+        cache, _ = _prefill(model, prompt, keep=0.3, proportional=proportional)
+        dup = DynamicCache(config=model.config)
+        for i, layer in enumerate(cache.compressed_layers):
+            if proportional:
+                size = layer.state_view("logit_bias")[0, 0].exp()
+                counts = size.round().long()
+                torch.testing.assert_close(size, counts.float(), atol=1e-4, rtol=0)
+                assert int(counts.sum()) == t and int(counts.min()) >= 1
+                assert int(counts[0]) == 1 and int(counts[-1]) == 1  # the first and last token stay exact
+            else:  # same anchors and (first merge: all sizes 1) the same means; reuse the sizes from above
+                assert "logit_bias" not in layer.token_state
+                counts = sizes[i]
+            if proportional:
+                sizes[i] = counts
+            dup.update(layer.keys.repeat_interleave(counts, dim=2), layer.values.repeat_interleave(counts, dim=2), i)
+        with torch.no_grad():
+            ref = model(input_ids=nxt, past_key_values=dup, use_cache=True).logits[0]
+            with kvtrim.attach(model):
+                logits[proportional] = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[0]
+        if proportional:
+            torch.testing.assert_close(logits[True], ref, atol=1e-4, rtol=1e-4)
+        else:  # plain merging counts each merged key once: it differs from the size-weighted reference
+            assert (logits[False] - ref).abs().max() > 1e-3
+
+
+def test_proportional_sizes_add_up_over_turns(model, prompt):
+    cache, _ = _prefill(model, prompt, keep=0.4, proportional=True)
+    turn = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(5))
+    with kvtrim.attach(model), torch.no_grad():
+        model(input_ids=turn, past_key_values=cache, use_cache=True)
+    seen = prompt.shape[1] + 30
+    for layer in cache.compressed_layers:
+        assert layer.length == math.floor(0.4 * seen)
+        torch.testing.assert_close(layer.state_view("logit_bias")[0].exp().sum(-1), torch.full((layer.keys.shape[1],), float(seen)))
+
+
+def test_proportional_needs_merge():
+    with pytest.raises(KVTrimError, match="proportional=True needs combine='merge'"):
+        Elastic(keep=0.5, combine="drop", proportional=True)

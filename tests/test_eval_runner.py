@@ -84,6 +84,24 @@ def test_batched_decode_equals_plain_generation(model, prompt):
             assert b["out2"] == a["out2"], key
 
 
+def test_batched_rows_apply_their_own_logit_bias(model, prompt):
+    """Elastic's size-aware merge adds a per-key logit bias; in a batch only its own row gets it."""
+    ids = prompt[0].tolist()
+    rec = record_prefill(model, ids)
+    params = {"prop": {"keep": 0.3, "proportional": True}, "plain": {"keep": 0.3}, "prop6": {"keep": 0.6, "proportional": True}}
+
+    def run(batch):
+        caches = {n: replay(model, make_policy("elastic", p, {}), rec) for n, p in params.items()}
+        assert "logit_bias" in caches["prop"].compressed_layers[0].token_state
+        with attach(model):
+            res = drive(model, {n: _greedy(c, rec.logits, 8, None) for n, c in caches.items()}, batch=batch)
+        return {n: r[0] for n, r in res.items()}
+
+    alone = run(False)
+    assert alone["prop"] != alone["plain"]  # the bias changes this tiny model's greedy tokens, so a misrouted bias shows
+    assert run(True) == alone
+
+
 def test_drive_reports_dead_wait(model, prompt):
     def waits():
         yield Wait("nobody")

@@ -53,6 +53,11 @@ class RowBindings:
 
 # Set by KVTrimCache.update() for the layer whose attention runs next; consumed (and cleared) by
 # kvtrim's attention function. A context variable keeps concurrent generations apart.
+# Name of the optional per-token state that kvtrim's attention function adds to every query's
+# attention logit for that key (``[B, H_kv, stored]``; e.g. ``log(bucket size)`` for a merged key,
+# so that it weighs as much as the tokens it stands for). New tokens get 0.
+LOGIT_BIAS = "logit_bias"
+
 ACTIVE: contextvars.ContextVar[_Binding | RowBindings | None] = contextvars.ContextVar("kvtrim_active_layer", default=None)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvtrim.cache import ACTIVE, KVTrimCache, RowBindings
+from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache, RowBindings
 from kvtrim.errors import KVTrimError
 from kvtrim.rope import rotate
 
@@ -73,10 +73,30 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
     if prefill is not None and layer.phase == "prefill" and query.shape[-2] > 1:
         res = prefill(module, query, key, value, attention_mask, scale, **kwargs)  # None: run dense
     if res is None:
+        bias = layer.token_state.get(LOGIT_BIAS)
+        if bias is not None:
+            attention_mask = with_logit_bias(attention_mask, bias[:, :, : key.shape[-2]], query)
         res = base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     out, weights = res
     binding.cache.after_attention(layer, query, key, scale)
     return out, weights
+
+
+def with_logit_bias(mask, bias: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """Additive float mask ``[B, Hq, q, S]``: ``mask`` (None = bottom-right causal, bool or float)
+    plus the per-key logit ``bias [B, Hkv, S]``, each KV head's bias shared by its query heads."""
+    n, s = query.shape[-2], bias.shape[-1]
+    dtype = query.dtype
+    if mask is None:
+        allowed = torch.ones(n, s, dtype=torch.bool, device=query.device).tril(s - n)
+        add = torch.zeros(n, s, dtype=dtype, device=query.device).masked_fill_(~allowed, float("-inf"))[None, None]
+    elif mask.dtype == torch.bool:
+        mask = mask[..., :s]
+        add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    else:
+        add = mask[..., :s].to(dtype)
+    b = bias.to(dtype).repeat_interleave(query.shape[1] // bias.shape[1], dim=1).unsqueeze(2)  # [B, Hq, 1, S]
+    return add + b
 
 
 def _register() -> None:

@@ -48,6 +48,13 @@ Ablation switches (the paper's Table of ablations):
   and a queue of the most recent entries, StreamingLLM-like) or ``"frequency"`` (the entry with
   the lowest accumulated importance, the first token and the newest one protected; decode rows
   keep adding their head-averaged attention, H2O-like).
+
+Investigation switch (not in the paper): ``proportional=True`` makes the merge size-aware, as in
+token merging's proportional attention (Bolya et al., ToMe, 2023): an anchor's key and value become
+the mean over the original tokens it stands for (weighted by the sizes of earlier merges), and the
+cache's ``logit_bias`` state holds ``log(size)`` for it, which kvtrim's attention function adds to
+every query's logit for that key. A merged key then takes the softmax share its tokens would take
+if they all had that key and value; with plain merging it counts as one token.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtrim.cache import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.rope import rotate
@@ -129,6 +137,7 @@ class Elastic(Policy):
     align: bool = False
     merge_protected: bool = False
     window: int = 0
+    proportional: bool = False
 
     name = "elastic"
     description = "Elastic Cache: merge into top-importance anchors at the prompt, fixed-point eviction while decoding"
@@ -148,6 +157,8 @@ class Elastic(Policy):
             raise KVTrimError(f"elastic: ema_decay must be in (0, 1), got {self.ema_decay!r}")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
             raise KVTrimError(f"elastic: window must be a non-negative integer, got {self.window!r}")
+        if self.proportional and self.combine != "merge":
+            raise KVTrimError("elastic: proportional=True needs combine='merge' (it weighs merged tokens by their bucket size)")
         if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
             raise KVTrimError(f"elastic: chunk must be a positive integer, got {self.chunk!r}")
         super().__post_init__()
@@ -170,7 +181,7 @@ class Elastic(Policy):
         d = super().describe()
         d.update(distance=self.distance, combine=self.combine, importance=self.importance, eviction=self.eviction, align=self.align,
             merge_protected=self.merge_protected,
-            window=self.window,
+            window=self.window, proportional=self.proportional,
         )
         return d
 
@@ -190,7 +201,9 @@ class Elastic(Policy):
         """Keep ``anchors [B, K]`` (slots, ascending, the first and last stored slot among them).
 
         With ``combine="merge"`` every other token joins the nearest *mergeable* anchor and that
-        anchor's key and value become the unweighted mean of itself and its members. The first
+        anchor's key and value become the unweighted mean of itself and its members (with
+        ``proportional=True``: the mean weighted by the tokens each slot stands for, and the anchor's
+        ``logit_bias`` becomes the log of its new size). The first
         and the last slot are mergeable only with ``merge_protected=True``; by default they stay
         exact, as in the official code (the first token is the attention sink). With no mergeable
         anchor (a budget of 2) the other tokens are dropped.
@@ -211,6 +224,8 @@ class Elastic(Policy):
         if self.align and inv_freq is None:
             raise KVTrimError("elastic: align=True needs a model with a plain rotary embedding (rotary_emb.inv_freq)")
         last = layer.length - self.n_last  # slots >= last are protected
+        sizes = layer.new_token_state(LOGIT_BIAS)[:, 0, : layer.length].exp() if self.proportional else None
+        new_sizes = []
         for i in range(b):
             a = anchors[i]
             targets = torch.arange(k, device=a.device)
@@ -227,12 +242,21 @@ class Elastic(Policy):
             if self.align:  # re-rotate each member key to its anchor's rotation before averaging
                 rot = layer.rotations[i, 0]
                 km = rotate(km, (rot[a[tgt]] - rot[members]).view(1, -1), inv_freq)
-            count = 1.0 + torch.bincount(tgt, minlength=k).to(torch.float32).view(1, k, 1)
-            sk = new_k[i].float().index_add_(1, tgt, km)
-            sv = new_v[i].float().index_add_(1, tgt, vm)
+            if sizes is None:
+                count = 1.0 + torch.bincount(tgt, minlength=k).to(torch.float32).view(1, k, 1)
+                sk = new_k[i].float().index_add_(1, tgt, km)
+                sv = new_v[i].float().index_add_(1, tgt, vm)
+            else:  # weighted by the original tokens each slot stands for
+                w_a, w_m = sizes[i, a].view(1, k, 1), sizes[i, members].view(1, -1, 1)
+                count = w_a.clone().index_add_(1, tgt, w_m)
+                sk = (new_k[i].float() * w_a).index_add_(1, tgt, km * w_m)
+                sv = (new_v[i].float() * w_a).index_add_(1, tgt, vm * w_m)
+                new_sizes.append((i, count.view(k)))
             new_k[i] = (sk / count).to(keys.dtype)
             new_v[i] = (sv / count).to(values.dtype)
         layer.replace(new_k, new_v, idx)
+        for i, count in new_sizes:
+            layer.state_view(LOGIT_BIAS)[i] = count.log().unsqueeze(0)
 
     def on_prefill(self, layer, query, key, scaling) -> None:
         if self.compresses and layer.length < self.min_tokens:
