@@ -55,6 +55,17 @@ def stream_ids(tokenizer, args) -> tuple[list[int], dict]:
     return ids[: args.tokens], src
 
 
+def pooled_ppl(chunks: list[dict]) -> float:
+    """Perplexity pooled over the scored tokens of ``chunks`` (NaN when none was scored)."""
+    sc = sum(x["scored"] for x in chunks)
+    return math.exp(sum(x["nll_sum"] for x in chunks) / sc) if sc else float("nan")
+
+
+def pooled_tps(chunks: list[dict]) -> float:
+    """Tokens per second over ``chunks``."""
+    return sum(x["tokens"] for x in chunks) / sum(x["seconds"] for x in chunks)
+
+
 def table(r: dict) -> str:
     """Markdown table of a stream result: per method, the first and last stretch of the stream."""
     lines = [f"{r['model']}; chunk {r['chunk']}, max_tokens {r['max_tokens']}; text: {r['source']['note'] or r['source']['file']}"
@@ -71,9 +82,9 @@ def table(r: dict) -> str:
 
         def agg(part, key):
             if key == "ppl":
-                sc = sum(x["scored"] for x in part)
-                return f"{math.exp(sum(x['nll_sum'] for x in part) / sc):.1f}" if sc else "-"
-            return f"{sum(x['tokens'] for x in part) / sum(x['seconds'] for x in part):.0f}"
+                ppl = pooled_ppl(part)
+                return "-" if math.isnan(ppl) else f"{ppl:.1f}"
+            return f"{pooled_tps(part):.0f}"
 
         lines.append(f"| {n} | {c[-1]['seen']:,} | {c[0]['kv_bytes'] / mib:.1f} / {c[-1]['kv_bytes'] / mib:.1f} MiB | {c[-1]['stored']} | "
                      f"{agg(c[:k], 'ppl')} | {agg(c[-k:], 'ppl')} | {agg(c[:k], 'tps')} | {agg(c[-k:], 'tps')} | "
@@ -113,9 +124,7 @@ def tenths_table(r: dict) -> str:
             part = c[i : i + k]
             if len(part) < k and i:
                 break
-            sc = sum(x["scored"] for x in part)
-            ppl = math.exp(sum(x["nll_sum"] for x in part) / sc) if sc else float("nan")
-            tps = sum(x["tokens"] for x in part) / sum(x["seconds"] for x in part)
+            ppl, tps = pooled_ppl(part), pooled_tps(part)
             kv = [x["kv_bytes"] / mib for x in part]
             st = [x["stored"] for x in part]
             out.append(f"| {part[0]['seen'] - part[0]['tokens']:,}-{part[-1]['seen']:,} | {tps:.0f} | {ppl:.1f} | "

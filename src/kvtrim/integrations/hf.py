@@ -53,7 +53,7 @@ def kvtrim_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         for b, (row, k, v) in enumerate(binding.rows):
             q = query[b:b + 1]
             n, m = q.shape[-2], k.shape[-2]
-            mask = None if n == 1 else torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)[None, None]
+            mask = None if n == 1 else causal_mask(n, m, q.device)
             outs.append(_attend(base, module, row, q, k, v, mask, dropout, scaling, is_causal, kwargs)[0])
         return torch.cat(outs), None
     return _attend(base, module, binding, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
@@ -82,15 +82,20 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
     return out, weights
 
 
+def causal_mask(n: int, m: int, device) -> torch.Tensor:
+    """Bottom-right aligned causal mask ``[1, 1, n, m]`` (True = may attend) for ``n`` queries that are
+    the last ``n`` of ``m`` keys."""
+    return torch.ones(n, m, dtype=torch.bool, device=device).tril(m - n)[None, None]
+
+
 def with_logit_bias(mask, bias: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     """Additive float mask ``[B, Hq, q, S]``: ``mask`` (None = bottom-right causal, bool or float)
     plus the per-key logit ``bias [B, Hkv, S]``, each KV head's bias shared by its query heads."""
     n, s = query.shape[-2], bias.shape[-1]
     dtype = query.dtype
     if mask is None:
-        allowed = torch.ones(n, s, dtype=torch.bool, device=query.device).tril(s - n)
-        add = torch.zeros(n, s, dtype=dtype, device=query.device).masked_fill_(~allowed, float("-inf"))[None, None]
-    elif mask.dtype == torch.bool:
+        mask = causal_mask(n, s, query.device)
+    if mask.dtype == torch.bool:
         mask = mask[..., :s]
         add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     else:

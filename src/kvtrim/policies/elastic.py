@@ -224,7 +224,11 @@ class Elastic(Policy):
         if self.align and inv_freq is None:
             raise KVTrimError("elastic: align=True needs a model with a plain rotary embedding (rotary_emb.inv_freq)")
         last = layer.length - self.n_last  # slots >= last are protected
-        sizes = layer.new_token_state(LOGIT_BIAS)[:, 0, : layer.length].exp() if self.proportional else None
+        # tokens each slot stands for: 1 each for a plain (unweighted) merge
+        if self.proportional:
+            sizes = layer.new_token_state(LOGIT_BIAS)[:, 0, : layer.length].exp()
+        else:
+            sizes = torch.ones(b, layer.length, dtype=torch.float32, device=keys.device)
         new_sizes = []
         for i in range(b):
             a = anchors[i]
@@ -242,15 +246,11 @@ class Elastic(Policy):
             if self.align:  # re-rotate each member key to its anchor's rotation before averaging
                 rot = layer.rotations[i, 0]
                 km = rotate(km, (rot[a[tgt]] - rot[members]).view(1, -1), inv_freq)
-            if sizes is None:
-                count = 1.0 + torch.bincount(tgt, minlength=k).to(torch.float32).view(1, k, 1)
-                sk = new_k[i].float().index_add_(1, tgt, km)
-                sv = new_v[i].float().index_add_(1, tgt, vm)
-            else:  # weighted by the original tokens each slot stands for
-                w_a, w_m = sizes[i, a].view(1, k, 1), sizes[i, members].view(1, -1, 1)
-                count = w_a.clone().index_add_(1, tgt, w_m)
-                sk = (new_k[i].float() * w_a).index_add_(1, tgt, km * w_m)
-                sv = (new_v[i].float() * w_a).index_add_(1, tgt, vm * w_m)
+            w_a, w_m = sizes[i, a].view(1, k, 1), sizes[i, members].view(1, -1, 1)
+            count = w_a.clone().index_add_(1, tgt, w_m)
+            sk = (new_k[i].float() * w_a).index_add_(1, tgt, km * w_m)
+            sv = (new_v[i].float() * w_a).index_add_(1, tgt, vm * w_m)
+            if self.proportional:
                 new_sizes.append((i, count.view(k)))
             new_k[i] = (sk / count).to(keys.dtype)
             new_v[i] = (sv / count).to(values.dtype)
