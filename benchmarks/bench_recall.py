@@ -5,8 +5,8 @@ prose, then questions), played on a :class:`kvtrim.session.Session` per configur
 the outer loop and configurations the inner one, so a run stopped by ``--max-seconds`` has the same
 samples for every configuration. Score: exact match of the first number in each answer.
 
-    nice -n 10 python benchmarks/bench_recall.py --samples 10 --budgets 256,512 --biases 0,0.25,1,4,16 \
-        --out benchmarks/results/recall.json
+    OMP_NUM_THREADS=1 python benchmarks/bench_recall.py --samples 20 --budgets 256,512 --biases 0,0.25,1,4,16 \
+        --max-seconds 1800 --out benchmarks/results/recall.json   # the committed run (stopped after 15 samples)
 """
 
 from __future__ import annotations

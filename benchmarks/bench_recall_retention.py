@@ -5,7 +5,7 @@ generation), then measures, for each fact turn, the fraction of its tokens still
 over layers and KV heads. This isolates what the attention bias does to long-range retention, the
 mechanism behind the recall scores of ``bench_recall.py``.
 
-    nice -n 10 python benchmarks/bench_recall_retention.py --samples 2 --budget 256 --out benchmarks/results/recall_retention.json
+    nice -n 10 python benchmarks/bench_recall_retention.py --samples 10 --budget 512 --out benchmarks/results/recall_retention.json
 """
 
 from __future__ import annotations
