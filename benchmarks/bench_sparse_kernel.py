@@ -14,6 +14,7 @@ line per pattern with the crossover length: the smallest measured T at which spa
 + attention) beat dense. Examples::
 
     python benchmarks/bench_sparse_kernel.py --lengths 4096 8192
+    python benchmarks/bench_sparse_kernel.py --lengths 8192 --cpu-kernels native torch   # CPU paths side by side
     python benchmarks/bench_sparse_kernel.py --device cuda --lengths 16384 32768 65536 --out gpu.jsonl
 """
 
@@ -31,7 +32,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvtrim.attention import AShape, BlockSparse, VerticalSlash, sparse_prefill
+from kvtrim.attention import AShape, BlockSparse, VerticalSlash, sparse_attention_cpu, sparse_prefill
 
 PATTERNS = {
     "a_shape": lambda: AShape(n_init=1024, n_local=4096),
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-kernels", nargs="+", default=["native"], choices=["native", "torch"],
+                   help="CPU paths to time side by side (default: native; add torch for the PyTorch fallback)")
     p.add_argument("--out", default=None, help="write JSON lines here instead of stdout")
     args = p.parse_args(argv)
 
@@ -111,16 +114,23 @@ def main(argv: list[str] | None = None) -> int:
                 pattern = PATTERNS[name]()
                 est_s = _median_time(lambda: pattern.layout(q, k), args.warmup, args.reps, args.device)
                 layout = pattern.layout(q, k)
-                attn_s = _median_time(lambda: sparse_prefill(q, k, v, layout, backend=backend), args.warmup, args.reps, args.device)
                 density = layout.density()
-                results[name].append((t, est_s + attn_s, dense_s))
-                rec = {
-                    **meta, "kind": name, "pattern": repr(pattern), "T": t, "density": round(density, 4),
-                    "estimate_s": est_s, "attention_s": attn_s, "total_s": est_s + attn_s, "dense_s": dense_s,
-                    "speedup_attention": dense_s / attn_s, "speedup_total": dense_s / (est_s + attn_s),
-                    "gflops_per_s_effective": density * flops / attn_s / 1e9,
-                }
-                print(json.dumps(rec), file=out, flush=True)
+                kernels = args.cpu_kernels if args.device == "cpu" else ["triton"]
+                for kn in kernels:
+                    if kn == "triton":
+                        run = lambda: sparse_prefill(q, k, v, layout, backend=backend)  # noqa: E731
+                    else:
+                        run = lambda kn=kn: sparse_attention_cpu(q, k, v, layout, kernel=kn)  # noqa: E731
+                    attn_s = _median_time(run, args.warmup, args.reps, args.device)
+                    if kn == kernels[0]:
+                        results[name].append((t, est_s + attn_s, dense_s))
+                    rec = {
+                        **meta, "kind": name, "kernel": kn, "pattern": repr(pattern), "T": t, "density": round(density, 4),
+                        "estimate_s": est_s, "attention_s": attn_s, "total_s": est_s + attn_s, "dense_s": dense_s,
+                        "speedup_attention": dense_s / attn_s, "speedup_total": dense_s / (est_s + attn_s),
+                        "gflops_per_s_effective": density * flops / attn_s / 1e9,
+                    }
+                    print(json.dumps(rec), file=out, flush=True)
         for name, rows in results.items():
             wins = [t for t, sparse_s, dense_s in rows if sparse_s < dense_s]
             rec = {**meta, "kind": "summary", "pattern": name, "crossover_T": min(wins) if wins else None,

@@ -1,7 +1,10 @@
 """Markdown tables for docs/minference.md and the README from the committed MInference JSON files.
 
-    python benchmarks/table_minference.py [--prefill benchmarks/results/minference_prefill.json]
+    python benchmarks/table_minference.py [--prefill benchmarks/results/minference_prefill.json [MORE.json ...]]
                                           [--quality benchmarks/results/minference_quality.json]
+
+Each prefill file gets its own table (e.g. the full sweep, then a rerun of some lengths with more
+repetitions).
 """
 
 from __future__ import annotations
@@ -61,12 +64,13 @@ def quality_table(d: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--prefill", default="benchmarks/results/minference_prefill.json")
+    p.add_argument("--prefill", nargs="+", default=["benchmarks/results/minference_prefill.json"])
     p.add_argument("--quality", default="benchmarks/results/minference_quality.json")
     a = p.parse_args(argv)
-    if Path(a.prefill).is_file():
-        print(prefill_table(json.loads(Path(a.prefill).read_text())))
-        print()
+    for path in a.prefill:
+        if Path(path).is_file():
+            print(prefill_table(json.loads(Path(path).read_text())))
+            print()
     if Path(a.quality).is_file():
         print(quality_table(json.loads(Path(a.quality).read_text())))
     return 0

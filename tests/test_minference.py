@@ -67,6 +67,48 @@ def test_per_head_config_mixes_patterns(model, long_prompt):
     assert type(hook.pattern_for(0, 0)).__name__ == "AShape" and type(hook.pattern_for(0, 1)).__name__ == "VerticalSlash"
 
 
+def test_mixed_layer_with_dense_heads_equals_the_reference(model, long_prompt):
+    """Dense heads (SDPA per KV head), several vertical-slash heads of different sizes (one shared
+    estimation), A-shape and block-sparse heads in the same layer, as the searched configs have."""
+    ident = model_identity(model)
+    kinds = [{"pattern": "dense"}, {"pattern": "vertical_slash", "k_v": 40, "k_s": 60},
+             {"pattern": "vertical_slash", "k_v": 90, "k_s": 50}, {"pattern": "a_shape", "n_init": 16, "n_local": 64},
+             {"pattern": "vertical_slash", "k_v": 30, "k_s": 120}, {"pattern": "block_sparse", "k_b": 2}]
+    rows = [[kinds[(li + h) % len(kinds)] for h in range(ident["num_attention_heads"])] for li in range(ident["num_hidden_layers"])]
+    cfg = PatternConfig(model=ident, layers=rows)
+    hook = SparsePrefill("minference", config=cfg, min_length=1)
+    out = _logits(model, long_prompt, hook)
+    ref = _logits(model, long_prompt, SparsePrefill("minference", config=cfg, min_length=1, backend="reference"))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    assert hook.stats()["kernel"] in ("cpu-native", "cpu-torch")
+    assert 0.0 < hook.stats()["density"] < 1.0
+
+
+def test_shared_vertical_slash_estimation_equals_each_heads_own(model):
+    """The layer-wide estimation (one scores pass, one layout build) gives every head the layout
+    its own ``VerticalSlash.layout`` gives."""
+    from kvtrim.attention.reference import layout_to_mask
+
+    ident = model_identity(model)
+    hq, hkv = ident["num_attention_heads"], ident["num_key_value_heads"]
+    sizes = [(40, 60), (90, 50), (30, 120), (200, 200), (35, 55)]
+    rows = [[{"pattern": "vertical_slash", "k_v": sizes[h % 5][0], "k_s": sizes[h % 5][1]} if h % 4 else {"pattern": "dense"}
+             for h in range(hq)] for _ in range(ident["num_hidden_layers"])]
+    hook = SparsePrefill("minference", config=PatternConfig(model=ident, layers=rows), min_length=1)
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, hq, 333, ident["head_dim"], generator=g), torch.randn(1, hkv, 333, ident["head_dim"], generator=g)
+    got = hook._layouts(0, q, k, 0.125)
+    grp = hq // hkv
+    for h in range(hq):
+        pat = hook.pattern_for(0, h)
+        if pat is None:
+            assert got[h] is None
+            continue
+        own = pat.layout(q[:, h : h + 1], k[:, h // grp : h // grp + 1], 0.125)
+        assert torch.equal(layout_to_mask(got[h]), layout_to_mask(own)), f"head {h}"
+        assert got[h].density() == pytest.approx(own.density())
+
+
 def test_decode_stays_dense_and_only_the_first_prefill_is_sparse(model, long_prompt):
     calls = []
 
@@ -226,6 +268,7 @@ def test_cli_generate_json_reports_prefill(real, tmp_path, capsys):
     assert main(argv) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["prefill"]["mode"] == "block_sparse" and d["prefill"]["fallback"] is None
+    assert d["prefill"]["kernel"] in ("cpu-native", "cpu-torch")
     assert 0.0 < d["attention_density"] < 0.8
     argv[-1] = "100000"  # longer than the prompt: dense, and the JSON says why
     assert main(argv) == 0

@@ -10,6 +10,7 @@ bound gets an absolute floor of 4 float32 ulps of 1.0 (measured: both errors 2-9
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
@@ -22,11 +23,14 @@ from kvtrim.attention import (
     VerticalSlash,
     dense_attention,
     dense_layout,
+    layout_from_block_mask,
     layout_to_mask,
     masked_attention,
     sparse_attention_cpu,
     vertical_slash_layout,
 )
+from kvtrim.attention.cpu import sparse_attention_heads
+from kvtrim.attention.native import load_native
 from kvtrim.attention.triton import triton_available
 
 PATTERNS_SMALL = {  # sparse already at T=500
@@ -57,60 +61,148 @@ def _assert_within_rule(fast: torch.Tensor, q, k, v, mask: torch.Tensor | None) 
     assert err_fast <= max(2 * err_plain, floor), f"fast error {err_fast:.3g} > 2 x plain error {err_plain:.3g}"
 
 
-# ---- CPU fast path ---------------------------------------------------------------------------
+# ---- CPU fast paths: the native C++ kernel and the PyTorch one --------------------------------
+#
+# The native kernel is built on first use (a C++ compiler and ninja, ~15 s once per machine;
+# later runs load it from torch's extension cache). Where a compiler exists, failing to build it is a test failure,
+# not a skip: only a machine without any C++ compiler skips the native cases.
+
+HAS_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not None
+KERNELS = [pytest.param("native", marks=pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")), "torch"]
+
+
+def test_native_kernel_builds_where_a_compiler_exists() -> None:
+    if not HAS_COMPILER:
+        pytest.skip("no C++ compiler")
+    assert load_native(), "kvtrim's native CPU kernel did not build (see the warning in the log)"
 
 
 @pytest.mark.parametrize("name", list(PATTERNS_SMALL))
 @pytest.mark.parametrize("t", [63, 500])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("hq,hkv", GQA)
-def test_cpu_matches_reference(name: str, t: int, d: int, hq: int, hkv: int) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cpu_matches_reference(name: str, t: int, d: int, hq: int, hkv: int, kernel: str) -> None:
     q, k, v = _qkv(t, d, hq, hkv)
     layout = PATTERNS_SMALL[name].layout(q, k)
-    _assert_within_rule(sparse_attention_cpu(q, k, v, layout), q, k, v, layout_to_mask(layout))
+    _assert_within_rule(sparse_attention_cpu(q, k, v, layout, kernel=kernel), q, k, v, layout_to_mask(layout))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", list(PATTERNS_SMALL))
-def test_cpu_low_precision(name: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cpu_low_precision(name: str, dtype: torch.dtype, kernel: str) -> None:
     q, k, v = _qkv(500, 64, 8, 2, dtype)
     layout = PATTERNS_SMALL[name].layout(q, k)
-    out = sparse_attention_cpu(q, k, v, layout)
+    out = sparse_attention_cpu(q, k, v, layout, kernel=kernel)
     assert out.dtype == dtype
     _assert_within_rule(out, q, k, v, layout_to_mask(layout))
 
 
 @pytest.mark.parametrize("name", list(PATTERNS_4001))
-def test_cpu_matches_reference_4001(name: str) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cpu_matches_reference_4001(name: str, kernel: str) -> None:
     q, k, v = _qkv(4001, 64, 3, 1, seed=1)
     layout = PATTERNS_4001[name].layout(q, k)
     assert layout.density() < 0.6, "the long case must actually be sparse"
-    _assert_within_rule(sparse_attention_cpu(q, k, v, layout), q, k, v, layout_to_mask(layout))
+    _assert_within_rule(sparse_attention_cpu(q, k, v, layout, kernel=kernel), q, k, v, layout_to_mask(layout))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PATTERNS_4001))
-def test_cpu_matches_reference_4001_d128_gqa4(name: str) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cpu_matches_reference_4001_d128_gqa4(name: str, kernel: str) -> None:
     q, k, v = _qkv(4001, 128, 4, 1, seed=2)
     layout = PATTERNS_4001[name].layout(q, k)
-    _assert_within_rule(sparse_attention_cpu(q, k, v, layout), q, k, v, layout_to_mask(layout))
+    _assert_within_rule(sparse_attention_cpu(q, k, v, layout, kernel=kernel), q, k, v, layout_to_mask(layout))
 
 
 @pytest.mark.parametrize("t", [63, 500, 4001])
-def test_all_blocks_selected_equals_dense(t: int) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_all_blocks_selected_equals_dense(t: int, kernel: str) -> None:
     q, k, v = _qkv(t, 64, 3, 1)
-    out = sparse_attention_cpu(q, k, v, dense_layout(1, 3, t))
+    out = sparse_attention_cpu(q, k, v, dense_layout(1, 3, t), kernel=kernel)
     _assert_within_rule(out, q, k, v, None)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out, sdpa, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("pattern", [VerticalSlash(k_v=500, k_s=500), BlockSparse(k_b=8), AShape(n_init=1, n_local=500)])
-def test_full_budget_patterns_are_dense(pattern) -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_full_budget_patterns_are_dense(pattern, kernel: str) -> None:
     q, k, v = _qkv(500, 64, 8, 2)
     layout = pattern.layout(q, k)
     assert bool(layout_to_mask(layout).all(dim=0).all(dim=0).equal(torch.ones(500, 500, dtype=torch.bool).tril()))
-    torch.testing.assert_close(sparse_attention_cpu(q, k, v, layout), dense_attention(q, k, v), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sparse_attention_cpu(q, k, v, layout, kernel=kernel), dense_attention(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_mixed_heads_in_one_call_match_the_reference(kernel: str) -> None:
+    """One layer's sparse heads, each with its own pattern (A-shape windows differ), in one call."""
+    q, k, v = _qkv(777, 64, 8, 2, seed=3)
+    pats = [AShape(n_init=20, n_local=150), VerticalSlash(k_v=40, k_s=60), BlockSparse(k_b=3),
+            AShape(n_init=64, n_local=300), None, VerticalSlash(k_v=100, k_s=30), BlockSparse(k_b=5), None]
+    heads = [h for h, p in enumerate(pats) if p is not None]
+    lays = [pats[h].layout(q[:, h : h + 1], k[:, h // 4 : h // 4 + 1]) for h in heads]
+    out = sparse_attention_heads(q, k, v, heads, lays, kernel=kernel)
+    assert out.shape == (len(heads), 777, 64)
+    for row, (h, lay) in enumerate(zip(heads, lays)):
+        qh, kh, vh = q[:, h : h + 1], k[:, h // 4 : h // 4 + 1], v[:, h // 4 : h // 4 + 1]
+        _assert_within_rule(out[row][None, None], qh, kh, vh, layout_to_mask(lay))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(1, 300), d=st.sampled_from([64, 128]), data=st.data())
+def test_native_kernel_property(t: int, d: int, data) -> None:
+    """Any causal set of blocks and columns (empty rows included) gives the reference's output."""
+    n = math.ceil(t / 64)
+    bm = torch.zeros(1, 2, n, n, dtype=torch.bool)
+    for h in range(2):
+        for qb in range(n):
+            for kb in range(qb + 1):
+                bm[0, h, qb, kb] = data.draw(st.booleans())
+    lay = layout_from_block_mask(bm, t)
+    cols = data.draw(st.lists(st.integers(0, t - 1), max_size=12))
+    if cols:  # add single columns outside the listed blocks
+        lay = _with_columns(lay, sorted(set(cols)))
+    q, k, v = _qkv(t, d, 2, 1, seed=t)
+    out = sparse_attention_cpu(q, k, v, lay, kernel="native")
+    _assert_within_rule(out, q, k, v, layout_to_mask(lay))
+
+
+def _with_columns(lay, cols: list[int]):
+    """Add key columns to every query block of a layout where they are causal and not in a listed block."""
+    n, bs = lay.n_blocks, lay.block_size
+    rows = []
+    for h in range(lay.block_cnt.shape[1]):
+        per = []
+        for qb in range(n):
+            blocks = set(lay.block_idx[0, h, qb, : lay.block_cnt[0, h, qb]].tolist())
+            per.append([c for c in cols if c < min((qb + 1) * bs, lay.seq_len) and c // bs not in blocks])
+        rows.append(per)
+    width = max(1, max(len(p) for per in rows for p in per))
+    col_idx = torch.zeros(1, len(rows), n, width, dtype=torch.int32)
+    col_cnt = torch.zeros(1, len(rows), n, dtype=torch.int32)
+    for h, per in enumerate(rows):
+        for qb, p in enumerate(per):
+            col_idx[0, h, qb, : len(p)] = torch.tensor(p, dtype=torch.int32)
+            col_cnt[0, h, qb] = len(p)
+    return type(lay)(bs, lay.seq_len, lay.block_idx, lay.block_cnt, col_idx, col_cnt)
+
+
+def test_cpu_kernel_choice_is_validated(monkeypatch) -> None:
+    q, k, v = _qkv(70, 64, 3, 1)
+    lay = dense_layout(1, 3, 70)
+    with pytest.raises(ValueError, match="kernel must be"):
+        sparse_attention_cpu(q, k, v, lay, kernel="fast")
+    monkeypatch.setenv("KVTRIM_CPU_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="KVTRIM_CPU_KERNEL"):
+        sparse_attention_cpu(q, k, v, lay)
+    monkeypatch.setenv("KVTRIM_CPU_KERNEL", "torch")
+    from kvtrim.attention.native import cpu_kernel
+
+    assert cpu_kernel() == "torch"
 
 
 # ---- index estimation ------------------------------------------------------------------------
@@ -176,7 +268,12 @@ def test_vertical_slash_layout_property(t: int, bs: int, data) -> None:
     """Never drops a vertical or slash, never lists an index out of bounds, lists nothing extra."""
     verts = data.draw(st.lists(st.integers(0, t - 1), max_size=40))
     slashes = data.draw(st.lists(st.integers(0, t - 1), max_size=40))  # may lie far from the diagonal
-    lay = vertical_slash_layout(torch.tensor(verts, dtype=torch.long).view(1, 1, -1), torch.tensor(slashes, dtype=torch.long).view(1, 1, -1), t, bs)
+    vt, st_ = torch.tensor(verts, dtype=torch.long).view(1, 1, -1), torch.tensor(slashes, dtype=torch.long).view(1, 1, -1)
+    lay = vertical_slash_layout(vt, st_, t, bs, native=False)
+    if HAS_COMPILER:  # the C++ builder must give exactly the same layout
+        fast = vertical_slash_layout(vt, st_, t, bs, native=True)
+        for name in ("block_idx", "block_cnt", "col_idx", "col_cnt"):
+            assert torch.equal(getattr(fast, name), getattr(lay, name)), name
     n = math.ceil(t / bs)
     assert lay.block_idx.shape[:3] == (1, 1, n) and lay.col_idx.shape[:3] == (1, 1, n)
     for qb in range(n):

@@ -191,7 +191,7 @@ def cmd_search_patterns(args) -> int:
     try:
         levels = sorted(float(x) for x in args.density.split(","))
     except ValueError:
-        raise KVTrimError(f"--density takes comma-separated fractions, e.g. 0.1,0.2,0.35,0.5; got {args.density!r}") from None
+        raise KVTrimError(f"--density takes comma-separated fractions, e.g. 0.1,0.2,0.35,0.5,0.65,0.8; got {args.density!r}") from None
     if not all(0.0 < d < 1.0 for d in levels):
         raise KVTrimError(f"--density must be in (0, 1); got {args.density}")
     if args.max_error is not None and not args.max_error > 0:
@@ -256,8 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("search-patterns", help="offline per-head MInference pattern search; writes a pattern config")
     s.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
-    s.add_argument("--length", type=int, default=4096, help="calibration prompt length in tokens (default 4096)")
-    s.add_argument("--density", default="0.1,0.2,0.35,0.5", help="cost levels: executed cost of the candidates as fractions of dense attention at --length, tried cheapest first (default 0.1,0.2,0.35,0.5)")
+    s.add_argument("--length", type=int, default=8192, help="calibration prompt length in tokens (default 8192; sizes are absolute, so a config is sparser at longer prompts and denser at shorter ones)")
+    s.add_argument("--density", default="0.1,0.2,0.35,0.5,0.65,0.8", help="cost levels: executed cost of the candidates as fractions of dense attention at --length, tried cheapest first (default 0.1,0.2,0.35,0.5,0.65,0.8)")
     s.add_argument("--max-error", type=float, default=0.05, help="a head takes the cheapest level whose best pattern's relative output error is <= this, else stays dense (default 0.05)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tag", help="model name substring the shipped config matches (packaging only)")

@@ -1,19 +1,25 @@
-"""Fast CPU sparse prefill: gather the selected keys of each query block, one batched matmul.
+"""Fast CPU sparse prefill: kvtrim's fused C++ kernel, or gathered batched matmuls in PyTorch.
 
-For every query head and every group of consecutive 64-row query blocks, the key blocks and
-single key columns listed in the :class:`~kvtrim.attention.patterns.SparseLayout` are gathered
-into one contiguous ``[chunk, L, head_dim]`` tensor (``L`` = the widest selection in the group),
-and attention runs as ``bmm -> masked exp -> bmm`` with a float32 softmax. Work therefore falls
-with density: a query block costs ``block_cnt * 64 + col_cnt`` keys instead of all keys before
-it. Slashes cost whole 64x64 blocks (the layout already lists them that way), verticals one
-gathered column each. Padding inside a group is masked out.
+Two paths compute the same thing (both are tested against the explicit-mask reference):
 
-Measured on a 2-core CPU (see ``benchmarks/bench_sparse_kernel.py``): compiled FlexAttention
-with a BlockMask was ~1.4x slower than dense SDPA at full density and compiles per shape
-(~20 s). This path ran ~125 GFLOP/s of executed work on an idle machine (about SDPA's rate), i.e.
-it beat SDPA at 8k for density 0.44 (0.47 s vs 0.60 s), but it loses badly when the cores are
-shared with other processes (many medium ops, each a thread barrier). The reference it must
-equal is :func:`kvtrim.attention.reference.masked_attention` with
+- ``native`` (default where it builds, :mod:`kvtrim.attention.native`): one task per query head
+  and 64-row query block walks the listed key blocks (consecutive ones merged, up to 512 keys per
+  BLAS call) and the gathered single columns with an online softmax, flash-attention style; tasks
+  are shared out dynamically over torch's threads, most expensive first. It runs at ~0.9-1.0x
+  dense SDPA's rate per executed score on this project's 2-core CPU, so attention time falls with
+  density. :func:`sparse_attention_heads` sends all sparse heads of a layer, each with its own
+  layout, to it in one call.
+- ``torch`` (fallback): for every query head and every group of consecutive query blocks, the
+  key blocks and single key columns listed in the :class:`~kvtrim.attention.patterns.SparseLayout`
+  are gathered into one contiguous ``[chunk, L, head_dim]`` tensor (``L`` = the widest selection
+  in the group), and attention runs as ``bmm -> masked exp -> bmm`` with a float32 softmax.
+  Padding inside a group is masked out. It runs at about half of SDPA's rate per executed score
+  (gathers, masks and a separate softmax pass); compiled FlexAttention with a BlockMask was ~1.4x
+  slower than dense SDPA at full density and compiles per shape (~20 s).
+
+Either way a query block costs ``block_cnt * 64 + col_cnt`` keys instead of all keys before it:
+slashes cost whole 64x64 blocks (the layout already lists them that way), verticals one column
+each. The reference both must equal is :func:`kvtrim.attention.reference.masked_attention` with
 :func:`~kvtrim.attention.reference.layout_to_mask`.
 
 Layouts: ``q`` ``[B, Hq, T, D]``, ``k``/``v`` ``[B, Hkv, T, D]``, ``Hq = Hkv * G``; query head ``h``
@@ -23,13 +29,15 @@ reads KV head ``h // G`` (no repeated KV heads in memory). Output ``[B, Hq, T, D
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
+from kvtrim.attention.native import NATIVE_BLOCK, cpu_kernel, native_sparse_attention
 from kvtrim.attention.patterns import SparseLayout
 from kvtrim.attention.reference import check_qkv
 
-__all__ = ["sparse_attention_cpu"]
+__all__ = ["sparse_attention_cpu", "sparse_attention_heads"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +90,67 @@ def _window_mask(s, blocks, cols, diag, bs: int, mb: int, n_init: int, n_local: 
     s.scatter_(2, idx, sub)
 
 
+def sparse_attention_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    heads: list[int],
+    layouts: list[SparseLayout],
+    scaling: float | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """Sparse attention for some query heads of one batch row, each with its own one-head layout.
+
+    This is how a mixed per-head MInference layer runs on CPU: all its sparse heads (any patterns,
+    any sizes, their own A-shape windows) go to the native kernel in one call, so its threads
+    share out the whole layer's work; with the PyTorch path they run one by one.
+
+    Args:
+        q: ``[1, Hq, T, D]``; k, v: ``[1, Hkv, T, D]``.
+        heads: query-head indices; head ``h`` reads KV head ``h // (Hq // Hkv)``.
+        layouts: one ``[1, 1, ...]`` layout per entry of ``heads``.
+
+    Returns:
+        ``[len(heads), T, D]`` in ``q.dtype``.
+    """
+    g = check_qkv(q, k, v)
+    if q.shape[0] != 1:
+        raise ValueError(f"sparse_attention_heads takes one batch row; got B={q.shape[0]}")
+    if len(heads) != len(layouts) or not heads:
+        raise ValueError("give one layout per head, and at least one head")
+    t, d = q.shape[2], q.shape[3]
+    scale = d**-0.5 if scaling is None else scaling
+    if kernel == "auto":
+        kernel = cpu_kernel() if (q.dtype != torch.float64 and q.device.type == "cpu") else "torch"
+    if kernel != "native":
+        return torch.cat([sparse_attention_cpu(q[:, h : h + 1], k[:, h // g : h // g + 1], v[:, h // g : h // g + 1],
+                                               lay, scale, kernel="torch")[0] for h, lay in zip(heads, layouts)])
+    for lay in layouts:
+        if lay.seq_len != t or lay.block_cnt.shape[:2] != (1, 1):
+            raise ValueError("each layout must be a one-head layout for the inputs' T")
+        if lay.block_size != NATIVE_BLOCK:
+            raise ValueError(f"the native kernel runs block_size={NATIVE_BLOCK}; layout has {lay.block_size}")
+    n = layouts[0].n_blocks
+    mb = max(1, max(lay.block_idx.shape[-1] for lay in layouts))
+    mc = max(1, max(lay.col_idx.shape[-1] for lay in layouts))
+
+    def stack(name: str, width: int) -> torch.Tensor:
+        rows = [getattr(lay, name)[0, 0] for lay in layouts]
+        return torch.stack([torch.nn.functional.pad(r, (0, width - r.shape[-1])) for r in rows]).to(torch.int32)
+
+    window = [lay.n_init is not None and lay.n_local is not None for lay in layouts]
+    n_init = [lay.n_init if w else -1 for lay, w in zip(layouts, window)]
+    n_local = [lay.n_local if w else -1 for lay, w in zip(layouts, window)]
+    idx = torch.as_tensor(heads)
+    out = native_sparse_attention(
+        q[0].index_select(0, idx), k[0], v[0], idx // g,
+        stack("block_idx", mb), torch.stack([lay.block_cnt[0, 0] for lay in layouts]),
+        stack("col_idx", mc), torch.stack([lay.col_cnt[0, 0] for lay in layouts]), n_init, n_local, scale,
+    )
+    assert out.shape == (len(heads), t, d) and n == math.ceil(t / NATIVE_BLOCK)
+    return out.to(q.dtype)
+
+
 def sparse_attention_cpu(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,6 +158,7 @@ def sparse_attention_cpu(
     layout: SparseLayout,
     scaling: float | None = None,
     chunk_scores: int = _CHUNK_SCORES,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Causal attention over the keys a layout selects; equals ``masked_attention(q, k, v, layout_to_mask(layout))``.
 
@@ -97,7 +167,10 @@ def sparse_attention_cpu(
         k, v: ``[B, Hkv, T, D]``.
         layout: per query head, from a pattern's ``layout(q, k)``; ``[B or 1, Hq, ...]``.
         scaling: logit scale, default ``D ** -0.5``.
-        chunk_scores: score entries per batched matmul (memory ~4 bytes each, times ~3).
+        chunk_scores: score entries per batched matmul of the PyTorch path (memory ~4 bytes each, times ~3).
+        kernel: ``"native"`` (the fused C++ kernel, :mod:`kvtrim.attention.native`), ``"torch"``
+            (gathered batched matmuls, below) or ``"auto"``: native when it is available, per
+            ``KVTRIM_CPU_KERNEL``. Float64 and non-CPU inputs always take the PyTorch path.
 
     Returns:
         ``[B, Hq, T, D]`` in ``q.dtype``; rows with no selected key are zero.
@@ -111,6 +184,20 @@ def sparse_attention_cpu(
         raise ValueError(f"layout rows [{lb}, {lh}] do not match [B={b}, Hq={hq}]")
     bs = layout.block_size
     scale = d**-0.5 if scaling is None else scaling
+    if kernel not in ("auto", "native", "torch"):
+        raise ValueError(f"kernel must be 'auto', 'native' or 'torch'; got {kernel!r}")
+    if kernel == "auto":
+        kernel = cpu_kernel() if (q.dtype != torch.float64 and q.device.type == "cpu") else "torch"
+    if kernel == "native":
+        if bs != NATIVE_BLOCK:
+            raise ValueError(f"the native kernel runs block_size={NATIVE_BLOCK}; layout has {bs}")
+        out = torch.empty_like(q)
+        heads = list(range(hq))
+        for bi in range(b):
+            li = bi if lb == b else 0
+            rows = [layout.head(li, h) for h in heads]
+            out[bi] = sparse_attention_heads(q[bi : bi + 1], k[bi : bi + 1], v[bi : bi + 1], heads, rows, scale, "native")
+        return out
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     window = layout.n_init is not None and layout.n_local is not None
     out = torch.empty_like(q)

@@ -22,6 +22,7 @@ vertical by a column unless a selected block already contains it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -75,6 +76,12 @@ class SparseLayout:
     def n_blocks(self) -> int:
         return math.ceil(self.seq_len / self.block_size)
 
+    def head(self, b: int, h: int) -> "SparseLayout":
+        """Row ``[b, h]`` as a one-head layout ``[1, 1, ...]`` (views, no copies)."""
+        sl = (slice(b, b + 1), slice(h, h + 1))
+        return SparseLayout(self.block_size, self.seq_len, self.block_idx[sl], self.block_cnt[sl],
+                            self.col_idx[sl], self.col_cnt[sl], self.n_init, self.n_local)
+
     def density(self) -> float:
         """Executed work relative to dense causal attention, counted as the kernel runs it.
 
@@ -88,15 +95,19 @@ class SparseLayout:
 
 
 def _pack(selected: torch.Tensor, values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compact a boolean ``[..., N]`` selection into (ascending indices padded with 0, counts)."""
+    """Compact a boolean ``[..., N]`` selection into (ascending indices padded with 0, counts).
+
+    ``values`` (broadcastable to ``selected``) replaces the positions. A cumulative sum gives each
+    selected entry its slot; unselected entries are scattered into one spare slot that is dropped.
+    """
     cnt = selected.sum(-1)
     width = int(cnt.max().item()) if cnt.numel() else 0
-    order = torch.sort((~selected).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
-    if values is not None:
-        order = torch.gather(values.expand_as(selected), -1, order)
-    slots = torch.arange(width, device=selected.device)
-    order = torch.where(slots < cnt.unsqueeze(-1), order, 0)
-    return order.to(torch.int32), cnt.to(torch.int32)
+    n = selected.shape[-1]
+    src = torch.arange(n, device=selected.device).expand_as(selected) if values is None else values.expand_as(selected)
+    slot = torch.where(selected, selected.cumsum(-1) - 1, width)
+    out = torch.zeros(*selected.shape[:-1], width + 1, dtype=torch.int64, device=selected.device)
+    out.scatter_(-1, slot, src.to(torch.int64))
+    return out[..., :width].to(torch.int32), cnt.to(torch.int32)
 
 
 def _causal_blocks(n: int, device: torch.device) -> torch.Tensor:
@@ -163,6 +174,13 @@ class AShape:
         return lay
 
 
+@functools.lru_cache(maxsize=4)
+def _diagonal_index(t: int, lq: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, lq * t]`` int64: the offset ``i - j`` (0 above the diagonal) of each of the last ``lq`` rows' keys."""
+    rows = torch.arange(t - lq, t, device=device)
+    return (rows[:, None] - torch.arange(t, device=device)[None, :]).clamp_(min=0).reshape(1, 1, -1)
+
+
 @dataclass
 class VerticalSlash:
     """Vertical-slash head: ``k_v`` key columns ("verticals") + ``k_s`` diagonals ("slashes").
@@ -195,20 +213,41 @@ class VerticalSlash:
 
         Verticals are key positions ``j``; slashes are offsets ``o = i - j`` (0 = main diagonal).
         """
+        vert, slash = self.scores(q, k, scaling, self.last_q)
+        return self.select(vert, slash)
+
+    @staticmethod
+    def scores(q: torch.Tensor, k: torch.Tensor, scaling: float | None = None, last_q: int = 64,
+               native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Column sums and diagonal sums ``[B, Hq, T]`` (float32) of the last ``last_q`` queries' softmax.
+
+        They do not depend on the sizes, so a layer's vertical-slash heads share one call.
+        ``native``: the fused C++ version (:mod:`kvtrim.attention.native`; CPU, built), one pass
+        per head, heads in parallel; the same sums up to float32 rounding.
+        """
         g = check_qkv(q, k, k)
         b, hq, t, d = q.shape
         hkv = k.shape[1]
         scale = d**-0.5 if scaling is None else scaling
-        lq = min(self.last_q, t)
+        lq = min(last_q, t)
+        if native and q.device.type == "cpu" and q.dtype != torch.float64:
+            from kvtrim.attention.native import native_vertical_slash_scores
+
+            pairs = [native_vertical_slash_scores(q[i], k[i], scale, lq) for i in range(b)]
+            return torch.stack([v for v, _ in pairs]), torch.stack([s for _, s in pairs])
         ql = q[:, :, t - lq :, :].float().reshape(b, hkv, g * lq, d)
         s = torch.matmul(ql, k.float().transpose(-1, -2)).mul_(scale).view(b, hq, lq, t)
-        rows = torch.arange(t - lq, t, device=q.device)
-        offs = rows[:, None] - torch.arange(t, device=q.device)[None, :]  # [lq, T], i - j
-        s.masked_fill_(offs < 0, float("-inf"))
+        corner = torch.ones(lq, lq, dtype=torch.bool, device=q.device).triu_(1)  # key j > query i
+        s[..., t - lq :].masked_fill_(corner, float("-inf"))
         p = torch.softmax(s, dim=-1)
         vert = p.sum(-2)
         slash = torch.zeros(b, hq, t, device=q.device, dtype=torch.float32)
-        slash.scatter_add_(-1, offs.clamp(min=0).reshape(1, 1, -1).expand(b, hq, -1), p.reshape(b, hq, -1))
+        slash.scatter_add_(-1, _diagonal_index(t, lq, q.device).expand(b, hq, -1), p.reshape(b, hq, -1))
+        return vert, slash
+
+    def select(self, vert: torch.Tensor, slash: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This head's sizes applied to :meth:`scores`: ``(vertical_idx, slash_offsets)``."""
+        t = vert.shape[-1]
         n_v = min(max(self.k_v, self.min_k_v), t)
         n_s = min(max(self.k_s, self.min_k_s), t)
         return self._top(vert, n_v, self.keep_first_columns), self._top(slash, n_s, self.keep_near_diagonals)
@@ -227,7 +266,8 @@ class VerticalSlash:
         return vertical_slash_layout(v_idx, s_idx, q.shape[2], self.block_size)
 
 
-def vertical_slash_layout(vertical_idx: torch.Tensor, slash_offsets: torch.Tensor, seq_len: int, block_size: int = 64) -> SparseLayout:
+def vertical_slash_layout(vertical_idx: torch.Tensor, slash_offsets: torch.Tensor, seq_len: int, block_size: int = 64,
+                          native: bool | None = None) -> SparseLayout:
     """Turn verticals and slashes into whole key blocks + leftover columns per query block.
 
     Args:
@@ -238,6 +278,9 @@ def vertical_slash_layout(vertical_idx: torch.Tensor, slash_offsets: torch.Tenso
     (nothing if ``qe - 1 - o < 0``); every key block that range touches (at most two) is listed.
     Every vertical ``j <= qe - 1`` is kept: as a column unless a listed block already holds it.
     Unlike the official builder, no vertical is dropped and no index is read past its array.
+
+    ``native``: build it with kvtrim's C++ code (same result, ~10x faster at 32k; tested against
+    this PyTorch version); ``None`` (default): when the native CPU kernel is available.
     """
     _positive("seq_len", seq_len)
     _positive("block_size", block_size)
@@ -251,11 +294,20 @@ def vertical_slash_layout(vertical_idx: torch.Tensor, slash_offsets: torch.Tenso
     b, h = vertical_idx.shape[:2]
     bs, t, dev = block_size, seq_len, vertical_idx.device
     n = math.ceil(t / bs)
+    v_sorted = vertical_idx.reshape(b * h, -1).long().sort(dim=-1).values
+    if native is None:
+        from kvtrim.attention.native import cpu_kernel
+
+        native = dev.type == "cpu" and cpu_kernel() == "native"
+    if native:
+        from kvtrim.attention.native import native_vertical_slash_layout
+
+        bidx, bcnt, cidx, ccnt = native_vertical_slash_layout(v_sorted, slash_offsets.reshape(b * h, -1), t, bs)
+        return SparseLayout(bs, t, bidx.view(b, h, n, -1), bcnt.view(b, h, n), cidx.view(b, h, n, -1), ccnt.view(b, h, n))
     qs = torch.arange(n, device=dev) * bs
     qe = (qs + bs).clamp(max=t)
     bitmap = torch.zeros(b * h, n, n + 1, dtype=torch.bool, device=dev)  # column n = discard
     cols = torch.zeros(b * h, n, vertical_idx.shape[-1], dtype=torch.bool, device=dev)
-    v_sorted = vertical_idx.reshape(b * h, -1).long().sort(dim=-1).values
     for r, o in enumerate(slash_offsets.reshape(b * h, -1).long()):  # one head at a time bounds memory
         hi = qe[:, None] - 1 - o[None, :]  # [n, n_s]
         lo = (qs[:, None] - o[None, :]).clamp(min=0)

@@ -29,14 +29,16 @@ from __future__ import annotations
 import json
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-from kvtrim.attention.cpu import sparse_attention_cpu
-from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash
+from kvtrim.attention.cpu import sparse_attention_cpu, sparse_attention_heads
+from kvtrim.attention.native import cpu_kernel
+from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash, vertical_slash_layout
 from kvtrim.errors import KVTrimError
 
 FORMAT = "kvtrim-pattern-config/1"
@@ -210,6 +212,8 @@ class SparsePrefill:
         self.layers_sparse = 0
         self.layers_dense = 0
         self.fallback: str | None = None
+        self.kernel: str | None = None
+        self._mask_checked = None
 
     def stats(self) -> dict:
         return {
@@ -221,6 +225,7 @@ class SparsePrefill:
             "estimate_seconds": self.estimate_seconds,
             "attention_seconds": self.attention_seconds,
             "min_length": self.min_length,
+            "kernel": self.kernel,
         }
 
     def check_model(self, model) -> None:
@@ -245,26 +250,61 @@ class SparsePrefill:
             m = attention_mask[0, 0] if attention_mask.dim() == 4 else attention_mask
             if m.shape[-2:] != (t, t):
                 return "attention mask is not square"
-            allowed = m if m.dtype == torch.bool else m == 0
-            if not torch.equal(allowed, torch.ones(t, t, dtype=torch.bool, device=m.device).tril_()):
+            # Every layer of a forward gets the same mask tensor: check it once (a T x T comparison
+            # costs ~1 s per layer at 32k). A weak reference: the hook must not keep the mask alive.
+            seen, version = self._mask_checked, _version(attention_mask)
+            if seen is None or seen[0]() is not attention_mask or seen[1] != version:
+                allowed = m if m.dtype == torch.bool else m == 0
+                ok = torch.equal(allowed, torch.ones(t, t, dtype=torch.bool, device=m.device).tril_())
+                self._mask_checked = (weakref.ref(attention_mask), version, ok)
+            if not self._mask_checked[2]:
                 return "attention mask is not plain causal (padding)"
         return None
 
     def _layouts(self, layer_idx: int, q, k, scale) -> list[SparseLayout | None]:
-        """One layout per query head; ``None`` for a head the config keeps dense."""
+        """One layout per query head; ``None`` for a head the config keeps dense.
+
+        Vertical-slash heads share their estimation: the column and diagonal sums of every query
+        head of the layer come from one batched pass (:meth:`VerticalSlash.scores`, the fused
+        native version on CPU), each head takes its own top ``k_v`` / ``k_s``, and one layout
+        build serves them all. The layouts equal those of each head's own ``layout()``.
+        """
         g = q.shape[1] // k.shape[1]
-        out = []
-        for h in range(q.shape[1]):
-            pat = self.pattern_for(layer_idx, h)
-            out.append(None if pat is None else pat.layout(q[:, h : h + 1], k[:, h // g : h // g + 1], scale))
+        pats = [self.pattern_for(layer_idx, h) for h in range(q.shape[1])]
+        out: list[SparseLayout | None] = [None] * len(pats)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for h, pat in enumerate(pats):
+            if isinstance(pat, VerticalSlash):
+                groups.setdefault((pat.last_q, pat.block_size), []).append(h)
+        native = self._backend(q) == "cpu" and q.dtype != torch.float64 and cpu_kernel() == "native"
+        for (last_q, bs), heads in groups.items():
+            if len(heads) < 2 or q.shape[0] != 1:
+                continue
+            vert, slash = VerticalSlash.scores(q, k, scale, last_q, native=native)
+            picked = [pats[h].select(vert[:, h : h + 1], slash[:, h : h + 1]) for h in heads]
+            # One layout build for the group: shorter index lists are padded with a repeat of their
+            # first entry (the builder ignores duplicates), then each head gets its row as views.
+            n_v = max(v.shape[-1] for v, _ in picked)
+            n_s = max(s.shape[-1] for _, s in picked)
+            v_all = torch.cat([torch.cat([v, v[..., :1].expand(*v.shape[:2], n_v - v.shape[-1])], -1) for v, _ in picked], 1)
+            s_all = torch.cat([torch.cat([s, s[..., :1].expand(*s.shape[:2], n_s - s.shape[-1])], -1) for _, s in picked], 1)
+            lay = vertical_slash_layout(v_all, s_all, q.shape[2], bs)
+            for row, h in enumerate(heads):
+                out[h] = lay.head(0, row)
+        for h, pat in enumerate(pats):
+            if pat is not None and out[h] is None:
+                out[h] = pat.layout(q[:, h : h + 1], k[:, h // g : h // g + 1], scale)
         return out
 
-    def _kernel(self, q, k, v, lay, scale):
-        backend = self.backend
-        if backend == "auto":
-            from kvtrim.attention.triton import triton_available
+    def _backend(self, q) -> str:
+        if self.backend != "auto":
+            return self.backend
+        from kvtrim.attention.triton import triton_available
 
-            backend = "triton" if (q.is_cuda and triton_available()) else "cpu"
+        return "triton" if (q.is_cuda and triton_available()) else "cpu"
+
+    def _kernel(self, q, k, v, lay, scale):
+        backend = self._backend(q)
         if backend == "cpu":
             return sparse_attention_cpu(q, k, v, lay, scale)
         from kvtrim.attention import sparse_prefill
@@ -297,20 +337,50 @@ class SparsePrefill:
         t1 = time.perf_counter()
         g = query.shape[1] // key.shape[1]
         out = torch.empty_like(query)
-        for h, lay in enumerate(layouts):
-            kv = h // g
-            qh, kh, vh = query[:, h : h + 1], key[:, kv : kv + 1], value[:, kv : kv + 1]
-            if lay is None:  # dense head: SDPA
-                out[:, h : h + 1] = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-                self._work += dense_work / query.shape[1]
+        # Dense heads: one SDPA call per KV head, over all of its dense query heads (GQA, no copies of k/v).
+        for kv in range(key.shape[1]):
+            hs = [h for h in range(kv * g, (kv + 1) * g) if layouts[h] is None]
+            if not hs:
                 continue
-            out[:, h : h + 1] = self._kernel(qh, kh, vh, lay, scale)
+            idx = torch.as_tensor(hs, device=query.device)
+            out[:, idx] = torch.nn.functional.scaled_dot_product_attention(
+                query[:, idx], key[:, kv : kv + 1], value[:, kv : kv + 1], is_causal=True, scale=scale,
+                enable_gqa=len(hs) > 1,
+            )
+            self._work += dense_work / query.shape[1] * len(hs)
+        sparse = [h for h, lay in enumerate(layouts) if lay is not None]
+        for h in sparse:
+            lay = layouts[h]
             self._work += lay.density() * (lay.n_blocks * (lay.n_blocks + 1) / 2 * lay.block_size**2)
+        backend = self._backend(query)
+        if sparse:
+            if backend == "cpu":
+                native = query.dtype != torch.float64 and cpu_kernel() == "native"
+                self.kernel = "cpu-native" if native else "cpu-torch"
+            else:
+                self.kernel = backend
+        if sparse and backend == "cpu" and query.shape[0] == 1:
+            # All sparse heads of the layer in one call: the native kernel shares the layer's work out.
+            idx = torch.as_tensor(sparse, device=query.device)
+            out[0, idx] = sparse_attention_heads(query, key, value, sparse, [layouts[h] for h in sparse], scale)
+        else:
+            for h in sparse:
+                kv = h // g
+                out[:, h : h + 1] = self._kernel(query[:, h : h + 1], key[:, kv : kv + 1], value[:, kv : kv + 1], layouts[h], scale)
         t2 = time.perf_counter()
         self.estimate_seconds += t1 - t0
         self.attention_seconds += t2 - t1
         self.layers_sparse += 1
         return out.transpose(1, 2).contiguous(), None
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """In-place version counter; ``None`` for inference-mode tensors (they have none, and cannot be
+    modified in place outside inference mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def make_prefill(model, mode: str, pattern_config: str | Path | PatternConfig | None = None, sizes: dict | None = None,

@@ -43,7 +43,7 @@ VS_RATIOS = ((1, 6), (1, 1), (6, 1))  # k_v : k_s
 OVER = 1.05
 # Default cost levels and error tolerance: each head takes the cheapest level at which its best
 # candidate's relative output error is <= DEFAULT_MAX_ERROR, else stays dense.
-DEFAULT_LEVELS = (0.1, 0.2, 0.35, 0.5)
+DEFAULT_LEVELS = (0.1, 0.2, 0.35, 0.5, 0.65, 0.8)
 DEFAULT_MAX_ERROR = 0.05
 
 
@@ -180,7 +180,7 @@ def calibration_ids(tokenizer, length: int, seed: int = 0) -> tuple[list[int], s
 
 
 @torch.inference_mode()
-def search_patterns(model, tokenizer, length: int = 4096, target_density=DEFAULT_LEVELS, seed: int = 0,
+def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT_LEVELS, seed: int = 0,
                     progress: bool = True, model_tags: list[str] | None = None, max_error: float | None = DEFAULT_MAX_ERROR) -> PatternConfig:
     """Run the search on ``model`` and return its :class:`PatternConfig`.
 

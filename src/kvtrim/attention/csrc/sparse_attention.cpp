@@ -1,0 +1,363 @@
+// kvtrim: fused CPU sparse prefill attention (block + column layouts, online softmax).
+//
+// One task = one query head x one 64-row query block. A task walks the key blocks its layout
+// lists (runs of consecutive blocks are merged into one segment of up to kSeg keys, so the BLAS
+// calls are larger) and then its single key columns (gathered into a thread-local buffer), and
+// keeps a running max / sum / normalised output per row, as a flash-attention kernel does: the scores of a
+// segment live only in a small thread-local buffer, there is no separate softmax pass, no
+// gathered copy of whole key blocks, and no padding between query blocks of different widths.
+//
+// Matrix products go to the BLAS sgemm that libtorch_cpu exports (MKL or OpenBLAS, column-major
+// convention: a row-major [r, c] matrix is a column-major [c, r] one with leading dimension c).
+// Tasks are handed out dynamically, most expensive first, one per thread at a time.
+//
+// Masked scores are set to a large finite negative number (not -inf) so that the file can be
+// built with -ffast-math; a row whose maximum in a segment
+// is that sentinel has no visible key there and is skipped.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <tuple>
+#include <vector>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+// MKL only (weak: absent with other BLAS): one BLAS thread inside each of our worker threads.
+extern "C" int mkl_set_num_threads_local(int) __attribute__((weak));
+
+namespace {
+
+constexpr int kBlock = 64;       // rows per query block, keys per key block (the layout's block_size)
+constexpr int kSeg = 512;        // keys per segment (merged consecutive blocks or gathered columns)
+constexpr float kMasked = -1e30f;
+constexpr float kHidden = -1e29f;  // anything at or below this is a masked score
+
+inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda, const float* b,
+                 int ldb, float beta, float* c, int ldc) {
+  sgemm_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// exp(x) for x <= 0 (scores minus their running max), vectorisable: x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by a degree-7 Taylor/minimax-style polynomial (relative error ~1e-7,
+// Cephes' expf coefficients), 2^n by building the float's exponent bits. Below -87 it is 0.
+inline float exp_neg(float x) {
+  const float xc = std::max(x, -87.0f);
+  const float n = std::nearbyint(xc * 1.44269504088896341f);
+  // Cody-Waite reduction with explicit FMAs: -ffast-math may not reassociate these two steps.
+  float r = std::fma(-n, 0.693359375f, xc);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+struct Scratch {
+  std::vector<float> s, o, m, l, kc, vc;
+  explicit Scratch(int d) : s(kBlock * kSeg), o(kBlock * d), m(kBlock), l(kBlock), kc(kSeg * d), vc(kSeg * d) {}
+};
+
+// Online-softmax update of rows [0, nr) with the scores s[nr, n] (row-major) of the keys whose
+// values are v[n, d] (row-major, leading dimension d).
+inline void update(Scratch& w, int nr, int n, int d, const float* v) {
+  float* s = w.s.data();
+  for (int i = 0; i < nr; ++i) {
+    float* row = s + static_cast<int64_t>(i) * n;
+    float mx = kMasked;
+    for (int j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+    if (mx <= kHidden) {  // no visible key for this row in this segment
+      std::fill(row, row + n, 0.0f);
+      continue;
+    }
+    const float m_new = std::max(w.m[i], mx);
+    const float alpha = exp_neg(w.m[i] - m_new);  // 0 when m was the sentinel
+    float sum = 0.0f;
+    for (int j = 0; j < n; ++j) {
+      const float p = exp_neg(row[j] - m_new);
+      row[j] = p;
+      sum += p;
+    }
+    // The output row is kept normalised (a weighted mean of the values seen so far): the
+    // probabilities are divided by the new running sum *before* the product with v, as a plain
+    // softmax does, and the old row is reweighted by its share. With one segment this is exactly
+    // softmax(s) @ v; dividing once at the end would add a rounding step to every output.
+    const float l_new = w.l[i] * alpha + sum;
+    const float inv = 1.0f / l_new;
+    for (int j = 0; j < n; ++j) row[j] *= inv;
+    const float keep = w.l[i] * alpha * inv;
+    if (keep != 1.0f) {
+      float* o = w.o.data() + static_cast<int64_t>(i) * d;
+      for (int c = 0; c < d; ++c) o[c] *= keep;
+    }
+    w.l[i] = l_new;
+    w.m[i] = m_new;
+  }
+  // o[nr, d] += p[nr, n] @ v[n, d]
+  gemm('N', 'N', d, nr, n, 1.0f, v, d, s, n, 1.0f, w.o.data(), d);
+}
+
+}  // namespace
+
+// q [H, T, D], k/v [Hkv, T, D] (float32, contiguous); scores are scaled by `scale`. Query head h
+// reads KV head head_kv[h] (so any subset of a layer's heads can go in one call, GQA included).
+// block_idx [H, nb, maxb], block_cnt [H, nb], col_idx [H, nb, maxc], col_cnt [H, nb] (int32).
+// n_init / n_local [H] (int32): the A-shape window of head h; negative: no window.
+at::Tensor sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head_kv,
+                            const at::Tensor& block_idx, const at::Tensor& block_cnt, const at::Tensor& col_idx,
+                            const at::Tensor& col_cnt, const at::Tensor& n_init, const at::Tensor& n_local, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [heads, T, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "q, k, v must be float32");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
+  for (const at::Tensor* x : {&head_kv, &block_idx, &block_cnt, &col_idx, &col_cnt, &n_init, &n_local})
+    TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(), "layout tensors must be contiguous int32");
+  const int hq = q.size(0), t = q.size(1), d = q.size(2), hkv = k.size(0);
+  TORCH_CHECK(k.size(1) == t && v.size(1) == t && k.size(2) == d && v.size(2) == d && v.size(0) == hkv, "k/v shape");
+  TORCH_CHECK(head_kv.numel() == hq && n_init.numel() == hq && n_local.numel() == hq, "per-head tensors must have H entries");
+  const int nb = (t + kBlock - 1) / kBlock;
+  TORCH_CHECK(block_cnt.size(0) == hq && block_cnt.size(1) == nb && block_idx.size(0) == hq && block_idx.size(1) == nb &&
+                  col_cnt.size(0) == hq && col_cnt.size(1) == nb && col_idx.size(0) == hq && col_idx.size(1) == nb,
+              "layout shape does not match [H, n_blocks]");
+  const int maxb = block_idx.size(2), maxc = col_idx.size(2);
+  const int32_t* hkvp = head_kv.data_ptr<int32_t>();
+  const int32_t* initp = n_init.data_ptr<int32_t>();
+  const int32_t* localp = n_local.data_ptr<int32_t>();
+  for (int h = 0; h < hq; ++h) TORCH_CHECK(hkvp[h] >= 0 && hkvp[h] < hkv, "head_kv out of range");
+
+  at::Tensor out = at::zeros_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int32_t* bidx = block_idx.data_ptr<int32_t>();
+  const int32_t* bcnt = block_cnt.data_ptr<int32_t>();
+  const int32_t* cidx = col_idx.data_ptr<int32_t>();
+  const int32_t* ccnt = col_cnt.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+
+  // Bounds are checked once here, so the kernel never reads outside k/v.
+  for (int64_t i = 0; i < block_cnt.numel(); ++i) {
+    TORCH_CHECK(bcnt[i] >= 0 && bcnt[i] <= maxb && ccnt[i] >= 0 && ccnt[i] <= maxc, "layout count out of range");
+    const int qb = i % nb;
+    for (int j = 0; j < bcnt[i]; ++j) {
+      const int b = bidx[i * maxb + j];
+      TORCH_CHECK(b >= 0 && b <= qb && (j == 0 || b > bidx[i * maxb + j - 1]), "block index not ascending or not causal");
+    }
+    for (int j = 0; j < ccnt[i]; ++j) {
+      const int c = cidx[i * maxc + j];
+      TORCH_CHECK(c >= 0 && c < t && c < (qb + 1) * kBlock, "column index out of range");
+    }
+  }
+
+  // Tasks, most expensive first.
+  const int64_t ntask = static_cast<int64_t>(hq) * nb;
+  std::vector<int64_t> cost(ntask), order(ntask);
+  for (int64_t i = 0; i < ntask; ++i) cost[i] = static_cast<int64_t>(bcnt[i]) * kBlock + ccnt[i];
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch w(d);
+    for (int64_t it = next.fetch_add(1); it < ntask; it = next.fetch_add(1)) {
+      const int64_t task = order[it];
+      if (cost[task] == 0) continue;
+      const int h = task / nb, qb = task % nb, kvh = hkvp[h];
+      const bool window = initp[h] >= 0 && localp[h] >= 0;
+      const int64_t n_init = initp[h], n_local = localp[h];
+      const int r0 = qb * kBlock, nr = std::min(kBlock, t - r0);
+      const float* kh = kp + static_cast<int64_t>(kvh) * t * d;
+      const float* vh = vp + static_cast<int64_t>(kvh) * t * d;
+      // q k^T is scaled after the product (BLAS alpha), as dense attention does: pre-scaling q
+      // would round it once more when the scale is not a power of two (head_dim 128).
+      const float* qh = qp + (static_cast<int64_t>(h) * t + r0) * d;
+      std::fill(w.o.begin(), w.o.end(), 0.0f);
+      std::fill(w.m.begin(), w.m.end(), kMasked);
+      std::fill(w.l.begin(), w.l.end(), 0.0f);
+      const int32_t* blocks = bidx + task * maxb;
+      const int nblk = bcnt[task];
+      // Key blocks: runs of consecutive indices, up to kSeg keys per segment.
+      for (int j = 0; j < nblk;) {
+        int e = j + 1;
+        while (e < nblk && blocks[e] == blocks[e - 1] + 1 && (e - j + 1) * kBlock <= kSeg) ++e;
+        const int k0 = blocks[j] * kBlock, k1 = std::min(t, blocks[e - 1] * kBlock + kBlock);
+        const int n = k1 - k0;
+        float* s = w.s.data();
+        // s[nr, n] = scale * q[nr, d] @ k[k0:k1]^T
+        gemm('T', 'N', n, nr, d, fscale, kh + static_cast<int64_t>(k0) * d, d, qh, d, 0.0f, s, n);
+        if (k1 - 1 > r0) {  // the segment reaches the query block: causal mask
+          for (int i = 0; i < nr; ++i)
+            for (int c = std::max(0, r0 + i + 1 - k0); c < n; ++c) s[i * n + c] = kMasked;
+        }
+        if (window && std::max<int64_t>(k0, n_init) <= static_cast<int64_t>(r0) + nr - 1 - n_local) {
+          for (int i = 0; i < nr; ++i) {
+            const int64_t hide_to = static_cast<int64_t>(r0) + i - n_local;  // keys <= this are out of the window
+            for (int64_t c = std::max<int64_t>(k0, n_init); c <= std::min<int64_t>(hide_to, k1 - 1); ++c)
+              s[i * n + (c - k0)] = kMasked;
+          }
+        }
+        update(w, nr, n, d, vh + static_cast<int64_t>(k0) * d);
+        j = e;
+      }
+      // Single columns, gathered kSeg at a time.
+      const int32_t* cols = cidx + task * maxc;
+      for (int c0 = 0; c0 < ccnt[task]; c0 += kSeg) {
+        const int n = std::min(kSeg, ccnt[task] - c0);
+        for (int c = 0; c < n; ++c) {
+          std::copy_n(kh + static_cast<int64_t>(cols[c0 + c]) * d, d, w.kc.data() + static_cast<int64_t>(c) * d);
+          std::copy_n(vh + static_cast<int64_t>(cols[c0 + c]) * d, d, w.vc.data() + static_cast<int64_t>(c) * d);
+        }
+        float* s = w.s.data();
+        gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qh, d, 0.0f, s, n);
+        for (int i = 0; i < nr; ++i) {
+          const int64_t row = r0 + i;
+          for (int c = 0; c < n; ++c) {
+            const int64_t key = cols[c0 + c];
+            if (key > row || (window && key >= n_init && row - key >= n_local)) s[i * n + c] = kMasked;
+          }
+        }
+        update(w, nr, n, d, w.vc.data());
+      }
+      float* oh = op + (static_cast<int64_t>(h) * t + r0) * d;
+      for (int i = 0; i < nr; ++i) {
+        if (w.l[i] <= 0.0f) continue;  // no visible key: the row stays 0
+        std::copy_n(w.o.data() + static_cast<int64_t>(i) * d, d, oh + static_cast<int64_t>(i) * d);
+      }
+    }
+  });
+  return out;
+}
+
+// Vertical-slash index estimation, fused: for each query head, the softmax of its last lq queries
+// (rows T-lq..T-1) over all keys (causal in the corner), summed per column ("vertical" scores)
+// and per diagonal offset i - j ("slash" scores). One head per task, one BLAS call per head.
+// q_last [H, lq, D], k [Hkv, T, D] float32; returns (vert [H, T], slash [H, T]) float32.
+std::tuple<at::Tensor, at::Tensor> vertical_slash_scores(const at::Tensor& q_last, const at::Tensor& k,
+                                                         const at::Tensor& head_kv, double scale) {
+  TORCH_CHECK(q_last.dim() == 3 && k.dim() == 3, "q_last must be [H, lq, D] and k [Hkv, T, D]");
+  TORCH_CHECK(q_last.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "q_last and k must be float32");
+  TORCH_CHECK(q_last.is_contiguous() && k.is_contiguous(), "q_last and k must be contiguous");
+  TORCH_CHECK(head_kv.scalar_type() == at::kInt && head_kv.is_contiguous() && head_kv.numel() == q_last.size(0),
+              "head_kv must be int32 [H]");
+  const int h_n = q_last.size(0), lq = q_last.size(1), d = q_last.size(2), hkv = k.size(0), t = k.size(1);
+  TORCH_CHECK(k.size(2) == d && lq >= 1 && lq <= t, "shapes: need 1 <= lq <= T and equal head_dim");
+  const int32_t* hkvp = head_kv.data_ptr<int32_t>();
+  for (int h = 0; h < h_n; ++h) TORCH_CHECK(hkvp[h] >= 0 && hkvp[h] < hkv, "head_kv out of range");
+  at::Tensor vert = at::zeros({h_n, t}, q_last.options());
+  at::Tensor slash = at::zeros({h_n, t}, q_last.options());
+  const float* qp = q_last.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  float* vp = vert.data_ptr<float>();
+  float* sp = slash.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  std::atomic<int> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> s(static_cast<size_t>(lq) * t);
+    for (int h = next.fetch_add(1); h < h_n; h = next.fetch_add(1)) {
+      const float* qh = qp + static_cast<int64_t>(h) * lq * d;
+      // s[lq, T] = scale * q[lq, d] @ k^T
+      gemm('T', 'N', t, lq, d, fscale, kp + static_cast<int64_t>(hkvp[h]) * t * d, d, qh, d, 0.0f, s.data(), t);
+      float* vh = vp + static_cast<int64_t>(h) * t;
+      float* sh = sp + static_cast<int64_t>(h) * t;
+      for (int r = 0; r < lq; ++r) {
+        const int row = t - lq + r;  // keys 0..row are visible
+        float* x = s.data() + static_cast<int64_t>(r) * t;
+        float mx = kMasked;
+        for (int j = 0; j <= row; ++j) mx = std::max(mx, x[j]);
+        float sum = 0.0f;
+        for (int j = 0; j <= row; ++j) {
+          const float p = exp_neg(x[j] - mx);
+          x[j] = p;
+          sum += p;
+        }
+        const float inv = 1.0f / sum;
+        for (int j = 0; j <= row; ++j) vh[j] += x[j] * inv;
+        for (int j = 0; j <= row; ++j) sh[row - j] += x[j] * inv;
+      }
+    }
+  });
+  return {vert, slash};
+}
+
+// Vertical-slash layout build (the same result as kvtrim.attention.patterns' PyTorch builder):
+// per head and query block [qs, qe), every key block a selected slash o crosses (keys qs-o..qe-1-o,
+// clipped at 0; nothing if qe-1-o < 0), ascending; then every selected vertical j <= qe-1 that no
+// listed block holds, ascending, duplicates once. v_idx [H, n_v] must be sorted ascending;
+// s_off [H, n_s]; all indices in [0, T) (checked by the caller). Heads run in parallel.
+std::vector<at::Tensor> vertical_slash_layout(const at::Tensor& v_idx, const at::Tensor& s_off, int64_t t, int64_t bs) {
+  TORCH_CHECK(v_idx.dim() == 2 && s_off.dim() == 2 && v_idx.size(0) == s_off.size(0), "v_idx [H, n_v], s_off [H, n_s]");
+  TORCH_CHECK(v_idx.scalar_type() == at::kLong && s_off.scalar_type() == at::kLong && v_idx.is_contiguous() && s_off.is_contiguous(),
+              "indices must be contiguous int64");
+  TORCH_CHECK(t > 0 && bs > 0, "T and block_size must be positive");
+  const int64_t h_n = v_idx.size(0), n_v = v_idx.size(1), n_s = s_off.size(1), n = (t + bs - 1) / bs;
+  const int64_t* vp = v_idx.data_ptr<int64_t>();
+  const int64_t* sp = s_off.data_ptr<int64_t>();
+  for (int64_t i = 0; i < v_idx.numel(); ++i) TORCH_CHECK(vp[i] >= 0 && vp[i] < t, "vertical index out of range");
+  for (int64_t i = 0; i < s_off.numel(); ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < t, "slash offset out of range");
+  std::vector<std::vector<int32_t>> blocks(h_n * n), cols(h_n * n);
+  at::parallel_for(0, h_n, 1, [&](int64_t h0, int64_t h1) {
+    std::vector<char> hit(n);
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t* v = vp + h * n_v;
+      const int64_t* o = sp + h * n_s;
+      for (int64_t qb = 0; qb < n; ++qb) {
+        const int64_t qs = qb * bs, qe = std::min(qs + bs, t);
+        std::fill(hit.begin(), hit.end(), 0);
+        for (int64_t j = 0; j < n_s; ++j) {
+          const int64_t hi = qe - 1 - o[j];
+          if (hi < 0) continue;
+          hit[std::max<int64_t>(qs - o[j], 0) / bs] = 1;
+          hit[hi / bs] = 1;
+        }
+        std::vector<int32_t>& b = blocks[h * n + qb];
+        for (int64_t kb = 0; kb <= qb; ++kb)
+          if (hit[kb]) b.push_back(static_cast<int32_t>(kb));
+        std::vector<int32_t>& c = cols[h * n + qb];
+        for (int64_t j = 0; j < n_v && v[j] <= qe - 1; ++j)
+          if (!hit[v[j] / bs] && (j == 0 || v[j] != v[j - 1])) c.push_back(static_cast<int32_t>(v[j]));
+      }
+    }
+  });
+  auto pack = [&](const std::vector<std::vector<int32_t>>& rows) {
+    size_t width = 0;
+    for (const auto& r : rows) width = std::max(width, r.size());
+    at::Tensor idx = at::zeros({h_n, n, static_cast<int64_t>(width)}, at::kInt);
+    at::Tensor cnt = at::empty({h_n, n}, at::kInt);
+    int32_t* ip = idx.data_ptr<int32_t>();
+    int32_t* cp = cnt.data_ptr<int32_t>();
+    for (size_t r = 0; r < rows.size(); ++r) {
+      std::copy(rows[r].begin(), rows[r].end(), ip + r * width);
+      cp[r] = static_cast<int32_t>(rows[r].size());
+    }
+    return std::make_pair(idx, cnt);
+  };
+  auto [bidx, bcnt] = pack(blocks);
+  auto [cidx, ccnt] = pack(cols);
+  return {bidx, bcnt, cidx, ccnt};
+}
+
+TORCH_LIBRARY(kvtrim_native, m) {
+  m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor head_kv, Tensor block_idx, Tensor block_cnt, "
+        "Tensor col_idx, Tensor col_cnt, Tensor n_init, Tensor n_local, float scale) -> Tensor");
+  m.impl("sparse_attention", c10::DispatchKey::CPU, &sparse_attention);
+  m.def("vertical_slash_scores(Tensor q_last, Tensor k, Tensor head_kv, float scale) -> (Tensor, Tensor)");
+  m.impl("vertical_slash_scores", c10::DispatchKey::CPU, &vertical_slash_scores);
+  m.def("vertical_slash_layout(Tensor v_idx, Tensor s_off, int t, int bs) -> Tensor[]");
+  m.impl("vertical_slash_layout", c10::DispatchKey::CPU, &vertical_slash_layout);
+}

@@ -1,0 +1,137 @@
+"""kvtrim's fused C++ CPU kernel for sparse prefill, built on first use.
+
+The source is ``csrc/sparse_attention.cpp`` (shipped in the package). It is compiled once per
+machine (per CPU capability: it is built with ``-march=native``) with :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``; about a
+minute on 2 cores) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``), then loaded from there.
+
+``KVTRIM_CPU_KERNEL`` picks the CPU path: ``auto`` (default: the native kernel, or the PyTorch
+path with one warning if it cannot be built), ``native`` (fail with the build error instead),
+``torch`` (always the PyTorch path). :func:`cpu_kernel` says which one runs; the prefill stats
+report it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["NATIVE_BLOCK", "cpu_kernel", "load_native", "native_sparse_attention", "native_vertical_slash_layout",
+           "native_vertical_slash_scores"]
+
+NATIVE_BLOCK = 64  # the kernel's query/key block (kBlock in the source)
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "sparse_attention.cpp"
+_CHOICES = ("auto", "native", "torch")
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _choice() -> str:
+    value = os.environ.get("KVTRIM_CPU_KERNEL", "auto").strip().lower() or "auto"
+    if value not in _CHOICES:
+        raise ValueError(f"KVTRIM_CPU_KERNEL must be one of {', '.join(_CHOICES)}; got {value!r}")
+    return value
+
+
+def load_native() -> bool:
+    """Build (once) and load the native kernel; True when ``torch.ops.kvtrim_native`` is ready.
+
+    Raises the build error when ``KVTRIM_CPU_KERNEL=native``; otherwise a failure is logged once
+    as a warning and the PyTorch path is used.
+    """
+    with _lock:
+        if "ok" in _state:
+            if not _state["ok"] and _choice() == "native":
+                raise RuntimeError(f"kvtrim's native CPU kernel could not be built: {_state['error']}")
+            return bool(_state["ok"])
+        path = os.environ.get("PATH")
+        try:
+            from torch.utils import cpp_extension
+
+            if shutil.which("ninja") is None:  # the `ninja` wheel (a dependency) outside an activated venv
+                import ninja
+
+                os.environ["PATH"] = os.pathsep.join(p for p in (ninja.BIN_DIR, path) if p)
+            logger.info("building kvtrim's native CPU sparse-attention kernel (once per machine)")
+            cpp_extension.load(
+                # -march=native: one build per CPU capability, in case the cache is shared between machines
+                name=f"kvtrim_native_{torch.backends.cpu.get_cpu_capability().lower()}",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=False,
+            )
+            _state["ok"] = True
+        except Exception as exc:  # no compiler, no ninja, no headers, ...
+            _state["ok"], _state["error"] = False, f"{type(exc).__name__}: {exc}"
+            if _choice() == "native":
+                raise RuntimeError(f"kvtrim's native CPU kernel could not be built: {_state['error']}") from exc
+            logger.warning("kvtrim's native CPU kernel could not be built (%s); using the PyTorch path", _state["error"])
+        finally:
+            if path is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = path
+        return bool(_state["ok"])
+
+
+def cpu_kernel() -> str:
+    """``"native"`` or ``"torch"``: the CPU sparse path that :func:`sparse_attention_cpu` will use."""
+    choice = _choice()
+    if choice == "torch":
+        return "torch"
+    return "native" if load_native() else "torch"
+
+
+def native_sparse_attention(q, k, v, head_kv, block_idx, block_cnt, col_idx, col_cnt, n_init, n_local, scale: float):
+    """One batch row: ``q [H, T, D]``, ``k``/``v`` ``[Hkv, T, D]``; query head ``h`` reads KV head ``head_kv[h]``.
+
+    Layout tensors are ``[H, n_blocks, ...]``; ``n_init``/``n_local`` ``[H]`` (negative: no A-shape
+    window). Computed in float32; returns ``[H, T, D]`` float32.
+    """
+    if not load_native():
+        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+
+    def i32(x):
+        return torch.as_tensor(x, dtype=torch.int32).contiguous()
+
+    return torch.ops.kvtrim_native.sparse_attention(
+        q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), i32(head_kv),
+        i32(block_idx), i32(block_cnt), i32(col_idx), i32(col_cnt), i32(n_init), i32(n_local), float(scale),
+    )
+
+
+def native_vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, scale: float, last_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`VerticalSlash.scores <kvtrim.attention.patterns.VerticalSlash.scores>` for one batch row, fused.
+
+    ``q [Hq, T, D]``, ``k [Hkv, T, D]``; returns ``(vert, slash)`` ``[Hq, T]`` float32.
+    """
+    if not load_native():
+        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    hq, t, _ = q.shape
+    lq = min(last_q, t)
+    head_kv = (torch.arange(hq) // (hq // k.shape[0])).to(torch.int32)
+    return torch.ops.kvtrim_native.vertical_slash_scores(
+        q[:, t - lq :].float().contiguous(), k.float().contiguous(), head_kv, float(scale)
+    )
+
+
+def native_vertical_slash_layout(vertical_idx: torch.Tensor, slash_offsets: torch.Tensor, seq_len: int, block_size: int):
+    """The vertical-slash layout build in C++: ``(block_idx, block_cnt, col_idx, col_cnt)`` for ``[R, n]`` rows.
+
+    ``vertical_idx`` ``[R, n_v]`` sorted ascending, ``slash_offsets`` ``[R, n_s]``, int64 on CPU.
+    """
+    if not load_native():
+        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    return torch.ops.kvtrim_native.vertical_slash_layout(
+        vertical_idx.long().contiguous(), slash_offsets.long().contiguous(), int(seq_len), int(block_size)
+    )
