@@ -326,3 +326,10 @@ def test_search_takes_the_cheapest_level_within_the_error_tolerance(model, long_
                 assert all(best[lv] > eps for lv in best if lv < e["level"])
                 assert all(lv <= e["level"] for lv in best)  # stopped at the first level that met it
     assert seen_sparse
+
+
+def test_bad_cpu_kernel_choice_is_refused_when_the_hook_is_made(monkeypatch):
+    monkeypatch.setenv("KVTRIM_CPU_KERNEL", "fastest")
+    with pytest.raises(KVTrimError, match="KVTRIM_CPU_KERNEL"):
+        SparsePrefill("block_sparse", sizes={"k_b": 2}, min_length=1, backend="cpu")
+    assert SparsePrefill("dense").stats()["kernel"] is None  # dense never touches the kernel

@@ -201,6 +201,14 @@ class SparsePrefill:
             raise KVTrimError(f"backend must be auto, cpu, triton or reference; got {backend!r}")
         self.mode, self.config, self.min_length, self.backend = mode, config, min_length, backend
         self.single = make_pattern(mode, **(sizes or {})) if mode in PATTERNS else None
+        if mode != "dense" and (backend == "cpu" or (backend == "auto" and not torch.cuda.is_available())):
+            # Build/load the native CPU kernel now, not inside the first forward: loading runs
+            # subprocesses (compiler and ninja checks), and forking a process that holds a long
+            # prompt's activations cost 11 s at 32k tokens.
+            try:
+                cpu_kernel()
+            except ValueError as exc:  # a bad KVTRIM_CPU_KERNEL value
+                raise KVTrimError(str(exc)) from None
         self.reset_stats()
 
     # -- bookkeeping ------------------------------------------------------------------------
