@@ -29,11 +29,10 @@ reads KV head ``h // G`` (no repeated KV heads in memory). Output ``[B, Hq, T, D
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
-from kvtrim.attention.native import NATIVE_BLOCK, cpu_kernel, native_sparse_attention
+from kvtrim.attention.native import NATIVE_BLOCK, kernel_for, native_sparse_attention
 from kvtrim.attention.patterns import SparseLayout
 from kvtrim.attention.reference import check_qkv
 
@@ -120,9 +119,7 @@ def sparse_attention_heads(
         raise ValueError("give one layout per head, and at least one head")
     t, d = q.shape[2], q.shape[3]
     scale = d**-0.5 if scaling is None else scaling
-    if kernel == "auto":
-        kernel = cpu_kernel() if (q.dtype != torch.float64 and q.device.type == "cpu") else "torch"
-    if kernel != "native":
+    if kernel_for(q, kernel) != "native":
         return torch.cat([sparse_attention_cpu(q[:, h : h + 1], k[:, h // g : h // g + 1], v[:, h // g : h // g + 1],
                                                lay, scale, kernel="torch")[0] for h, lay in zip(heads, layouts)])
     for lay in layouts:
@@ -130,7 +127,6 @@ def sparse_attention_heads(
             raise ValueError("each layout must be a one-head layout for the inputs' T")
         if lay.block_size != NATIVE_BLOCK:
             raise ValueError(f"the native kernel runs block_size={NATIVE_BLOCK}; layout has {lay.block_size}")
-    n = layouts[0].n_blocks
     mb = max(1, max(lay.block_idx.shape[-1] for lay in layouts))
     mc = max(1, max(lay.col_idx.shape[-1] for lay in layouts))
 
@@ -142,12 +138,12 @@ def sparse_attention_heads(
     n_init = [lay.n_init if w else -1 for lay, w in zip(layouts, window)]
     n_local = [lay.n_local if w else -1 for lay, w in zip(layouts, window)]
     idx = torch.as_tensor(heads)
+    qh = q[0] if heads == list(range(q.shape[1])) else q[0].index_select(0, idx)
     out = native_sparse_attention(
-        q[0].index_select(0, idx), k[0], v[0], idx // g,
+        qh, k[0], v[0], idx // g,
         stack("block_idx", mb), torch.stack([lay.block_cnt[0, 0] for lay in layouts]),
         stack("col_idx", mc), torch.stack([lay.col_cnt[0, 0] for lay in layouts]), n_init, n_local, scale,
     )
-    assert out.shape == (len(heads), t, d) and n == math.ceil(t / NATIVE_BLOCK)
     return out.to(q.dtype)
 
 
@@ -184,11 +180,7 @@ def sparse_attention_cpu(
         raise ValueError(f"layout rows [{lb}, {lh}] do not match [B={b}, Hq={hq}]")
     bs = layout.block_size
     scale = d**-0.5 if scaling is None else scaling
-    if kernel not in ("auto", "native", "torch"):
-        raise ValueError(f"kernel must be 'auto', 'native' or 'torch'; got {kernel!r}")
-    if kernel == "auto":
-        kernel = cpu_kernel() if (q.dtype != torch.float64 and q.device.type == "cpu") else "torch"
-    if kernel == "native":
+    if kernel_for(q, kernel) == "native":
         if bs != NATIVE_BLOCK:
             raise ValueError(f"the native kernel runs block_size={NATIVE_BLOCK}; layout has {bs}")
         out = torch.empty_like(q)

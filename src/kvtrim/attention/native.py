@@ -1,8 +1,9 @@
 """kvtrim's fused C++ CPU kernel for sparse prefill, built on first use.
 
 The source is ``csrc/sparse_attention.cpp`` (shipped in the package). It is compiled once per
-machine (per CPU capability: it is built with ``-march=native``) with :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``; about a
-minute on 2 cores) into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
+machine (per CPU capability: it is built with ``-march=native``) with
+:func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``; 12-15 s on 2 cores)
+into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), then loaded from there.
 
 ``KVTRIM_CPU_KERNEL`` picks the CPU path: ``auto`` (default: the native kernel, or the PyTorch
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NATIVE_BLOCK", "cpu_kernel", "load_native", "native_sparse_attention", "native_vertical_slash_layout",
+__all__ = ["NATIVE_BLOCK", "cpu_kernel", "kernel_for", "load_native", "native_sparse_attention", "native_vertical_slash_layout",
            "native_vertical_slash_scores"]
 
 NATIVE_BLOCK = 64  # the kernel's query/key block (kBlock in the source)
@@ -90,6 +91,19 @@ def cpu_kernel() -> str:
     if choice == "torch":
         return "torch"
     return "native" if load_native() else "torch"
+
+
+def kernel_for(x: torch.Tensor, kernel: str = "auto") -> str:
+    """The CPU path for inputs like ``x``: ``kernel`` checked, ``"auto"`` resolved.
+
+    ``"auto"`` is :func:`cpu_kernel` for float32/float16/bfloat16 CPU tensors and ``"torch"`` for
+    float64 or non-CPU ones (the native kernel computes in float32 on CPU only).
+    """
+    if kernel not in _CHOICES:
+        raise ValueError(f"kernel must be 'auto', 'native' or 'torch'; got {kernel!r}")
+    if kernel != "auto":
+        return kernel
+    return cpu_kernel() if (x.dtype != torch.float64 and x.device.type == "cpu") else "torch"
 
 
 def native_sparse_attention(q, k, v, head_kv, block_idx, block_cnt, col_idx, col_cnt, n_init, n_local, scale: float):

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from kvtrim.attention.cpu import sparse_attention_cpu, sparse_attention_heads
-from kvtrim.attention.native import cpu_kernel
+from kvtrim.attention.native import cpu_kernel, kernel_for
 from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash, vertical_slash_layout
 from kvtrim.errors import KVTrimError
 
@@ -284,7 +284,7 @@ class SparsePrefill:
         for h, pat in enumerate(pats):
             if isinstance(pat, VerticalSlash):
                 groups.setdefault((pat.last_q, pat.block_size), []).append(h)
-        native = self._backend(q) == "cpu" and q.dtype != torch.float64 and cpu_kernel() == "native"
+        native = self._backend(q) == "cpu" and kernel_for(q) == "native"
         for (last_q, bs), heads in groups.items():
             if len(heads) < 2 or q.shape[0] != 1:
                 continue
@@ -363,8 +363,7 @@ class SparsePrefill:
         backend = self._backend(query)
         if sparse:
             if backend == "cpu":
-                native = query.dtype != torch.float64 and cpu_kernel() == "native"
-                self.kernel = "cpu-native" if native else "cpu-torch"
+                self.kernel = f"cpu-{kernel_for(query)}"
             else:
                 self.kernel = backend
         if sparse and backend == "cpu" and query.shape[0] == 1:
