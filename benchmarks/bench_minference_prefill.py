@@ -1,8 +1,8 @@
 """End-to-end prefill of the embedded model: dense SDPA vs each MInference pattern vs the searched config.
 
 For each length, one prefill forward (full KV cache, ``logits_to_keep=1``) per configuration,
-configurations interleaved within each repetition, medians over ``--reps`` after one warm-up at
-that length (lengths >= 16k: ``--long-reps``, default 1, no warm-up; the warm-up is negligible
+configurations interleaved within each repetition (the order alternates between repetitions),
+medians over ``--reps`` after one warm-up at that length (lengths >= 16k: ``--long-reps``, default 1, no warm-up; the warm-up is negligible
 there). Beyond the model's 8k context the RoPE is scaled linearly (factor = length / 8192; timing
 only, the outputs are not judged there).
 
@@ -21,6 +21,13 @@ vs dense, and the estimation overhead as a fraction of the prefill. Summary: the
 
     python benchmarks/bench_minference_prefill.py --lengths 2048 4096 8192 16384 32768 \\
         --out benchmarks/results/minference_prefill.json
+
+``--isolate`` runs every forward in a fresh process. At 32k a forward holds ~10 GB and the
+configuration that ran second in one process was measured 10-20% slower outside the attention,
+whichever it was; isolated runs remove that effect:
+
+    python benchmarks/bench_minference_prefill.py --isolate --lengths 16384 32768 --long-reps 3 \\
+        --configs dense minference --out benchmarks/results/minference_prefill_long_isolated.json
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 
@@ -78,6 +86,50 @@ def one_prefill(model, ids, hook) -> tuple[float, float, dict]:
     return w1 - w0, c1 - c0, hook.stats()
 
 
+def build(pattern_config: str | None):
+    """The embedded model, its hooks by configuration name, the single-pattern sizes and the prompt ids."""
+    lm = load_model(None)
+    model = lm.model
+    mi = make_prefill(model, "minference", pattern_config, min_length=1)
+    hooks = {"dense": SparsePrefill("dense"), "minference": mi}
+    single_sizes = {}
+    for pat in ("a_shape", "vertical_slash", "block_sparse"):
+        sizes = median_sizes(mi.config, pat)
+        single_sizes[pat] = sizes
+        hooks[pat] = SparsePrefill(pat, sizes=sizes or None, min_length=1)
+    all_ids = lm.tokenizer(essays_text(), return_tensors="pt").input_ids
+    return lm, hooks, single_sizes, all_ids
+
+
+def prompt(all_ids: torch.Tensor, n: int) -> torch.Tensor:
+    while all_ids.shape[1] < n:
+        all_ids = torch.cat([all_ids, all_ids], dim=1)
+    return all_ids[:, :n]
+
+
+def run_one(n: int, name: str, pattern_config: str | None) -> int:
+    """A child of ``--isolate``: one forward (after one warm-up below 16k) in this fresh process; JSON on stdout."""
+    lm, hooks, _, all_ids = build(pattern_config)
+    scale_rope(lm.model, n, int(lm.model.config.max_position_embeddings))
+    ids = prompt(all_ids, n)
+    if n < 16384:
+        one_prefill(lm.model, ids, hooks[name])
+    wall, cpu, stats = one_prefill(lm.model, ids, hooks[name])
+    print(json.dumps({"wall": wall, "cpu": cpu, "stats": stats}))
+    return 0
+
+
+def isolated(n: int, name: str, args) -> tuple[float, float, dict]:
+    cmd = [sys.executable, __file__, "--one", str(n), name]
+    if args.pattern_config:
+        cmd += ["--pattern-config", args.pattern_config]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    res = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
+    rec = json.loads(res.stdout.strip().splitlines()[-1])
+    return rec["wall"], rec["cpu"], rec["stats"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
@@ -87,25 +139,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--long-reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--isolate", action="store_true",
+                   help="run every forward in a fresh process (no order or allocator effects between configurations)")
+    p.add_argument("--one", nargs=2, metavar=("LENGTH", "CONFIG"), help=argparse.SUPPRESS)  # a child of --isolate
+    p.add_argument("--out", required=False)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.one:
+        return run_one(int(args.one[0]), args.one[1], args.pattern_config)
+    if not args.out:
+        p.error("--out is required")
 
-    lm = load_model(None)
-    model = lm.model
+    lm, hooks, single_sizes, all_ids = build(args.pattern_config)
+    model, mi = lm.model, hooks["minference"]
     base_ctx = int(model.config.max_position_embeddings)
-    mi = make_prefill(model, "minference", args.pattern_config, min_length=1)
-    hooks = {"dense": SparsePrefill("dense"), "minference": mi}
-    single_sizes = {}
-    for pat in ("a_shape", "vertical_slash", "block_sparse"):
-        sizes = median_sizes(mi.config, pat)
-        single_sizes[pat] = sizes
-        hooks[pat] = SparsePrefill(pat, sizes=sizes or None, min_length=1)
-    text = essays_text()
-    all_ids = lm.tokenizer(text, return_tensors="pt").input_ids
-    while all_ids.shape[1] < max(args.lengths):
-        all_ids = torch.cat([all_ids, all_ids], dim=1)
     records = []
     meta = {
         "benchmark": "minference_prefill",
@@ -116,20 +164,25 @@ def main(argv: list[str] | None = None) -> int:
         "model": lm.source,
         "single_pattern_sizes": single_sizes,
         "pattern_config_search": mi.config.search,
+        "isolated": bool(args.isolate),
+        "order": "configurations interleaved; the order alternates between repetitions",
     }
     for n in args.lengths:
         scale_rope(model, n, base_ctx)
-        ids = all_ids[:, :n]
+        ids = prompt(all_ids, n)
         names = args.configs if (n < 16384 or args.long_configs is None) else args.long_configs
         reps = args.reps if n < 16384 else args.long_reps
-        if n < 16384:
+        if n < 16384 and not args.isolate:
             for name in names:
                 one_prefill(model, ids, hooks[name])
         runs = {name: [] for name in names}
         load0 = os.getloadavg()
-        for _ in range(reps):
-            for name in names:
-                runs[name].append(one_prefill(model, ids, hooks[name]))
+        for rep in range(reps):
+            for name in (names if rep % 2 == 0 else names[::-1]):  # the order alternates between repetitions
+                if args.isolate:
+                    runs[name].append(isolated(n, name, args))
+                else:
+                    runs[name].append(one_prefill(model, ids, hooks[name]))
                 print(f"{n} {name}: {runs[name][-1][0]:.2f}s wall, density {runs[name][-1][2]['density']:.3f}", file=sys.stderr, flush=True)
         dense_wall = statistics.median(r[0] for r in runs["dense"]) if "dense" in runs else None
         dense_cpu = statistics.median(r[1] for r in runs["dense"]) if "dense" in runs else None
@@ -160,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         won = sorted(r["length"] for r in records if r["config"] == name and r.get("speedup_wall", 0) > 1.0)
         summary[name] = {
-            "crossover_length": won[0] if won else None,
+            "lengths_measured": sorted({r["length"] for r in records if r["config"] == name}),
+            "crossover_length": won[0] if won else None,  # the smallest *measured* length that beat dense
             "speedup_wall": {r["length"]: round(r["speedup_wall"], 3) for r in records if r["config"] == name and "speedup_wall" in r},
         }
     with open(args.out, "w") as f:

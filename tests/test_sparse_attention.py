@@ -151,6 +151,37 @@ def test_mixed_heads_in_one_call_match_the_reference(kernel: str) -> None:
         _assert_within_rule(out[row][None, None], qh, kh, vh, layout_to_mask(lay))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_written_in_place_through_strides(kernel: str, dtype: torch.dtype) -> None:
+    """As the prefill hook calls it: q and ``out`` are [B, Hq, T, D] views of [B, T, Hq, D] buffers,
+    k/v views of [B, T, Hkv, D] ones. Only the listed heads of ``out`` are written (the others keep
+    their values), rows with no visible key become zeros, and the result equals the reference."""
+    t, d, hq, hkv = 301, 64, 6, 2
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, t, hq, d, generator=g).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(1, t, hkv, d, generator=g).to(dtype).transpose(1, 2) for _ in range(2))
+    assert not q.is_contiguous() and not k.is_contiguous()
+    out = torch.full((1, t, hq, d), float("nan"), dtype=dtype).transpose(1, 2)
+    n = math.ceil(t / 64)
+    bm = torch.ones(1, 1, n, n, dtype=torch.bool).tril()
+    bm[0, 0, 2] = False  # query block 2 sees nothing: its rows must be written as zeros
+    pats = {1: BlockSparse(k_b=2), 2: AShape(n_init=10, n_local=70), 4: None, 5: VerticalSlash(k_v=20, k_s=30)}
+    lays = {h: (p.layout(q[:, h : h + 1], k[:, h // 3 : h // 3 + 1]) if p else layout_from_block_mask(bm, t))
+            for h, p in pats.items()}
+    heads = sorted(lays)
+    res = sparse_attention_heads(q, k, v, heads, [lays[h] for h in heads], kernel=kernel, out=out)
+    assert res is out
+    for h in range(hq):
+        if h not in lays:
+            assert bool(out[0, h].isnan().all()), f"head {h} was not listed but was written"
+            continue
+        assert not bool(out[0, h].isnan().any())
+        qh, kh, vh = (x[:, i : i + 1].contiguous() for x, i in ((q, h), (k, h // 3), (v, h // 3)))
+        _assert_within_rule(out[:, h : h + 1], qh, kh, vh, layout_to_mask(lays[h]))
+    assert bool((out[0, 4, 128:192] == 0).all())
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 @settings(max_examples=40, deadline=None)
 @given(t=st.integers(1, 300), d=st.sampled_from([64, 128]), data=st.data())

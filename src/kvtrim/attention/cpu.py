@@ -97,6 +97,7 @@ def sparse_attention_heads(
     layouts: list[SparseLayout],
     scaling: float | None = None,
     kernel: str = "auto",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse attention for some query heads of one batch row, each with its own one-head layout.
 
@@ -105,46 +106,59 @@ def sparse_attention_heads(
     share out the whole layer's work; with the PyTorch path they run one by one.
 
     Args:
-        q: ``[1, Hq, T, D]``; k, v: ``[1, Hkv, T, D]``.
+        q: ``[1, Hq, T, D]``; k, v: ``[1, Hkv, T, D]`` (any strides: the native kernel reads
+            float32 inputs in place when their last dimension is contiguous).
         heads: query-head indices; head ``h`` reads KV head ``h // (Hq // Hkv)``.
         layouts: one ``[1, 1, ...]`` layout per entry of ``heads``.
+        out: optional ``[1, Hq, T, D]`` tensor (like ``q``); ``out[0, heads]`` is written and the
+            other heads are left as they are. A float32 ``out`` (e.g. a transposed view of the
+            ``[1, T, Hq, D]`` buffer a layer returns) is written by the kernel directly.
 
     Returns:
-        ``[len(heads), T, D]`` in ``q.dtype``.
+        ``out`` when given, else ``[len(heads), T, D]`` in ``q.dtype``.
     """
     g = check_qkv(q, k, v)
     if q.shape[0] != 1:
         raise ValueError(f"sparse_attention_heads takes one batch row; got B={q.shape[0]}")
     if len(heads) != len(layouts) or not heads:
         raise ValueError("give one layout per head, and at least one head")
+    if out is not None and out.shape != q.shape:
+        raise ValueError(f"out must be shaped like q {tuple(q.shape)}; got {tuple(out.shape)}")
     t, d = q.shape[2], q.shape[3]
     scale = d**-0.5 if scaling is None else scaling
-    if kernel_for(q, kernel) != "native":
-        return torch.cat([sparse_attention_cpu(q[:, h : h + 1], k[:, h // g : h // g + 1], v[:, h // g : h // g + 1],
-                                               lay, scale, kernel="torch")[0] for h, lay in zip(heads, layouts)])
-    for lay in layouts:
-        if lay.seq_len != t or lay.block_cnt.shape[:2] != (1, 1):
-            raise ValueError("each layout must be a one-head layout for the inputs' T")
-        if lay.block_size != NATIVE_BLOCK:
-            raise ValueError(f"the native kernel runs block_size={NATIVE_BLOCK}; layout has {lay.block_size}")
-    mb = max(1, max(lay.block_idx.shape[-1] for lay in layouts))
-    mc = max(1, max(lay.col_idx.shape[-1] for lay in layouts))
-
-    def stack(name: str, width: int) -> torch.Tensor:
-        rows = [getattr(lay, name)[0, 0] for lay in layouts]
-        return torch.stack([torch.nn.functional.pad(r, (0, width - r.shape[-1])) for r in rows]).to(torch.int32)
-
-    window = [lay.n_init is not None and lay.n_local is not None for lay in layouts]
-    n_init = [lay.n_init if w else -1 for lay, w in zip(layouts, window)]
-    n_local = [lay.n_local if w else -1 for lay, w in zip(layouts, window)]
     idx = torch.as_tensor(heads)
-    qh = q[0] if heads == list(range(q.shape[1])) else q[0].index_select(0, idx)
-    out = native_sparse_attention(
-        qh, k[0], v[0], idx // g,
-        stack("block_idx", mb), torch.stack([lay.block_cnt[0, 0] for lay in layouts]),
-        stack("col_idx", mc), torch.stack([lay.col_cnt[0, 0] for lay in layouts]), n_init, n_local, scale,
-    )
-    return out.to(q.dtype)
+    if kernel_for(q, kernel) != "native":
+        res = torch.cat([sparse_attention_cpu(q[:, h : h + 1], k[:, h // g : h // g + 1], v[:, h // g : h // g + 1],
+                                              lay, scale, kernel="torch")[0] for h, lay in zip(heads, layouts)])
+    else:
+        for lay in layouts:
+            if lay.seq_len != t or lay.block_cnt.shape[:2] != (1, 1):
+                raise ValueError("each layout must be a one-head layout for the inputs' T")
+            if lay.block_size != NATIVE_BLOCK:
+                raise ValueError(f"the native kernel runs block_size={NATIVE_BLOCK}; layout has {lay.block_size}")
+        mb = max(1, max(lay.block_idx.shape[-1] for lay in layouts))
+        mc = max(1, max(lay.col_idx.shape[-1] for lay in layouts))
+
+        def stack(name: str, width: int) -> torch.Tensor:
+            rows = [getattr(lay, name)[0, 0] for lay in layouts]
+            return torch.stack([torch.nn.functional.pad(r, (0, width - r.shape[-1])) for r in rows]).to(torch.int32)
+
+        window = [lay.n_init is not None and lay.n_local is not None for lay in layouts]
+        n_init = [lay.n_init if w else -1 for lay, w in zip(layouts, window)]
+        n_local = [lay.n_local if w else -1 for lay, w in zip(layouts, window)]
+        direct = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1
+        res = native_sparse_attention(
+            q[0], k[0], v[0], idx, idx // g,
+            stack("block_idx", mb), torch.stack([lay.block_cnt[0, 0] for lay in layouts]),
+            stack("col_idx", mc), torch.stack([lay.col_cnt[0, 0] for lay in layouts]), n_init, n_local, scale,
+            out=out[0] if direct else None,
+        )
+        if direct:
+            return out
+    if out is None:
+        return res.to(q.dtype)
+    out[0, idx] = res.to(out.dtype)
+    return out
 
 
 def sparse_attention_cpu(
@@ -188,7 +202,8 @@ def sparse_attention_cpu(
         for bi in range(b):
             li = bi if lb == b else 0
             rows = [layout.head(li, h) for h in heads]
-            out[bi] = sparse_attention_heads(q[bi : bi + 1], k[bi : bi + 1], v[bi : bi + 1], heads, rows, scale, "native")
+            sparse_attention_heads(q[bi : bi + 1], k[bi : bi + 1], v[bi : bi + 1], heads, rows, scale, "native",
+                                   out=out[bi : bi + 1])
         return out
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     window = layout.n_init is not None and layout.n_local is not None

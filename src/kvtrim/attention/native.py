@@ -106,11 +106,25 @@ def kernel_for(x: torch.Tensor, kernel: str = "auto") -> str:
     return cpu_kernel() if (x.dtype != torch.float64 and x.device.type == "cpu") else "torch"
 
 
-def native_sparse_attention(q, k, v, head_kv, block_idx, block_cnt, col_idx, col_cnt, n_init, n_local, scale: float):
-    """One batch row: ``q [H, T, D]``, ``k``/``v`` ``[Hkv, T, D]``; query head ``h`` reads KV head ``head_kv[h]``.
+def _f32_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float32 with a contiguous last dimension; no copy when it already is (any other strides)."""
+    x = x if x.dtype == torch.float32 else x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
 
-    Layout tensors are ``[H, n_blocks, ...]``; ``n_init``/``n_local`` ``[H]`` (negative: no A-shape
-    window). Computed in float32; returns ``[H, T, D]`` float32.
+
+def native_sparse_attention(q, k, v, heads, head_kv, block_idx, block_cnt, col_idx, col_cnt, n_init, n_local,
+                            scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One batch row: ``q [Hq, T, D]``, ``k``/``v`` ``[Hkv, T, D]``; row ``i`` of the layout is query
+    head ``heads[i]`` and reads KV head ``head_kv[i]``.
+
+    Layout tensors are ``[H, n_blocks, ...]`` (``H = len(heads)``); ``n_init``/``n_local`` ``[H]``
+    (negative: no A-shape window). Computed in float32. q, k, v are read through their strides
+    (float32 inputs with a contiguous last dimension are not copied).
+
+    Returns:
+        with ``out`` (float32 ``[Hq, T, D]``, last dimension contiguous, e.g. a view of a
+        ``[T, Hq, D]`` buffer), ``out[heads[i]]`` is written in place and ``out`` returned;
+        without it, a new ``[H, T, D]`` float32 tensor whose row ``i`` is head ``heads[i]``.
     """
     if not load_native():
         raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
@@ -118,10 +132,19 @@ def native_sparse_attention(q, k, v, head_kv, block_idx, block_cnt, col_idx, col
     def i32(x):
         return torch.as_tensor(x, dtype=torch.int32).contiguous()
 
-    return torch.ops.kvtrim_native.sparse_attention(
-        q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), i32(head_kv),
-        i32(block_idx), i32(block_cnt), i32(col_idx), i32(col_cnt), i32(n_init), i32(n_local), float(scale),
+    heads = i32(heads)
+    if out is None:
+        out = torch.empty(len(heads), q.shape[1], q.shape[2], dtype=torch.float32)
+        out_head = torch.arange(len(heads), dtype=torch.int32)
+    else:
+        if out.dtype != torch.float32 or out.stride(-1) != 1 or out.shape != q.shape:
+            raise ValueError("out must be float32, shaped like q, with a contiguous last dimension")
+        out_head = heads
+    torch.ops.kvtrim_native.sparse_attention_out(
+        _f32_rows(q), _f32_rows(k), _f32_rows(v), heads, i32(head_kv), i32(block_idx), i32(block_cnt),
+        i32(col_idx), i32(col_cnt), i32(n_init), i32(n_local), float(scale), out, out_head,
     )
+    return out
 
 
 def native_vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, scale: float, last_q: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,7 +158,7 @@ def native_vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, scale: float,
     lq = min(last_q, t)
     head_kv = (torch.arange(hq) // (hq // k.shape[0])).to(torch.int32)
     return torch.ops.kvtrim_native.vertical_slash_scores(
-        q[:, t - lq :].float().contiguous(), k.float().contiguous(), head_kv, float(scale)
+        q[:, t - lq :].float().contiguous(), _f32_rows(k), head_kv, float(scale)
     )
 
 

@@ -296,7 +296,7 @@ class SparsePrefill:
             n_s = max(s.shape[-1] for _, s in picked)
             v_all = torch.cat([torch.cat([v, v[..., :1].expand(*v.shape[:2], n_v - v.shape[-1])], -1) for v, _ in picked], 1)
             s_all = torch.cat([torch.cat([s, s[..., :1].expand(*s.shape[:2], n_s - s.shape[-1])], -1) for _, s in picked], 1)
-            lay = vertical_slash_layout(v_all, s_all, q.shape[2], bs)
+            lay = vertical_slash_layout(v_all, s_all, q.shape[2], bs, native=native)
             for row, h in enumerate(heads):
                 out[h] = lay.head(0, row)
         for h, pat in enumerate(pats):
@@ -344,7 +344,10 @@ class SparsePrefill:
         layouts = self._layouts(layer_idx, query, key, scale)
         t1 = time.perf_counter()
         g = query.shape[1] // key.shape[1]
-        out = torch.empty_like(query)
+        # [B, Hq, T, D] view of a [B, T, Hq, D] buffer: the layer's output layout, so the kernel
+        # writes rows in place and the final transpose is free.
+        b_, hq_, _, d_ = query.shape
+        out = query.new_empty(b_, t, hq_, d_).transpose(1, 2)
         # Dense heads: one SDPA call per KV head, over all of its dense query heads (GQA, no copies of k/v).
         for kv in range(key.shape[1]):
             hs = [h for h in range(kv * g, (kv + 1) * g) if layouts[h] is None]
@@ -367,9 +370,9 @@ class SparsePrefill:
             else:
                 self.kernel = backend
         if sparse and backend == "cpu" and query.shape[0] == 1:
-            # All sparse heads of the layer in one call: the native kernel shares the layer's work out.
-            idx = torch.as_tensor(sparse, device=query.device)
-            out[0, idx] = sparse_attention_heads(query, key, value, sparse, [layouts[h] for h in sparse], scale)
+            # All sparse heads of the layer in one call: the native kernel shares the layer's work out,
+            # reads q/k/v through their strides and writes into `out` (no copies of T-long tensors).
+            sparse_attention_heads(query, key, value, sparse, [layouts[h] for h in sparse], scale, out=out)
         else:
             for h in sparse:
                 kv = h // g

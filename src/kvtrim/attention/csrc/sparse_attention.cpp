@@ -9,7 +9,9 @@
 //
 // Matrix products go to the BLAS sgemm that libtorch_cpu exports (MKL or OpenBLAS, column-major
 // convention: a row-major [r, c] matrix is a column-major [c, r] one with leading dimension c).
-// Tasks are handed out dynamically, most expensive first, one per thread at a time.
+// Tasks are handed out dynamically, most expensive first, one per thread at a time. q, k, v and the
+// output are read and written through their strides (row stride = BLAS leading dimension), so a
+// transformers layer's [B, T, H, D]-ordered tensors need no copies.
 //
 // Masked scores are set to a large finite negative number (not -inf) so that the file can be
 // built with -ffast-math; a row whose maximum in a segment
@@ -21,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -74,8 +77,8 @@ struct Scratch {
 };
 
 // Online-softmax update of rows [0, nr) with the scores s[nr, n] (row-major) of the keys whose
-// values are v[n, d] (row-major, leading dimension d).
-inline void update(Scratch& w, int nr, int n, int d, const float* v) {
+// values are v[n, d] (row-major, leading dimension ldv).
+inline void update(Scratch& w, int nr, int n, int d, const float* v, int ldv) {
   float* s = w.s.data();
   for (int i = 0; i < nr; ++i) {
     float* row = s + static_cast<int64_t>(i) * n;
@@ -109,38 +112,59 @@ inline void update(Scratch& w, int nr, int n, int d, const float* v) {
     w.m[i] = m_new;
   }
   // o[nr, d] += p[nr, n] @ v[n, d]
-  gemm('N', 'N', d, nr, n, 1.0f, v, d, s, n, 1.0f, w.o.data(), d);
+  gemm('N', 'N', d, nr, n, 1.0f, v, ldv, s, n, 1.0f, w.o.data(), d);
 }
 
 }  // namespace
 
-// q [H, T, D], k/v [Hkv, T, D] (float32, contiguous); scores are scaled by `scale`. Query head h
-// reads KV head head_kv[h] (so any subset of a layer's heads can go in one call, GQA included).
+// q [Hq, T, D], k/v [Hkv, T, D], out [Ho, T, D]: float32, any strides with the last dimension
+// contiguous (so the [B, T, H, D] tensors of a transformers layer are read and written in place,
+// with the row stride as the BLAS leading dimension). Task row h (H rows) is query head
+// q_head[h], reads KV head head_kv[h] and writes out[out_head[h]]; rows with no visible key are
+// written as zeros. Scores are scaled by `scale`.
 // block_idx [H, nb, maxb], block_cnt [H, nb], col_idx [H, nb, maxc], col_cnt [H, nb] (int32).
-// n_init / n_local [H] (int32): the A-shape window of head h; negative: no window.
-at::Tensor sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head_kv,
-                            const at::Tensor& block_idx, const at::Tensor& block_cnt, const at::Tensor& col_idx,
-                            const at::Tensor& col_cnt, const at::Tensor& n_init, const at::Tensor& n_local, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k, v must be [heads, T, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "q, k, v must be float32");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "q, k, v must be contiguous");
-  for (const at::Tensor* x : {&head_kv, &block_idx, &block_cnt, &col_idx, &col_cnt, &n_init, &n_local})
+// n_init / n_local [H] (int32): the A-shape window of row h; negative: no window.
+void sparse_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_head,
+                          const at::Tensor& head_kv, const at::Tensor& block_idx, const at::Tensor& block_cnt,
+                          const at::Tensor& col_idx, const at::Tensor& col_cnt, const at::Tensor& n_init,
+                          const at::Tensor& n_local, double scale, at::Tensor& out, const at::Tensor& out_head) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be [heads, T, D]");
+  for (const at::Tensor* x : {&q, &k, &v, static_cast<const at::Tensor*>(&out)})
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->stride(2) == 1, "q, k, v, out must be float32 with a contiguous last dimension");
+  for (const at::Tensor* x : {&q_head, &head_kv, &out_head, &block_idx, &block_cnt, &col_idx, &col_cnt, &n_init, &n_local})
     TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(), "layout tensors must be contiguous int32");
-  const int hq = q.size(0), t = q.size(1), d = q.size(2), hkv = k.size(0);
-  TORCH_CHECK(k.size(1) == t && v.size(1) == t && k.size(2) == d && v.size(2) == d && v.size(0) == hkv, "k/v shape");
-  TORCH_CHECK(head_kv.numel() == hq && n_init.numel() == hq && n_local.numel() == hq, "per-head tensors must have H entries");
+  const int hq_all = q.size(0), t = q.size(1), d = q.size(2), hkv = k.size(0), ho = out.size(0);
+  const int hq = q_head.numel();
+  TORCH_CHECK(k.size(1) == t && v.size(1) == t && out.size(1) == t && k.size(2) == d && v.size(2) == d &&
+                  out.size(2) == d && v.size(0) == hkv, "k/v/out shape");
+  TORCH_CHECK(head_kv.numel() == hq && out_head.numel() == hq && n_init.numel() == hq && n_local.numel() == hq,
+              "per-row tensors must have H entries");
   const int nb = (t + kBlock - 1) / kBlock;
   TORCH_CHECK(block_cnt.size(0) == hq && block_cnt.size(1) == nb && block_idx.size(0) == hq && block_idx.size(1) == nb &&
                   col_cnt.size(0) == hq && col_cnt.size(1) == nb && col_idx.size(0) == hq && col_idx.size(1) == nb,
               "layout shape does not match [H, n_blocks]");
   const int maxb = block_idx.size(2), maxc = col_idx.size(2);
+  const int32_t* qhp = q_head.data_ptr<int32_t>();
   const int32_t* hkvp = head_kv.data_ptr<int32_t>();
+  const int32_t* ohp = out_head.data_ptr<int32_t>();
   const int32_t* initp = n_init.data_ptr<int32_t>();
   const int32_t* localp = n_local.data_ptr<int32_t>();
-  for (int h = 0; h < hq; ++h) TORCH_CHECK(hkvp[h] >= 0 && hkvp[h] < hkv, "head_kv out of range");
+  std::vector<char> written(ho, 0);
+  for (int h = 0; h < hq; ++h) {
+    TORCH_CHECK(qhp[h] >= 0 && qhp[h] < hq_all, "q_head out of range");
+    TORCH_CHECK(hkvp[h] >= 0 && hkvp[h] < hkv, "head_kv out of range");
+    TORCH_CHECK(ohp[h] >= 0 && ohp[h] < ho && !written[ohp[h]], "out_head out of range or repeated");
+    written[ohp[h]] = 1;
+  }
+  // Leading dimensions (row strides) for BLAS; int, as the Fortran interface takes.
+  auto ld = [&](const at::Tensor& x) {
+    if (x.size(1) <= 1) return d;  // a single row: its stride is irrelevant
+    TORCH_CHECK(x.stride(1) >= d && x.stride(1) <= INT32_MAX, "row stride must be >= head_dim and fit int32");
+    return static_cast<int>(x.stride(1));
+  };
+  const int ldq = ld(q), ldk = ld(k), ldv = ld(v), ldo = ld(out);
+  const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0), so = out.stride(0);
 
-  at::Tensor out = at::zeros_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -177,16 +201,15 @@ at::Tensor sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::
     Scratch w(d);
     for (int64_t it = next.fetch_add(1); it < ntask; it = next.fetch_add(1)) {
       const int64_t task = order[it];
-      if (cost[task] == 0) continue;
       const int h = task / nb, qb = task % nb, kvh = hkvp[h];
       const bool window = initp[h] >= 0 && localp[h] >= 0;
       const int64_t n_init = initp[h], n_local = localp[h];
       const int r0 = qb * kBlock, nr = std::min(kBlock, t - r0);
-      const float* kh = kp + static_cast<int64_t>(kvh) * t * d;
-      const float* vh = vp + static_cast<int64_t>(kvh) * t * d;
+      const float* kh = kp + static_cast<int64_t>(kvh) * sk;
+      const float* vh = vp + static_cast<int64_t>(kvh) * sv;
       // q k^T is scaled after the product (BLAS alpha), as dense attention does: pre-scaling q
       // would round it once more when the scale is not a power of two (head_dim 128).
-      const float* qh = qp + (static_cast<int64_t>(h) * t + r0) * d;
+      const float* qh = qp + static_cast<int64_t>(qhp[h]) * sq + static_cast<int64_t>(r0) * ldq;
       std::fill(w.o.begin(), w.o.end(), 0.0f);
       std::fill(w.m.begin(), w.m.end(), kMasked);
       std::fill(w.l.begin(), w.l.end(), 0.0f);
@@ -200,7 +223,7 @@ at::Tensor sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::
         const int n = k1 - k0;
         float* s = w.s.data();
         // s[nr, n] = scale * q[nr, d] @ k[k0:k1]^T
-        gemm('T', 'N', n, nr, d, fscale, kh + static_cast<int64_t>(k0) * d, d, qh, d, 0.0f, s, n);
+        gemm('T', 'N', n, nr, d, fscale, kh + static_cast<int64_t>(k0) * ldk, ldk, qh, ldq, 0.0f, s, n);
         if (k1 - 1 > r0) {  // the segment reaches the query block: causal mask
           for (int i = 0; i < nr; ++i)
             for (int c = std::max(0, r0 + i + 1 - k0); c < n; ++c) s[i * n + c] = kMasked;
@@ -212,7 +235,7 @@ at::Tensor sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::
               s[i * n + (c - k0)] = kMasked;
           }
         }
-        update(w, nr, n, d, vh + static_cast<int64_t>(k0) * d);
+        update(w, nr, n, d, vh + static_cast<int64_t>(k0) * ldv, ldv);
         j = e;
       }
       // Single columns, gathered kSeg at a time.
@@ -220,11 +243,11 @@ at::Tensor sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::
       for (int c0 = 0; c0 < ccnt[task]; c0 += kSeg) {
         const int n = std::min(kSeg, ccnt[task] - c0);
         for (int c = 0; c < n; ++c) {
-          std::copy_n(kh + static_cast<int64_t>(cols[c0 + c]) * d, d, w.kc.data() + static_cast<int64_t>(c) * d);
-          std::copy_n(vh + static_cast<int64_t>(cols[c0 + c]) * d, d, w.vc.data() + static_cast<int64_t>(c) * d);
+          std::copy_n(kh + static_cast<int64_t>(cols[c0 + c]) * ldk, d, w.kc.data() + static_cast<int64_t>(c) * d);
+          std::copy_n(vh + static_cast<int64_t>(cols[c0 + c]) * ldv, d, w.vc.data() + static_cast<int64_t>(c) * d);
         }
         float* s = w.s.data();
-        gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qh, d, 0.0f, s, n);
+        gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qh, ldq, 0.0f, s, n);
         for (int i = 0; i < nr; ++i) {
           const int64_t row = r0 + i;
           for (int c = 0; c < n; ++c) {
@@ -232,31 +255,37 @@ at::Tensor sparse_attention(const at::Tensor& q, const at::Tensor& k, const at::
             if (key > row || (window && key >= n_init && row - key >= n_local)) s[i * n + c] = kMasked;
           }
         }
-        update(w, nr, n, d, w.vc.data());
+        update(w, nr, n, d, w.vc.data(), d);
       }
-      float* oh = op + (static_cast<int64_t>(h) * t + r0) * d;
+      float* oh = op + static_cast<int64_t>(ohp[h]) * so + static_cast<int64_t>(r0) * ldo;
       for (int i = 0; i < nr; ++i) {
-        if (w.l[i] <= 0.0f) continue;  // no visible key: the row stays 0
-        std::copy_n(w.o.data() + static_cast<int64_t>(i) * d, d, oh + static_cast<int64_t>(i) * d);
+        float* dst = oh + static_cast<int64_t>(i) * ldo;
+        if (w.l[i] <= 0.0f)  // no visible key: the row is 0
+          std::fill(dst, dst + d, 0.0f);
+        else
+          std::copy_n(w.o.data() + static_cast<int64_t>(i) * d, d, dst);
       }
     }
   });
-  return out;
 }
 
 // Vertical-slash index estimation, fused: for each query head, the softmax of its last lq queries
 // (rows T-lq..T-1) over all keys (causal in the corner), summed per column ("vertical" scores)
 // and per diagonal offset i - j ("slash" scores). One head per task, one BLAS call per head.
-// q_last [H, lq, D], k [Hkv, T, D] float32; returns (vert [H, T], slash [H, T]) float32.
+// q_last [H, lq, D] float32 contiguous, k [Hkv, T, D] float32 with a contiguous last dimension
+// (any other strides); returns (vert [H, T], slash [H, T]) float32.
 std::tuple<at::Tensor, at::Tensor> vertical_slash_scores(const at::Tensor& q_last, const at::Tensor& k,
                                                          const at::Tensor& head_kv, double scale) {
   TORCH_CHECK(q_last.dim() == 3 && k.dim() == 3, "q_last must be [H, lq, D] and k [Hkv, T, D]");
   TORCH_CHECK(q_last.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "q_last and k must be float32");
-  TORCH_CHECK(q_last.is_contiguous() && k.is_contiguous(), "q_last and k must be contiguous");
+  TORCH_CHECK(q_last.is_contiguous() && k.stride(2) == 1, "q_last must be contiguous and k's last dimension contiguous");
   TORCH_CHECK(head_kv.scalar_type() == at::kInt && head_kv.is_contiguous() && head_kv.numel() == q_last.size(0),
               "head_kv must be int32 [H]");
   const int h_n = q_last.size(0), lq = q_last.size(1), d = q_last.size(2), hkv = k.size(0), t = k.size(1);
   TORCH_CHECK(k.size(2) == d && lq >= 1 && lq <= t, "shapes: need 1 <= lq <= T and equal head_dim");
+  TORCH_CHECK(t == 1 || (k.stride(1) >= d && k.stride(1) <= INT32_MAX), "k's row stride must be >= head_dim and fit int32");
+  const int ldk = t == 1 ? d : static_cast<int>(k.stride(1));
+  const int64_t sk = k.stride(0);
   const int32_t* hkvp = head_kv.data_ptr<int32_t>();
   for (int h = 0; h < h_n; ++h) TORCH_CHECK(hkvp[h] >= 0 && hkvp[h] < hkv, "head_kv out of range");
   at::Tensor vert = at::zeros({h_n, t}, q_last.options());
@@ -272,7 +301,7 @@ std::tuple<at::Tensor, at::Tensor> vertical_slash_scores(const at::Tensor& q_las
     for (int h = next.fetch_add(1); h < h_n; h = next.fetch_add(1)) {
       const float* qh = qp + static_cast<int64_t>(h) * lq * d;
       // s[lq, T] = scale * q[lq, d] @ k^T
-      gemm('T', 'N', t, lq, d, fscale, kp + static_cast<int64_t>(hkvp[h]) * t * d, d, qh, d, 0.0f, s.data(), t);
+      gemm('T', 'N', t, lq, d, fscale, kp + static_cast<int64_t>(hkvp[h]) * sk, ldk, qh, d, 0.0f, s.data(), t);
       float* vh = vp + static_cast<int64_t>(h) * t;
       float* sh = sp + static_cast<int64_t>(h) * t;
       for (int r = 0; r < lq; ++r) {
@@ -353,9 +382,10 @@ std::vector<at::Tensor> vertical_slash_layout(const at::Tensor& v_idx, const at:
 }
 
 TORCH_LIBRARY(kvtrim_native, m) {
-  m.def("sparse_attention(Tensor q, Tensor k, Tensor v, Tensor head_kv, Tensor block_idx, Tensor block_cnt, "
-        "Tensor col_idx, Tensor col_cnt, Tensor n_init, Tensor n_local, float scale) -> Tensor");
-  m.impl("sparse_attention", c10::DispatchKey::CPU, &sparse_attention);
+  m.def("sparse_attention_out(Tensor q, Tensor k, Tensor v, Tensor q_head, Tensor head_kv, Tensor block_idx, "
+        "Tensor block_cnt, Tensor col_idx, Tensor col_cnt, Tensor n_init, Tensor n_local, float scale, "
+        "Tensor(a!) out, Tensor out_head) -> ()");
+  m.impl("sparse_attention_out", c10::DispatchKey::CPU, &sparse_attention_out);
   m.def("vertical_slash_scores(Tensor q_last, Tensor k, Tensor head_kv, float scale) -> (Tensor, Tensor)");
   m.impl("vertical_slash_scores", c10::DispatchKey::CPU, &vertical_slash_scores);
   m.def("vertical_slash_layout(Tensor v_idx, Tensor s_off, int t, int bs) -> Tensor[]");
