@@ -19,7 +19,8 @@ def prefill_table(d: dict) -> str:
     m = d["machine"]
     lines = [
         f"SmolLM2-135M-Instruct, float32, torch {d['versions']['torch']}, {m.get('torch_threads')} threads, {d['date'][:10]}; "
-        "median wall seconds of one prefill forward (reps per row), configurations interleaved.",
+        "median wall seconds of one prefill forward (reps per row), configurations interleaved"
+        + ("; every forward in its own process." if d.get("isolated") else "."),
         "",
         "| length | prefill | density | wall s | speed-up | CPU s | attention s (kernel) | attention speed-up | 1/density | estimation share | reps |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -35,7 +36,9 @@ def prefill_table(d: dict) -> str:
     if d.get("summary"):
         lines.append("")
         for name, s in d["summary"].items():
-            lines.append(f"- `{name}`: beats dense end to end from {s['crossover_length'] or 'no measured'} tokens")
+            measured = sorted({r["length"] for r in d["records"] if r["config"] == name})
+            lines.append(f"- `{name}`: smallest measured length that beats dense end to end: "
+                         f"{s['crossover_length'] or 'none'} (measured: {', '.join(map(str, measured))})")
     return "\n".join(lines)
 
 
