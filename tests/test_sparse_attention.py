@@ -182,6 +182,28 @@ def test_heads_written_in_place_through_strides(kernel: str, dtype: torch.dtype)
     assert bool((out[0, 4, 128:192] == 0).all())
 
 
+def test_output_buffers_that_alias_or_overlap_are_not_written_by_the_kernel() -> None:
+    """An ``out`` that is q itself, or overlaps itself, gets the result copied in (never a racing
+    in-place write), and the low-level call refuses it outright."""
+    from kvtrim.attention.native import native_sparse_attention, writable_in_place
+
+    q, k, v = _qkv(200, 64, 4, 2, seed=5)
+    assert writable_in_place(torch.empty(1, 200, 4, 64).transpose(1, 2))
+    assert not writable_in_place(torch.empty(1, 1, 200, 64).expand(1, 4, 200, 64))  # heads share memory
+    assert not writable_in_place(q, q) and not writable_in_place(q.double())
+    lay = BlockSparse(k_b=2).layout(q, k)
+    heads = [0, 1, 2, 3]
+    rows = [lay.head(0, h) for h in heads]
+    want = sparse_attention_heads(q, k, v, heads, rows)
+    q_alias = q.clone()
+    got = sparse_attention_heads(q_alias, k, v, heads, rows, out=q_alias)  # out is q
+    torch.testing.assert_close(got[0], want, rtol=0, atol=0)
+    if load_native():
+        with pytest.raises(ValueError, match="must not share memory"):
+            native_sparse_attention(q[0], k[0], v[0], heads, [0, 0, 1, 1], lay.block_idx[0], lay.block_cnt[0],
+                                    lay.col_idx[0], lay.col_cnt[0], [-1] * 4, [-1] * 4, 0.125, out=q[0])
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 @settings(max_examples=40, deadline=None)
 @given(t=st.integers(1, 300), d=st.sampled_from([64, 128]), data=st.data())

@@ -32,7 +32,7 @@ import logging
 
 import torch
 
-from kvtrim.attention.native import NATIVE_BLOCK, kernel_for, native_sparse_attention
+from kvtrim.attention.native import NATIVE_BLOCK, kernel_for, native_sparse_attention, writable_in_place
 from kvtrim.attention.patterns import SparseLayout
 from kvtrim.attention.reference import check_qkv
 
@@ -112,7 +112,8 @@ def sparse_attention_heads(
         layouts: one ``[1, 1, ...]`` layout per entry of ``heads``.
         out: optional ``[1, Hq, T, D]`` tensor (like ``q``); ``out[0, heads]`` is written and the
             other heads are left as they are. A float32 ``out`` (e.g. a transposed view of the
-            ``[1, T, Hq, D]`` buffer a layer returns) is written by the kernel directly.
+            ``[1, T, Hq, D]`` buffer a layer returns) is written by the kernel directly; one that
+            overlaps itself or q/k/v gets the result copied in.
 
     Returns:
         ``out`` when given, else ``[len(heads), T, D]`` in ``q.dtype``.
@@ -146,7 +147,7 @@ def sparse_attention_heads(
         window = [lay.n_init is not None and lay.n_local is not None for lay in layouts]
         n_init = [lay.n_init if w else -1 for lay, w in zip(layouts, window)]
         n_local = [lay.n_local if w else -1 for lay, w in zip(layouts, window)]
-        direct = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1
+        direct = out is not None and writable_in_place(out, q, k, v)
         res = native_sparse_attention(
             q[0], k[0], v[0], idx, idx // g,
             stack("block_idx", mb), torch.stack([lay.block_cnt[0, 0] for lay in layouts]),

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["NATIVE_BLOCK", "cpu_kernel", "kernel_for", "load_native", "native_sparse_attention", "native_vertical_slash_layout",
-           "native_vertical_slash_scores"]
+           "native_vertical_slash_scores", "writable_in_place"]
 
 NATIVE_BLOCK = 64  # the kernel's query/key block (kBlock in the source)
 
@@ -112,6 +112,21 @@ def _f32_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def writable_in_place(out: torch.Tensor, *inputs: torch.Tensor) -> bool:
+    """True when the kernel may write ``out`` directly: float32, last dimension contiguous, no two
+    elements at one address (checked on the strides), and no storage shared with ``inputs``."""
+    if out.dtype != torch.float32 or out.device.type != "cpu" or (out.numel() and out.stride(-1) != 1):
+        return False
+    span = 1
+    for size, stride in sorted(zip(out.shape, out.stride()), key=lambda p: p[1]):
+        if size > 1:
+            if stride < span:
+                return False
+            span = stride * size
+    ptr = out.untyped_storage().data_ptr()
+    return all(x.untyped_storage().data_ptr() != ptr for x in inputs)
+
+
 def native_sparse_attention(q, k, v, heads, head_kv, block_idx, block_cnt, col_idx, col_cnt, n_init, n_local,
                             scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """One batch row: ``q [Hq, T, D]``, ``k``/``v`` ``[Hkv, T, D]``; row ``i`` of the layout is query
@@ -137,8 +152,9 @@ def native_sparse_attention(q, k, v, heads, head_kv, block_idx, block_cnt, col_i
         out = torch.empty(len(heads), q.shape[1], q.shape[2], dtype=torch.float32)
         out_head = torch.arange(len(heads), dtype=torch.int32)
     else:
-        if out.dtype != torch.float32 or out.stride(-1) != 1 or out.shape != q.shape:
-            raise ValueError("out must be float32, shaped like q, with a contiguous last dimension")
+        if out.shape != q.shape or not writable_in_place(out, q, k, v):
+            raise ValueError("out must be shaped like q, float32 on CPU with a contiguous last dimension, "
+                             "without overlapping elements, and must not share memory with q, k or v")
         out_head = heads
     torch.ops.kvtrim_native.sparse_attention_out(
         _f32_rows(q), _f32_rows(k), _f32_rows(v), heads, i32(head_kv), i32(block_idx), i32(block_cnt),
