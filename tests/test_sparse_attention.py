@@ -52,12 +52,17 @@ def _qkv(t: int, d: int, hq: int, hkv: int, dtype: torch.dtype = torch.float32, 
     return q, k, v
 
 
-def _assert_within_rule(fast: torch.Tensor, q, k, v, mask: torch.Tensor | None) -> None:
+def _assert_within_rule(fast: torch.Tensor, q, k, v, mask: torch.Tensor | None, ulps_of_max: int = 0) -> None:
+    """The tolerance rule above; ``ulps_of_max`` raises the float32 floor to that many float32 ulps
+    of the largest reference output (used only by the property test, see there)."""
     ref = masked_attention(q.double(), k.double(), v.double(), mask)
     plain = masked_attention(q, k, v, mask, upcast=False)
     err_fast = (fast.double() - ref).abs().max().item()
     err_plain = (plain.double() - ref).abs().max().item()
-    floor = 4 * torch.finfo(torch.float32).eps if q.dtype == torch.float32 else 0.0
+    floor = 0.0
+    if q.dtype == torch.float32:
+        eps = torch.finfo(torch.float32).eps
+        floor = max(4 * eps, ulps_of_max * eps * ref.abs().max().item())
     assert err_fast <= max(2 * err_plain, floor), f"fast error {err_fast:.3g} > 2 x plain error {err_plain:.3g}"
 
 
@@ -221,7 +226,16 @@ def test_native_kernel_property(t: int, d: int, data) -> None:
         lay = _with_columns(lay, sorted(set(cols)))
     q, k, v = _qkv(t, d, 2, 1, seed=t)
     out = sparse_attention_cpu(q, k, v, lay, kernel="native")
-    _assert_within_rule(out, q, k, v, layout_to_mask(lay))
+    # Floor of 16 float32 ulps of the largest output, measured reason: these layouts give a row a
+    # handful of keys, so the max error over the tensor is one unlucky float32 dot product, and
+    # plain code differs from the kernel only in summation order. Two cases hypothesis found:
+    # t=245, d=64, one key block + one column: kernel 1.38e-6, plain 4.8e-7, but plain's own
+    # float32 softmax @ v over the key block alone errs 1.31e-6 at the same element (output 1.24,
+    # 11 ulps); t=156, d=128: kernel 1.02e-6, plain 3.7e-7, and plain with the scale folded into
+    # k (an equally plain ordering) exactly 1.02e-6. An indexing error (a key dropped, added or
+    # read out of bounds) is orders of magnitude above this floor. The T = 63/500/4001 tests keep
+    # the strict rule.
+    _assert_within_rule(out, q, k, v, layout_to_mask(lay), ulps_of_max=16)
 
 
 def _with_columns(lay, cols: list[int]):
