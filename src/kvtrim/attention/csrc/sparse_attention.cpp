@@ -71,6 +71,14 @@ inline float exp_neg(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// The row stride of a [heads, T, D] tensor as a BLAS leading dimension (int, as the Fortran
+// interface takes); a single row's stride is irrelevant, so it is read as d.
+inline int row_stride(const at::Tensor& x, int d, const char* name) {
+  if (x.size(1) <= 1) return d;
+  TORCH_CHECK(x.stride(1) >= d && x.stride(1) <= INT32_MAX, name, "'s row stride must be >= head_dim and fit int32");
+  return static_cast<int>(x.stride(1));
+}
+
 struct Scratch {
   std::vector<float> s, o, m, l, kc, vc;
   explicit Scratch(int d) : s(kBlock * kSeg), o(kBlock * d), m(kBlock), l(kBlock), kc(kSeg * d), vc(kSeg * d) {}
@@ -156,13 +164,8 @@ void sparse_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Te
     TORCH_CHECK(ohp[h] >= 0 && ohp[h] < ho && !written[ohp[h]], "out_head out of range or repeated");
     written[ohp[h]] = 1;
   }
-  // Leading dimensions (row strides) for BLAS; int, as the Fortran interface takes.
-  auto ld = [&](const at::Tensor& x) {
-    if (x.size(1) <= 1) return d;  // a single row: its stride is irrelevant
-    TORCH_CHECK(x.stride(1) >= d && x.stride(1) <= INT32_MAX, "row stride must be >= head_dim and fit int32");
-    return static_cast<int>(x.stride(1));
-  };
-  const int ldq = ld(q), ldk = ld(k), ldv = ld(v), ldo = ld(out);
+  const int ldq = row_stride(q, d, "q"), ldk = row_stride(k, d, "k"), ldv = row_stride(v, d, "v"),
+            ldo = row_stride(out, d, "out");
   const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0), so = out.stride(0);
 
   const float* qp = q.data_ptr<float>();
@@ -283,8 +286,7 @@ std::tuple<at::Tensor, at::Tensor> vertical_slash_scores(const at::Tensor& q_las
               "head_kv must be int32 [H]");
   const int h_n = q_last.size(0), lq = q_last.size(1), d = q_last.size(2), hkv = k.size(0), t = k.size(1);
   TORCH_CHECK(k.size(2) == d && lq >= 1 && lq <= t, "shapes: need 1 <= lq <= T and equal head_dim");
-  TORCH_CHECK(t == 1 || (k.stride(1) >= d && k.stride(1) <= INT32_MAX), "k's row stride must be >= head_dim and fit int32");
-  const int ldk = t == 1 ? d : static_cast<int>(k.stride(1));
+  const int ldk = row_stride(k, d, "k");
   const int64_t sk = k.stride(0);
   const int32_t* hkvp = head_kv.data_ptr<int32_t>();
   for (int h = 0; h < h_n; ++h) TORCH_CHECK(hkvp[h] >= 0 && hkvp[h] < hkv, "head_kv out of range");
