@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvtrim import decoding
 from kvtrim.cache import KVTrimCache
+from kvtrim.decoding import Sampler, check_context, chunk_size, max_context, run
 from kvtrim.errors import KVTrimError
-from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.integrations.hf import attach
 from kvtrim.policies.base import Policy
 
 
@@ -55,27 +57,8 @@ def check_prompt(policy: Policy, n_prompt: int, max_new_tokens: int, max_context
         raise KVTrimError("the prompt is empty; give a question or prompt text")
     if max_new_tokens < 0:
         raise KVTrimError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if max_context and n_prompt + max_new_tokens > max_context and not policy.can_stream():
-        raise KVTrimError(
-            f"the prompt has {n_prompt} tokens (+{max_new_tokens} to generate), more than the model's context of "
-            f"{max_context}; method {policy.name!r} with position {policy.position_policy!r} cannot stream past it. "
-            "Shorten the prompt, or use a streaming method with a fixed budget (e.g. --method streaming_llm --max-tokens 2048)."
-        )
-
-
-def _forward(model, ids: torch.Tensor, cache: KVTrimCache, position_ids: torch.Tensor | None, extra: dict | None = None) -> torch.Tensor:
-    kw = {cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 1, **(extra or {})}
-    if position_ids is not None:
-        kw["position_ids"] = position_ids
-    return model(input_ids=ids, **kw).logits[:, -1, :]
-
-
-def _next_positions(cache: KVTrimCache, n: int, device) -> torch.Tensor | None:
-    """Positions for the next ``n`` tokens: in-cache positions under reassigned/compressed, else None."""
-    if cache.position_policy == "true":
-        return None
-    start = cache.compressed_layers[0].length if cache.compressed_layers[0].is_initialized else 0
-    return torch.arange(start, start + n, device=device).unsqueeze(0)
+    check_context(policy, n_prompt + max_new_tokens, max_context,
+                  what=f"the prompt has {n_prompt} tokens (+{max_new_tokens} to generate) and")
 
 
 @torch.inference_mode()
@@ -105,49 +88,26 @@ def generate_ids(
     ``model_inputs`` are extra prefill inputs of a vision-language model (``pixel_values``,
     ``image_grid_thw``, ``mm_token_type_ids``, ... from its processor; see ``kvtrim.vlm``).
     """
-    cfg = model.config.get_text_config(decoder=True)
-    max_ctx = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    max_ctx = max_context(model)
     check_prompt(policy, len(prompt_ids), max_new_tokens, max_ctx)
     cache = cache if cache is not None else KVTrimCache(model, policy)
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids], device=device)
-    chunk = prefill_chunk
-    if model_inputs and chunk:
+    if model_inputs and prefill_chunk:
         raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")
-    if chunk is None and max_ctx and len(prompt_ids) + max_new_tokens > max_ctx:
-        budget = policy.budget(len(prompt_ids))
-        chunk = max(1, min(1024, (max_ctx - budget - max_new_tokens) // 2))
+    chunk = prefill_chunk or chunk_size(policy, held=0, seen=0, n=len(prompt_ids), extra=max_new_tokens, max_ctx=max_ctx)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     eos = getattr(tokenizer, "eos_token_id", None)
-    out: list[int] = []
-    steps = 0
+    stop = (eos,) if stop_at_eos and eos is not None else ()
+    sampler = Sampler(do_sample, temperature, top_p)
     if prefill is not None:
         prefill.reset_stats()
+    out: list[int] = []
+    steps = 0
     with attach(model, prefill_attention=prefill):
         t0 = time.perf_counter()
-        if chunk:
-            for s in range(0, ids.shape[1], chunk):
-                part = ids[:, s : s + chunk]
-                logits = _forward(model, part, cache, _next_positions(cache, part.shape[1], device))
-        else:
-            logits = _forward(model, ids, cache, _next_positions(cache, ids.shape[1], device), model_inputs)
+        logits = run(model, decoding.prefill(cache, prompt_ids, chunk=chunk, extra=model_inputs or None))
         t1 = time.perf_counter()
-        for step in range(max_new_tokens):
-            if do_sample:
-                probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
-                if top_p < 1.0:
-                    sp, si = probs.sort(dim=-1, descending=True)
-                    drop = sp.cumsum(-1) - sp > top_p
-                    probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
-                tok = int(torch.multinomial(probs.cpu(), 1, generator=gen))
-            else:
-                tok = int(logits.argmax(dim=-1))
-            out.append(tok)
-            if (stop_at_eos and eos is not None and tok == eos) or step == max_new_tokens - 1:
-                break
-            nxt = torch.tensor([[tok]], device=device)
-            logits = _forward(model, nxt, cache, _next_positions(cache, 1, device))
-            steps += 1
+        if max_new_tokens:
+            out, steps = run(model, decoding.decode(cache, logits, max_new_tokens, sampler=sampler, generator=gen, stop_ids=stop))
         t2 = time.perf_counter()
     text_ids = [t for t in out if not (stop_at_eos and t == eos)]
     stored = cache.stored_tokens()

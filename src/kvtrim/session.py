@@ -39,9 +39,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvtrim import decoding
 from kvtrim.cache import CompressedLayer, KVTrimCache
+from kvtrim.decoding import Sampler, check_context, chunk_size
 from kvtrim.errors import KVTrimError
-from kvtrim.integrations.hf import ATTN_NAME, attach, cache_kwarg
+from kvtrim.integrations.hf import ATTN_NAME, attach
 from kvtrim.policies.base import Policy
 
 logger = logging.getLogger(__name__)
@@ -179,44 +181,28 @@ class Session:
         return max(s) if s else 0
 
     def _check_fits(self, n: int, extra: int = 0) -> None:
-        if self.max_context and self.seen + n + extra > self.max_context and not self.policy.can_stream():
-            raise KVTrimError(
-                f"the session would hold {self.seen + n + extra} tokens, more than the model's context of "
-                f"{self.max_context}; method {self.policy.name!r} with position {self.policy.position_policy!r} cannot "
-                "stream past it. Use a streaming method with a fixed budget (inf_mllm or streaming_llm with max_tokens)."
-            )
-
-    def _pieces(self, n: int, extra: int) -> int:
-        """Size of the pieces a forward of ``n`` new tokens is split into."""
-        if self.prefill_chunk is not None:
-            return self.prefill_chunk
-        if self.max_context and self.stored() + n + extra > self.max_context:
-            budget = self.policy.budget(self.seen + n)
-            cap = getattr(self.policy, "decode_cap", 0)
-            return max(1, min(1024, (self.max_context - budget - cap - extra) // 2))
-        return n
-
-    def _positions(self, n: int) -> torch.Tensor | None:
-        if self.cache.position_policy == "true":
-            return None
-        start = self.cache.compressed_layers[0].length if self.cache.compressed_layers[0].is_initialized else 0
-        return torch.arange(start, start + n, device=self.device).unsqueeze(0)
+        check_context(self.policy, self.seen + n + extra, self.max_context, what="the session",
+                      hint="Use a streaming method with a fixed budget (inf_mllm or streaming_llm with max_tokens).")
 
     def _forward(self, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """One forward of ``ids`` through the cache; returns float32 logits ``[n or 1, vocab]``."""
-        x = torch.tensor([ids], device=self.device)
-        kw = {cache_kwarg(): self.cache, "use_cache": True, "logits_to_keep": 0 if all_logits else 1}
-        pos = self._positions(len(ids))
-        if pos is not None:
-            kw["position_ids"] = pos
-        logits = self.model(input_ids=x, **kw).logits[0].float()
+        logits = decoding.forward(self.model, self.cache, ids, all_logits=all_logits)
+        logits = logits if all_logits else logits.unsqueeze(0)
         self._last_logits = logits[-1].clone()
         return logits
 
+    def _run(self, program) -> object:
+        """Run a stepper program through this session's cache (each forward via ``_forward``)."""
+        def serve(step: decoding.Step) -> torch.Tensor:
+            logits = self._forward(step.ids, step.all_logits)
+            return logits if step.all_logits else logits[-1]
+
+        return decoding.run(self.model, program, serve=serve)
+
     def _prefill(self, ids: list[int], extra: int = 0) -> None:
-        step = self._pieces(len(ids), extra)
-        for s in range(0, len(ids), step):
-            self._forward(ids[s : s + step])
+        chunk = self.prefill_chunk or chunk_size(self.policy, held=self.stored(), seen=self.seen, n=len(ids),
+                                                 extra=extra, max_ctx=self.max_context)
+        self._run(decoding.prefill(self.cache, ids, chunk=chunk))
 
     def _tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -268,28 +254,19 @@ class Session:
         if stop_ids is None:
             eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
             stop_ids = () if eos is None else (eos,)
-        out: list[int] = []
+        sampler = Sampler(do_sample, temperature, top_p)
+        stops = tuple(stop_ids)
+
+        def on_token(tok: int) -> None:
+            if streamer is not None and tok not in stops:
+                streamer.put(torch.tensor([tok]))
+
         t0 = time.perf_counter()
         with self._attached():
             self._prefill(list(ids), extra=max_new_tokens)
-            logits = self._last_logits
             t1 = time.perf_counter()
-            for step in range(max_new_tokens):
-                if do_sample:
-                    probs = torch.softmax(logits / max(temperature, 1e-6), dim=-1)
-                    if top_p < 1.0:
-                        sp, si = probs.sort(descending=True)
-                        drop = sp.cumsum(-1) - sp > top_p
-                        probs = probs.scatter(-1, si, sp.masked_fill(drop, 0.0))
-                    tok = int(torch.multinomial(probs.cpu(), 1, generator=self._gen))
-                else:
-                    tok = int(logits.argmax())
-                out.append(tok)
-                if streamer is not None and tok not in stop_ids:
-                    streamer.put(torch.tensor([tok]))
-                if tok in stop_ids or step == max_new_tokens - 1:
-                    break
-                logits = self._forward([tok])[-1]
+            out, _ = self._run(decoding.decode(self.cache, self._last_logits, max_new_tokens, sampler=sampler,
+                                               generator=self._gen, stop_ids=stops, on_token=on_token))
         if streamer is not None:
             streamer.end()
         t2 = time.perf_counter()

@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvtrim.cache import ACTIVE, KVTrimCache, RowBindings
+from kvtrim.decoding import explicit_positions
 from kvtrim.errors import KVTrimError
 
 
@@ -61,17 +62,6 @@ class MultiCache(Cache):
         return key_states, value_states
 
 
-def next_positions(cache: KVTrimCache, n: int) -> torch.Tensor:
-    """Positions ``[n]`` of the next ``n`` tokens fed through ``cache`` (explicit also under true positions)."""
-    from kvtrim.generation import _next_positions
-
-    pos = _next_positions(cache, n, "cpu")
-    if pos is None:  # true positions: the stream continues after every token seen
-        start = cache.get_seq_length()
-        return torch.arange(start, start + n)
-    return pos[0]
-
-
 @torch.inference_mode()
 def step_many(model, caches: list[KVTrimCache], feeds: list[list[int]], all_logits: bool = False) -> list[torch.Tensor]:
     """Feed ``feeds[b]`` through ``caches[b]`` for every row in one forward pass (inside ``attach``).
@@ -86,7 +76,7 @@ def step_many(model, caches: list[KVTrimCache], feeds: list[list[int]], all_logi
         raise KVTrimError("step_many needs non-empty feeds of one length")
     device = next(model.parameters()).device
     ids = torch.tensor(feeds, device=device)
-    pos = torch.stack([next_positions(c, n) for c in caches]).to(device)
+    pos = torch.stack([explicit_positions(c, n) for c in caches]).to(device)
     cache = caches[0] if len(caches) == 1 else MultiCache(caches)
     kw = {cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 0 if all_logits else 1, "position_ids": pos}
     logits = model(input_ids=ids, **kw).logits.float()

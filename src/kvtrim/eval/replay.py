@@ -131,12 +131,11 @@ class Recording:
 def record_prefill(model, ids: list[int], prefill=None, keep_cache: bool = False) -> Recording:
     """One full prefill of ``ids`` with :class:`Recorder` (``prefill``: an optional sparse-prefill hook;
     ``keep_cache``: also return the full cache the forward filled)."""
-    from kvtrim.generation import _forward
+    from kvtrim.decoding import forward
     from kvtrim.integrations.hf import attach
 
     rec = Recorder()
     cache = KVTrimCache(model, rec)
-    device = next(model.parameters()).device
     if prefill is not None:
         prefill.reset_stats()
     from kvtrim.integrations.hf import ATTN_NAME
@@ -146,9 +145,9 @@ def record_prefill(model, ids: list[int], prefill=None, keep_cache: bool = False
     ctx = contextlib.nullcontext() if attached and prefill is None else attach(model, prefill_attention=prefill)
     with ctx:
         t0 = time.perf_counter()
-        logits = _forward(model, torch.tensor([ids], device=device), cache, None)
+        logits = forward(model, cache, ids)
         seconds = time.perf_counter() - t0
-    return Recording(rec.record, logits[0].float(), seconds, len(ids), prefill.stats() if prefill is not None else None,
+    return Recording(rec.record, logits, seconds, len(ids), prefill.stats() if prefill is not None else None,
                      cache if keep_cache else None)
 
 

@@ -1,0 +1,83 @@
+"""Checks of user-given values, one place: each raises ``KVTrimError`` saying what was wrong and
+what is allowed. ``bool`` is never accepted as a number (``True`` is an ``int`` in Python).
+
+Each check returns the value (converted where it says so), so it reads as an assignment::
+
+    self.window = validate.integer(self.window, "snapkv: window", minimum=1)
+"""
+
+from __future__ import annotations
+
+import math
+
+from kvtrim.errors import KVTrimError
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def integer(value, what: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An ``int`` (not ``bool``) within ``[minimum, maximum]`` where given."""
+    if not _is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise KVTrimError(f"{what} must be {_int_range(minimum, maximum)}, got {value!r}")
+    return int(value)
+
+
+def optional_integer(value, what: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
+    """``None``, or an integer as :func:`integer` checks it."""
+    return None if value is None else integer(value, what, minimum=minimum, maximum=maximum)
+
+
+def number(value, what: str, *, minimum: float | None = None, maximum: float | None = None,
+           min_open: bool = False, max_open: bool = False, finite: bool = True) -> float:
+    """A real number (``int`` or ``float``, not ``bool``, not NaN) within the given bounds; returns a ``float``.
+
+    ``min_open``/``max_open`` exclude the bound itself; ``finite=False`` admits infinities.
+    """
+    ok = _is_number(value) and not math.isnan(float(value)) and (not finite or math.isfinite(float(value)))
+    if ok and minimum is not None:
+        ok = float(value) > minimum if min_open else float(value) >= minimum
+    if ok and maximum is not None:
+        ok = float(value) < maximum if max_open else float(value) <= maximum
+    if not ok:
+        raise KVTrimError(f"{what} must be {_num_range(minimum, maximum, min_open, max_open)}, got {value!r}")
+    return float(value)
+
+
+def fraction(value, what: str, *, allow_zero: bool = False) -> float:
+    """A fraction in ``(0, 1]`` (``[0, 1]`` with ``allow_zero``)."""
+    return number(value, what, minimum=0.0, maximum=1.0, min_open=not allow_zero)
+
+
+def choice(value, what: str, allowed) -> str:
+    """One of ``allowed``."""
+    if value not in allowed:
+        raise KVTrimError(f"{what} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+    return value
+
+
+def _int_range(lo, hi) -> str:
+    if lo is not None and hi is not None:
+        return f"an integer in [{lo}, {hi}]"
+    if lo == 1:
+        return "a positive integer"
+    if lo is not None:
+        return f"an integer >= {lo}"
+    if hi is not None:
+        return f"an integer <= {hi}"
+    return "an integer"
+
+
+def _num_range(lo, hi, lo_open, hi_open) -> str:
+    if lo is not None and hi is not None:
+        return f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f"a number {'>' if lo_open else '>='} {lo:g}"
+    if hi is not None:
+        return f"a number {'<' if hi_open else '<='} {hi:g}"
+    return "a finite number"
