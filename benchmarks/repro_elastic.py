@@ -105,7 +105,8 @@ def build_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[di
 
 # --- recording the prompt once and replaying it per configuration --------------------------------
 # (kvtrim.eval.replay: the forward pass does not depend on the method, so it runs once per prompt)
-from kvtrim.eval.replay import SharedElastic, make_policy, record_prefill, replay  # noqa: E402
+from kvtrim.eval.replay import make_policy, record_prefill, replay  # noqa: E402
+from kvtrim.policies.elastic import Elastic as SharedElastic  # noqa: E402 (per-prompt scores: Policy.share_prefill_scores)
 
 
 def forward_step(model, cache, tok: int) -> torch.Tensor:

@@ -113,7 +113,7 @@ def test_prune_mode_skips_dropped_tokens_in_later_layers(llava):
 
 
 def vlm_layers(v):
-    from kvtrim.pruning import decoder_layers
+    from kvtrim.integrations.pruning import decoder_layers
 
     return decoder_layers(v.model)
 
@@ -243,7 +243,7 @@ def test_fastv_bad_parameters():
 
 
 def test_hidden_state_pruning_outside_attach_is_refused(model):
-    from kvtrim.pruning import prune_after
+    from kvtrim.integrations.pruning import prune_after
 
     cache = KVTrimCache(model, "fastv")
     with pytest.raises(KVTrimError, match="kvtrim.attach"):

@@ -24,8 +24,9 @@ hands each layer to kvtrim's registered attention function through a context var
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
@@ -37,18 +38,29 @@ if TYPE_CHECKING:
     from kvtrim.policies.base import Policy
 
 
+class AttentionBinding(Protocol):
+    """What ``ACTIVE`` holds for the attention call that runs next.
+
+    ``attend(attend_one, query, key, value, attention_mask)`` returns the attention output and
+    weights; ``attend_one(binding, query, key, value, attention_mask)`` is kvtrim's attention for
+    one batch-1 cache layer (``binding`` a :class:`LayerBinding`, or None for a layer that is not
+    compressed). A single cache attends once; a binding of several caches run as the rows of one
+    batch (``kvtrim.integrations.batched``) calls it once per row.
+    """
+
+    def attend(self, attend_one: Callable, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None) -> tuple: ...
+
+
 @dataclass
-class _Binding:
+class LayerBinding:
+    """One cache's layer whose attention runs next."""
+
     cache: "KVTrimCache"
     layer: "CompressedLayer"
 
-
-@dataclass
-class RowBindings:
-    """Bindings of several batch-1 caches run as the rows of one batch (see ``kvtrim.eval.batched``):
-    per row, the binding (None for a layer the cache does not compress) and the row's keys/values."""
-
-    rows: list[tuple["_Binding | None", torch.Tensor, torch.Tensor]]
+    def attend(self, attend_one, query, key, value, attention_mask) -> tuple:
+        return attend_one(self, query, key, value, attention_mask)
 
 
 # Set by KVTrimCache.update() for the layer whose attention runs next; consumed (and cleared) by
@@ -58,7 +70,7 @@ class RowBindings:
 # so that it weighs as much as the tokens it stands for). New tokens get 0.
 LOGIT_BIAS = "logit_bias"
 
-ACTIVE: contextvars.ContextVar[_Binding | RowBindings | None] = contextvars.ContextVar("kvtrim_active_layer", default=None)
+ACTIVE: contextvars.ContextVar[AttentionBinding | None] = contextvars.ContextVar("kvtrim_active_layer", default=None)
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -95,10 +107,10 @@ class CompressedLayer(CacheLayerMixin):
         self.n_new = 0
         self.phase = "prefill"
         self.awaiting_attention = False
-        # Hidden-state pruning (kvtrim.pruning): the true stream indices of the tokens the next
-        # update() receives, and how many tokens that forward really covers.
-        self.pending_positions: torch.Tensor | None = None
-        self.pending_seen = 0
+        # set by expect_positions(): the stream indices of the tokens the next update() receives,
+        # and how many tokens that forward really covers
+        self._next_positions: torch.Tensor | None = None
+        self._next_seen = 0
 
     # --- views -----------------------------------------------------------------------------
     @property
@@ -159,14 +171,14 @@ class CompressedLayer(CacheLayerMixin):
         q = key_states.shape[-2]
         dev = key_states.device
         n_seen = q
-        if self.pending_positions is not None:  # earlier layers pruned this forward's hidden states
-            if self.pending_positions.numel() != q:
+        if self._next_positions is not None:  # earlier layers pruned this forward's hidden states
+            if self._next_positions.numel() != q:
                 raise KVTrimError(
-                    f"layer {self.layer_idx}: pruned hidden states carry {q} tokens but {self.pending_positions.numel()} "
+                    f"layer {self.layer_idx}: pruned hidden states carry {q} tokens but {self._next_positions.numel()} "
                     "positions were recorded"
                 )
-            stream, n_seen = self.pending_positions.to(dev), self.pending_seen
-            self.pending_positions = None
+            stream, n_seen = self._next_positions.to(dev), self._next_seen
+            self._next_positions = None
         else:
             stream = torch.arange(self.seen, self.seen + q, device=dev)
         self.q_delta = None
@@ -194,6 +206,17 @@ class CompressedLayer(CacheLayerMixin):
         self.seen += n_seen
         self.awaiting_attention = True
         return self.keys, self.values
+
+    def expect_positions(self, positions: torch.Tensor, seen: int) -> None:
+        """The next ``update()`` carries the tokens at stream indices ``positions`` (``[n]``, ascending)
+        of a forward that covers ``seen`` tokens: the others were dropped from the hidden states
+        before this layer (``kvtrim.integrations.pruning``), yet the layer has seen them all."""
+        self._next_positions = positions
+        self._next_seen = int(seen)
+
+    def incoming_tokens(self, n_new: int) -> int:
+        """Tokens the forward feeding ``n_new`` tokens to this layer covers (more when pruned)."""
+        return self._next_seen if self._next_positions is not None else n_new
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, self.seen - self.length
@@ -399,12 +422,12 @@ class KVTrimCache(Cache):
             )
         layer = self.layers[layer_idx]
         if self._raw_spans is not None and isinstance(layer, CompressedLayer) and not layer.is_initialized:
-            n = layer.pending_seen if layer.pending_positions is not None else key_states.shape[-2]
+            n = layer.incoming_tokens(key_states.shape[-2])
             self.set_spans(self._raw_spans, n)
         out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if isinstance(layer, CompressedLayer):
             self._last_layer = layer
-            ACTIVE.set(_Binding(self, layer))
+            ACTIVE.set(LayerBinding(self, layer))
         return out
 
     def after_attention(self, layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:

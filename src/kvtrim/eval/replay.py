@@ -10,12 +10,12 @@ tensors. The result is the cache (and the last-position logits) the plain path
 (:func:`kvtrim.generation.generate_ids`) would have produced; ``tests/test_eval_runner.py`` checks
 that token for token for every text method.
 
-This does not hold for methods that prune hidden states during the forward pass (FastV's and
-HAE's visual-token pruning, ``NOT_REPLAYABLE``): :func:`replayable` says which.
+This does not hold for methods that change the forward pass itself (``Policy.rewrites_forward``:
+FastV's and HAE's hidden-state pruning): :func:`replayable` says which.
 
-Per-prompt scores that several budgets of one method share (H2O's prefill column sums, Elastic
-Cache's per-layer importance) can be computed once per prompt: :func:`make_policy` with a
-``memo`` dict returns policies that store and reuse them.
+Per-prompt scores that several budgets of one method share (``Policy.shares_prefill_scores``:
+H2O's prefill column sums, Elastic Cache's per-layer importance) can be computed once per prompt:
+:func:`make_policy` with a ``memo`` dict hands it to them (``Policy.share_prefill_scores``).
 """
 
 from __future__ import annotations
@@ -29,16 +29,14 @@ import torch
 from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.policies.elastic import Elastic
-from kvtrim.policies.h2o import H2O
-from kvtrim.scores import causal_column_sums, group_reduce
 
-#: methods whose prefill changes the forward pass itself (hidden-state pruning): no replay
-NOT_REPLAYABLE = ("fastv", "hae")
+def replayable(method: "str | Policy | type[Policy]") -> bool:
+    """True when the method's prefill forward does not depend on it (``Policy.rewrites_forward``)."""
+    if isinstance(method, str):
+        from kvtrim.registry import get_policy_class
 
-
-def replayable(method: str) -> bool:
-    return method not in NOT_REPLAYABLE
+        method = get_policy_class(method)
+    return not method.rewrites_forward
 
 
 @dataclass
@@ -56,63 +54,15 @@ class Recorder(Policy):
         self.record[layer.layer_idx] = (query.clone(), key.clone(), layer.values.clone(), scaling)
 
 
-@dataclass
-class SharedElastic(Elastic):
-    """Elastic Cache whose per-layer prefill importance is shared through ``memo``."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.memo: dict | None = None
-
-    def layer_importance(self, layer, query, key, scaling):
-        if self.memo is None or layer.phase != "prefill":
-            return super().layer_importance(layer, query, key, scaling)
-        if self.importance == "sum":  # the head mean of the column sums H2O also uses: computed once
-            return _column_sums(self.memo, layer.layer_idx, query, key, scaling).mean(dim=(1, 2))
-        k = ("elastic", layer.layer_idx, self.importance, self.ema_decay)
-        if k not in self.memo:
-            self.memo[k] = super().layer_importance(layer, query, key, scaling)
-        return self.memo[k]
-
-
-@dataclass
-class SharedH2O(H2O):
-    """H2O whose prefill column sums are shared through ``memo`` (same arithmetic as ``H2O._accumulate``)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self.memo: dict | None = None
-
-    def _accumulate(self, layer, query, key, scaling) -> None:
-        if self.memo is None or layer.phase != "prefill":
-            return super()._accumulate(layer, query, key, scaling)
-        k = ("h2o", layer.layer_idx)
-        if k not in self.memo:
-            self.memo[k] = group_reduce(_column_sums(self.memo, layer.layer_idx, query, key, scaling), "sum")
-        layer.new_token_state("h2o_acc")[:, :, : layer.length] += self.memo[k]
-
-
-def _column_sums(memo: dict, layer_idx: int, query, key, scaling) -> torch.Tensor:
-    """Causal softmax column sums ``[B, Hkv, G, S]`` of a layer's prefill, computed once per ``memo``."""
-    k = ("colsums", layer_idx)
-    if k not in memo:
-        memo[k] = causal_column_sums(query, key, scaling)
-    return memo[k]
-
-
 def make_policy(method: str, params: dict, memo: dict | None = None) -> Policy:
-    """``create_policy(method, **params)``, sharing per-prompt scores through ``memo`` where possible."""
+    """``create_policy(method, **params)``; with ``memo`` (one dict per prompt) a method that declares
+    ``shares_prefill_scores`` computes its per-prompt prefill scores once for all budgets."""
     from kvtrim.registry import create_policy
 
-    if memo is not None and method in ("elastic", "h2o"):
-        cls = SharedElastic if method == "elastic" else SharedH2O
-        try:
-            pol = cls(**params)
-        except TypeError as e:
-            raise KVTrimError(f"{method}: {e}") from None
-        pol.memo = memo
-        return pol
-    return create_policy(method, **params)
+    policy = create_policy(method, **params)
+    if memo is not None and policy.shares_prefill_scores:
+        policy.share_prefill_scores(memo)
+    return policy
 
 
 @dataclass
@@ -155,7 +105,7 @@ def replay(model, policy: Policy, recording: "Recording | dict") -> KVTrimCache:
     """A fresh cache for ``policy`` whose prefill hook ran on the recorded q/k/v of every layer
     (``recording``: a :class:`Recording` or its ``record`` dict)."""
     record = recording.record if isinstance(recording, Recording) else recording
-    if not replayable(policy.name):
+    if not replayable(policy):
         raise KVTrimError(f"method {policy.name!r} prunes hidden states during the forward pass; it cannot be replayed")
     cache = KVTrimCache(model, policy)
     with torch.inference_mode():

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache, RowBindings
+from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.rope import rotate
 
@@ -47,16 +47,13 @@ def kvtrim_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """transformers attention function: base attention, then the cache's policy hook."""
     base = _BASE.get(id(module.config)) or _base_fn("sdpa")
     binding = ACTIVE.get()
-    if isinstance(binding, RowBindings):  # several caches in one batch (kvtrim.eval.batched.MultiCache)
-        ACTIVE.set(None)
-        outs = []
-        for b, (row, k, v) in enumerate(binding.rows):
-            q = query[b:b + 1]
-            n, m = q.shape[-2], k.shape[-2]
-            mask = None if n == 1 else causal_mask(n, m, q.device)
-            outs.append(_attend(base, module, row, q, k, v, mask, dropout, scaling, is_causal, kwargs)[0])
-        return torch.cat(outs), None
-    return _attend(base, module, binding, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+
+    def attend_one(one, q, k, v, mask):
+        return _attend(base, module, one, q, k, v, mask, dropout, scaling, is_causal, kwargs)
+
+    if binding is None:
+        return attend_one(None, query, key, value, attention_mask)
+    return binding.attend(attend_one, query, key, value, attention_mask)
 
 
 def _attend(base, module, binding, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
@@ -158,7 +155,7 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
         _PREFILL[id(cfg)] = prefill_attention
     try:
         model.set_attn_implementation(ATTN_NAME)
-        from kvtrim.pruning import install as install_hooks
+        from kvtrim.integrations.pruning import install as install_hooks
 
         with install_hooks(model):  # dormant unless a policy prunes hidden states (fastv, hae)
             yield

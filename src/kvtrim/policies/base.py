@@ -21,12 +21,14 @@ Budgets (METHODS.md §0): either ``keep`` (a fraction of the tokens seen so far)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvtrim.errors import KVTrimError
+from kvtrim.scores import causal_column_sums
 
 if TYPE_CHECKING:
     from kvtrim.cache import CompressedLayer
@@ -37,6 +39,10 @@ POSITION_POLICIES = ("true", "reassigned", "compressed")
 @dataclass
 class Policy:
     """Base class of all KV policies.
+
+    Capability flags (class attributes a method sets; tools query them instead of method names):
+    ``supports_streaming``, ``supports_turns``, ``takes_budget``, ``rewrites_forward``,
+    ``needs_spans``, ``shares_prefill_scores`` -- each is documented where it is declared.
 
     Args:
         keep: fraction of the seen tokens to keep, in (0, 1]. Mutually exclusive with ``max_tokens``.
@@ -61,6 +67,17 @@ class Policy:
     supports_turns: ClassVar[bool] = True
     #: accepts a compressing budget (``full`` does not)
     takes_budget: ClassVar[bool] = True
+    #: changes the prefill forward pass itself (drops tokens from the hidden states, as FastV and
+    #: HAE do): the prompt's forward then depends on the method, so it cannot be recorded once and
+    #: replayed for each method (``kvtrim.eval.replay``), and the hidden-state pruning integration
+    #: asks the policy :meth:`take_hidden_state_keep` during each forward
+    rewrites_forward: ClassVar[bool] = False
+    #: acts only on tokens tagged with a modality span (image, video, document; ``kvtrim.spans``):
+    #: on a plain text prompt it equals ``full``
+    needs_spans: ClassVar[bool] = False
+    #: its prefill scores depend on the prompt only, not on the budget, so several budgets of the
+    #: method on one prompt can compute them once: see :meth:`share_prefill_scores`
+    shares_prefill_scores: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.keep is not None and self.max_tokens is not None:
@@ -165,6 +182,46 @@ class Policy:
         idx = self.select(self.score(layer, query, key, scaling), self.protected(layer), budget)
         layer.keep_indices(idx)
         return idx
+
+    # --- capability hooks --------------------------------------------------------------------------
+    def share_prefill_scores(self, memo: dict | None) -> "Policy":
+        """Compute per-prompt prefill scores once for every policy given the same ``memo``; returns self.
+
+        ``memo`` is a dict owned by the caller and used for **one prompt** only (a new prompt needs
+        a new dict); ``None`` stops sharing. Policies that declare ``shares_prefill_scores`` store
+        and reuse their budget-independent prefill scores in it (:meth:`prefill_scores`), so an
+        evaluation of several budgets on one prompt scores it once. Results are the same numbers.
+        """
+        self._score_memo = memo
+        return self
+
+    def sharing_prefill_scores(self, layer: "CompressedLayer") -> bool:
+        """True when ``layer`` is in its prefill and a memo is shared (:meth:`share_prefill_scores`)."""
+        return getattr(self, "_score_memo", None) is not None and layer.phase == "prefill"
+
+    def prefill_scores(self, layer: "CompressedLayer", key: Hashable, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``compute()``; during the prefill with a shared memo, computed once per ``(key, layer)``.
+
+        ``key`` names the score and every parameter it depends on (not the budget).
+        """
+        if not self.sharing_prefill_scores(layer):
+            return compute()
+        memo = self._score_memo
+        k = (key, layer.layer_idx)
+        if k not in memo:
+            memo[k] = compute()
+        return memo[k]
+
+    def prefill_column_sums(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Causal softmax column sums of a prefill, ``[B, Hkv, G, S]`` (``kvtrim.scores.causal_column_sums``),
+        shared through the memo of :meth:`share_prefill_scores` (H2O and Elastic Cache use the same sums)."""
+        return self.prefill_scores(layer, "column_sums", lambda: causal_column_sums(query, key, scaling))
+
+    def take_hidden_state_keep(self, cache) -> "tuple[int, torch.Tensor] | None":
+        """For ``rewrites_forward`` policies: ``(layer_idx, keep)`` once the policy decided, during this
+        forward, that layers after ``layer_idx`` need only the prompt tokens ``keep`` (ascending
+        indices into the forward's tokens); the request is handed over once. Default: None."""
+        return None
 
     # --- helpers for subclasses ------------------------------------------------------------------
     @staticmethod

@@ -141,6 +141,7 @@ class Elastic(Policy):
 
     name = "elastic"
     description = "Elastic Cache: merge into top-importance anchors at the prompt, fixed-point eviction while decoding"
+    shares_prefill_scores = True
 
     def __post_init__(self) -> None:
         if self.per_head:
@@ -187,7 +188,17 @@ class Elastic(Policy):
 
     # --- instruction encoding ----------------------------------------------------------------------
     def layer_importance(self, layer, query, key, scaling) -> torch.Tensor:
-        """Importance of each stored token of ``layer``, ``[B, stored]`` (see ``attention_importance``)."""
+        """Importance of each stored token of ``layer``, ``[B, stored]`` (see ``attention_importance``).
+
+        With shared prefill scores (``share_prefill_scores``) a prompt's importance is computed once
+        for every budget; the ``sum`` importance is then the head mean of the column sums that H2O
+        uses too (``prefill_column_sums``), so one sweep computes them once for both methods.
+        """
+        if self.sharing_prefill_scores(layer):
+            if self.importance == "sum":
+                return self.prefill_column_sums(layer, query, key, scaling).mean(dim=(1, 2))
+            return self.prefill_scores(layer, ("elastic", self.importance, self.ema_decay),
+                                       lambda: attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk))
         return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk)
 
     def select_anchors(self, importance: torch.Tensor, budget: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ At the prefill, in layer ``K - 1`` (0-based; so ``K = 2`` means after two full l
 prompt token's attention over the image/video tokens, averaged over all query heads, ranks them;
 the top ``ratio`` (default 50%) are kept. With ``mode="prune"`` (FastV's own; default) the hidden
 states of the dropped tokens are removed before layer ``K``, so layers ``K..`` never compute them
-(prefill compute saved, see ``kvtrim.pruning``); with ``mode="kv"`` every layer computes them and
+(prefill compute saved, see ``kvtrim.integrations.pruning``); with ``mode="kv"`` every layer computes them and
 layers ``K..`` slice them out of their KV after the normal prefill. Layers before ``K`` keep every
 token, as in FastV. Decoded tokens are appended; nothing else is evicted.
 
@@ -45,6 +45,8 @@ class PrefillTokenPruning(Policy):
 
     slice_decision_layers: ClassVar[bool] = False
     takes_budget = False
+    rewrites_forward = True
+    needs_spans = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -78,8 +80,6 @@ class PrefillTokenPruning(Policy):
         return target if bool(target.any()) else None
 
     def on_prefill(self, layer, query, key, scaling) -> None:
-        from kvtrim.pruning import prune_after
-
         cache = layer.cache
         first = cache.layers[self.decision_layer] if self.decision_layer < len(cache.layers) else None
         if layer.layer_idx == self.decision_layer:
@@ -89,8 +89,8 @@ class PrefillTokenPruning(Policy):
                 layer.state["kept_stream"] = layer.positions[0, 0][keep]
                 layer.state["targets"] = int(target.sum())
                 layer.state["targets_kept"] = int((keep & target).sum())
-                if self.mode == "prune":
-                    prune_after(cache, layer.layer_idx, keep.nonzero().flatten())
+                if self.mode == "prune":  # handed to the forward by take_hidden_state_keep
+                    layer.state["hidden_state_keep"] = keep.nonzero().flatten()
                 if self.slice_decision_layers:
                     for li in range(layer.layer_idx + 1):
                         self._slice(cache.layers[li])
@@ -98,6 +98,14 @@ class PrefillTokenPruning(Policy):
             if self.mode == "kv":
                 self._slice(layer)
         self.after_token_pruning(layer, query, key, scaling)
+
+    def take_hidden_state_keep(self, cache) -> "tuple[int, torch.Tensor] | None":
+        """In ``prune`` mode, the prompt tokens layers after ``decision_layer`` compute, once decided."""
+        layers = cache.layers
+        if self.decision_layer >= len(layers):
+            return None
+        keep = getattr(layers[self.decision_layer], "state", {}).pop("hidden_state_keep", None)
+        return None if keep is None else (self.decision_layer, keep)
 
     def on_turn(self, layer, query, key, scaling) -> None:
         """Later prompts (turns, chunks) are appended; the token set is decided once, at the prefill."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.scores import causal_column_sums, group_reduce, window_probs
+from kvtrim.scores import group_reduce, window_probs
 
 
 @dataclass
@@ -27,6 +27,7 @@ class H2O(Policy):
     name = "h2o"
     description = "heavy hitters (accumulated attention per KV head) + recent tokens, evicts every step"
     supports_streaming = True
+    shares_prefill_scores = True
 
     def __post_init__(self) -> None:
         if not (0.0 <= float(self.recent_ratio) < 1.0):
@@ -43,10 +44,10 @@ class H2O(Policy):
     def _accumulate(self, layer, query, key, scaling) -> None:
         acc = layer.new_token_state("h2o_acc")
         if query.shape[-2] == 1:
-            sums = window_probs(query, key, scaling, 1).sum(dim=-2)
-        else:
-            sums = causal_column_sums(query, key, scaling)
-        acc[:, :, : layer.length] += group_reduce(sums, "sum")
+            got = group_reduce(window_probs(query, key, scaling, 1).sum(dim=-2), "sum")
+        else:  # the prompt's sums do not depend on the budget: shared across budgets (share_prefill_scores)
+            got = self.prefill_scores(layer, "h2o", lambda: group_reduce(self.prefill_column_sums(layer, query, key, scaling), "sum"))
+        acc[:, :, : layer.length] += got
 
     def score(self, layer, query, key, scaling):
         return layer.state_view("h2o_acc")

@@ -8,7 +8,7 @@ is not a target, i.e. not image/video) over the keys, averaged over all query he
 [seed]). The kept set is computed once and broadcast to every layer, layer 0 included. Two modes:
 
 * ``dap_mode="prune"`` (default): the hidden states of dropped tokens are removed after layer 0,
-  so layers 1.. never compute them (prefill compute saved; ``kvtrim.pruning``);
+  so layers 1.. never compute them (prefill compute saved; ``kvtrim.integrations.pruning``);
 * ``dap_mode="kv"``: a normal prefill, then every layer's KV is sliced to the kept set.
 
 Relationship (tested): both modes hold the same token set in every layer, and identical KV in

@@ -9,10 +9,14 @@ on import, and every hook is removed when the ``attach`` block ends):
 * a forward pre-hook on the top-level model records the forward's KV cache (and, for a
   vision-language model, finds the prompt's modality spans from its ``input_ids`` when the cache
   has none yet, see ``kvtrim.spans``); a forward hook clears that record;
-* a forward pre-hook on each decoder layer, a no-op unless a policy called :func:`prune_after`
-  during this forward: it then keeps only the chosen tokens of the hidden states and slices the
-  per-token arguments the layer loop passes to every layer (``attention_mask``,
-  ``position_embeddings`` (cos, sin), ``position_ids``) the same way.
+* a forward pre-hook on each decoder layer, a no-op unless the cache's policy declares
+  ``rewrites_forward`` (``kvtrim.policies.base.Policy``) and, asked with
+  ``policy.take_hidden_state_keep(cache)``, hands over a decision made in an earlier layer of this
+  forward (:func:`prune_after` applies it): the hook then keeps only the chosen tokens of the
+  hidden states and slices the per-token arguments the layer loop passes to every layer
+  (``attention_mask``, ``position_embeddings`` (cos, sin), ``position_ids``) the same way.
+
+The policy never calls into this module: it states its decision, the integration applies it.
 
 Positions stay true: the kept tokens keep the rotary angles of their original positions (the
 ``position_embeddings`` are sliced, not recomputed), the cache records their true stream indices,
@@ -40,8 +44,12 @@ class _Forward:
     keep: torch.Tensor | None = None  # indices into this forward's tokens, ascending
     start_layer: int = 0
     layers_hooked: bool = True
+    rewrites: bool = False  # the cache's policy may ask for hidden-state pruning
     pruned_layers: list[int] = field(default_factory=list)
 
+
+NO_HOOKS = ("hidden-state pruning needs kvtrim's model hooks: run the model inside `with kvtrim.attach(model):` "
+            "(or use mode='kv' to slice the KV cache instead)")
 
 _FORWARD: contextvars.ContextVar[_Forward | None] = contextvars.ContextVar("kvtrim_forward", default=None)
 
@@ -108,17 +116,29 @@ def install(model) -> Iterator[None]:
             if is_multimodal(model):
                 cache.set_spans(find_spans(model, ids))
         n = ids.shape[-1] if ids is not None else (kwargs.get("inputs_embeds").shape[1] if kwargs.get("inputs_embeds") is not None else 0)
-        tokens.append(_FORWARD.set(_Forward(cache=cache, n_new=int(n), layers_hooked=bool(layers))))
+        rewrites = bool(cache.policy.rewrites_forward)
+        tokens.append(_FORWARD.set(_Forward(cache=cache, n_new=int(n), layers_hooked=bool(layers), rewrites=rewrites)))
         return None
 
     def model_post(mod, args, kwargs, output):
+        st = _FORWARD.get()
         if tokens:
             _FORWARD.reset(tokens.pop())
+        if st is not None and st.rewrites:
+            # a decision no layer hook took: the model's layers could not be hooked (unknown layout)
+            # -- or it was made in the last layer, where there is nothing left to prune
+            pending = st.cache.policy.take_hidden_state_keep(st.cache)
+            if pending is not None and not st.layers_hooked:
+                raise KVTrimError(NO_HOOKS)
         return None
 
     def layer_pre(idx):
         def hook(mod, args, kwargs):
             st = _FORWARD.get()
+            if st is not None and st.rewrites and st.keep is None:
+                pending = st.cache.policy.take_hidden_state_keep(st.cache)
+                if pending is not None:
+                    prune_after(st.cache, *pending)
             if st is None or st.keep is None or idx < st.start_layer:
                 return None
             full, keep = st.n_new, st.keep
@@ -159,8 +179,8 @@ def current_forward() -> _Forward | None:
 
 
 def prune_after(cache, layer_idx: int, keep: torch.Tensor) -> None:
-    """From inside layer ``layer_idx``'s attention hook during a prefill: layers ``> layer_idx``
-    compute only the prompt tokens ``keep`` (ascending indices into this forward's tokens).
+    """During a prefill, once layer ``layer_idx`` has run: layers ``> layer_idx`` compute only the
+    prompt tokens ``keep`` (ascending indices into this forward's tokens).
 
     The cache layers after ``layer_idx`` record the kept tokens' true stream indices. Raises
     ``KVTrimError`` when the hooks are not installed (run inside ``kvtrim.attach(model)``) or the
@@ -170,10 +190,7 @@ def prune_after(cache, layer_idx: int, keep: torch.Tensor) -> None:
 
     st = _FORWARD.get()
     if st is None or st.cache is not cache or not st.layers_hooked:
-        raise KVTrimError(
-            "hidden-state pruning needs kvtrim's model hooks: run the model inside `with kvtrim.attach(model):` "
-            "(or use mode='kv' to slice the KV cache instead)"
-        )
+        raise KVTrimError(NO_HOOKS)
     if not all(isinstance(layer, CompressedLayer) for layer in cache.layers):
         raise KVTrimError("hidden-state pruning does not support models with sliding-window layers; use mode='kv'")
     if st.keep is not None:
@@ -186,5 +203,4 @@ def prune_after(cache, layer_idx: int, keep: torch.Tensor) -> None:
     st.keep, st.start_layer = keep, layer_idx + 1
     base = cache.layers[layer_idx].seen - st.n_new
     for layer in cache.layers[layer_idx + 1 :]:
-        layer.pending_positions = base + keep
-        layer.pending_seen = st.n_new
+        layer.expect_positions(base + keep, st.n_new)
