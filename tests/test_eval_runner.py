@@ -8,14 +8,18 @@ import pytest
 import torch
 
 from kvtrim.errors import KVTrimError
+from kvtrim.decoding import Clock, Step, Wait, decode
+from kvtrim.eval.plan import make_plan
 from kvtrim.eval.replay import make_policy, record_prefill, replay
-from kvtrim.eval.batched import Clock, Step, Wait, drive
-from kvtrim.eval.runner import _greedy, make_plan, read_lines
+from kvtrim.eval.store import read_lines
+from kvtrim.integrations.batched import drive
 from kvtrim.generation import generate_ids
 from kvtrim.integrations.hf import attach
 from kvtrim.registry import create_policy, get_policy_class, method_names
 
-TEXT_METHODS = [m for m in method_names() if m not in ("fastv", "hae")]
+#: methods whose prefill can be recorded once and replayed, and that act on plain text
+TEXT_METHODS = [m for m in method_names()
+                if not get_policy_class(m).rewrites_forward and not get_policy_class(m).needs_spans]
 
 
 @pytest.mark.parametrize("method", TEXT_METHODS)
@@ -28,7 +32,7 @@ def test_replay_equals_plain_generation(model, prompt, method):
     memo: dict = {}
     cache = replay(model, make_policy(method, params, memo), rec)
     with attach(model):
-        out, steps = drive(model, {0: _greedy(cache, rec.logits, 12, None)}, batch=False)[0]
+        out, steps = drive(model, {0: decode(cache, rec.logits, 12)}, batch=False)[0]
     assert out == plain.token_ids
     assert cache.kv_bytes() == plain.kv_bytes
     assert max(cache.stored_tokens()) == plain.stored_tokens
@@ -37,12 +41,12 @@ def test_replay_equals_plain_generation(model, prompt, method):
         plain2 = generate_ids(model, None, ids, create_policy(method, keep=0.6), max_new_tokens=12, stop_at_eos=False)
         cache2 = replay(model, make_policy(method, {"keep": 0.6}, memo), rec)
         with attach(model):
-            out2, _ = drive(model, {0: _greedy(cache2, rec.logits, 12, None)}, batch=False)[0]
+            out2, _ = drive(model, {0: decode(cache2, rec.logits, 12)}, batch=False)[0]
         assert out2 == plain2.token_ids
 
 
 def test_batched_decode_equals_plain_generation(model, prompt):
-    """Every text method at two budgets, decoded together as rows of one batch (kvtrim.eval.batched),
+    """Every text method at two budgets, decoded together as rows of one batch (kvtrim.integrations.batched),
     gives each configuration the tokens and cache of its own plain batch-1 run; steps of different
     lengths (a later turn) are grouped, and a program can wait for another's result."""
     ids = prompt[0].tolist()
@@ -53,10 +57,10 @@ def test_batched_decode_equals_plain_generation(model, prompt):
 
     def program(cache, key, wait=True):
         clock = Clock()
-        out, _ = yield from _greedy(cache, rec.logits, 6, None, clock=clock)
+        out, _ = yield from decode(cache, rec.logits, 6, clock=clock)
         # a second turn: rows feed 3 tokens or 4 (odd rows), so two groups run in the same round
         logits = yield Step(cache, (turn + [8]) if key[2] else turn)
-        out2, _ = yield from _greedy(cache, logits, 4, None)
+        out2, _ = yield from decode(cache, logits, 4)
         if wait and key[0] != "full":
             ref = yield Wait(("full", None))
             assert ref["out"] == ref_out[0]
@@ -94,7 +98,7 @@ def test_batched_rows_apply_their_own_logit_bias(model, prompt):
         caches = {n: replay(model, make_policy("elastic", p, {}), rec) for n, p in params.items()}
         assert "logit_bias" in caches["prop"].compressed_layers[0].token_state
         with attach(model):
-            res = drive(model, {n: _greedy(c, rec.logits, 8, None) for n, c in caches.items()}, batch=batch)
+            res = drive(model, {n: decode(c, rec.logits, 8) for n, c in caches.items()}, batch=batch)
         return {n: r[0] for n, r in res.items()}
 
     alone = run(False)
@@ -173,8 +177,9 @@ def _plan(**kw):
 
 
 def test_sweep_resumes_without_redoing_or_losing(tiny_lm, tmp_path, monkeypatch):
-    from kvtrim.eval import runner
-    from kvtrim.eval.runner import line_key, result_files, run_eval
+    from kvtrim.eval import store
+    from kvtrim.eval.store import line_key, result_files
+    from kvtrim.eval.sweep import run_eval
 
     plan = _plan()
     out = tmp_path / "sweep"
@@ -192,7 +197,7 @@ def test_sweep_resumes_without_redoing_or_losing(tiny_lm, tmp_path, monkeypatch)
     assert lines[: len(first)] == first or all(d in lines for d in first)  # finished lines kept as they were
     assert summary["n_lines"] == len(lines)
     for d in lines:
-        assert set(runner.LINE_FIELDS) <= set(d), set(runner.LINE_FIELDS) - set(d)
+        assert set(store.LINE_FIELDS) <= set(d), set(store.LINE_FIELDS) - set(d)
         assert d["kv_bytes"] > 0 and d["prefill_seconds"] > 0
         if d["method"] == "snapkv":
             assert d["stored_tokens"] < d["prompt_tokens"]
@@ -208,7 +213,8 @@ def test_sweep_resumes_without_redoing_or_losing(tiny_lm, tmp_path, monkeypatch)
 
 
 def test_sweep_refuses_bad_output_and_lengths(tiny_lm, tmp_path):
-    from kvtrim.eval.runner import check_out_dir, run_eval
+    from kvtrim.eval.store import check_out_dir
+    from kvtrim.eval.sweep import run_eval
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -334,7 +340,7 @@ def test_bench_plan_errors():
 
 def test_early_stop_waits_for_a_boundary(tiny_lm):
     """Decoding may stop early only when more tokens cannot change the score."""
-    from kvtrim.eval.runner import answer_complete
+    from kvtrim.eval.programs import answer_complete
 
     tok = tiny_lm.tokenizer
 

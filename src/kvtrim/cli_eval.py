@@ -22,7 +22,9 @@ def _shard(text: str | None) -> tuple[int, int]:
 
 
 def cmd_eval(args) -> int:
-    from kvtrim.eval.runner import check_out_dir, make_plan, run_eval
+    from kvtrim.eval.plan import make_plan
+    from kvtrim.eval.store import check_out_dir
+    from kvtrim.eval.sweep import run_eval
     from kvtrim.models import load_model
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
@@ -66,7 +68,7 @@ def cmd_bench(args) -> int:
 
 
 def add_eval_commands(sub) -> None:
-    from kvtrim.eval.runner import DEFAULT_KEEPS, DEFAULT_METHODS
+    from kvtrim.eval.plan import DEFAULT_KEEPS, DEFAULT_METHODS
 
     e = sub.add_parser("eval", help="resumable quality sweep: tasks x lengths x methods x budgets, JSONL per sample")
     e.add_argument("tasks", help="comma-separated tasks: passkey, niah_single, niah_multikey, niah_multivalue, "

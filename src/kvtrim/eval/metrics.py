@@ -3,6 +3,8 @@
 - ``contains_any``: 1.0 if any acceptable answer occurs in the output (RULER ``string_match_part``).
 - ``recall_all``: the fraction of the answers that occur in the output (RULER ``string_match_all``).
 - ``exact_match``: 1.0 if the normalised output equals a normalised answer.
+- ``rouge_l``: ROUGE-L F1 of an output against a reference text (``labelfree``: a compressed
+  cache's answer against the full cache's; needs the ``rouge-score`` package).
 
 Matching is case-insensitive, and an answer must not be glued to letters or digits on either side
 (so ``12345`` is not found in ``123456``, nor ``work`` in ``works``); RULER matches plain
@@ -43,6 +45,21 @@ def exact_match(prediction: str, answers: Sequence[str]) -> float:
     """1.0 if ``prediction`` equals an answer after lower-casing, trimming spaces and end punctuation."""
     p = _norm(prediction)
     return float(any(p == _norm(a) for a in answers))
+
+
+_ROUGE = None
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+    """ROUGE-L F1 of ``prediction`` against ``reference`` (``rouge-score``'s ``rougeL``)."""
+    global _ROUGE
+    if _ROUGE is None:
+        try:
+            from rouge_score import rouge_scorer
+        except ImportError:
+            raise KVTrimError("the labelfree task needs the `rouge-score` package: pip install 'kvtrim[eval]'") from None
+        _ROUGE = rouge_scorer.RougeScorer(["rougeL"])
+    return float(_ROUGE.score(reference, prediction)["rougeL"].fmeasure)
 
 
 METRICS = {"contains": contains_any, "recall": recall_all, "exact": exact_match}

@@ -70,7 +70,7 @@ def summarize(lines: Iterable[dict]) -> dict:
         cell["kv_bytes"] = statistics.fmean(r["kv_bytes"] for r in rows)
         cell["prefill_s"] = statistics.median(r["prefill_seconds"] for r in rows)
         # per-token decode time from lines decoded alone; a batch row's decode_seconds is its share of
-        # steps it took with other configurations (kvtrim.eval.batched), not a lone generation's time
+        # steps it took with other configurations (kvtrim.integrations.batched), not a lone generation's time
         per_tok = [r["decode_seconds"] / r["decode_steps"] for r in rows
                    if r.get("decode_steps") and (r.get("decode_rows") or 1) == 1]
         cell["decode_ms"] = 1000 * statistics.median(per_tok) if per_tok else None
@@ -240,7 +240,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
 
 # ----------------------------------------------------------------------------- report
 def load_dirs(dirs: list[str]) -> list[dict]:
-    from kvtrim.eval.runner import read_lines, result_files
+    from kvtrim.eval.store import read_lines, result_files
 
     lines: list[dict] = []
     for d in dirs:

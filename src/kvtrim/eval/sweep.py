@@ -1,0 +1,131 @@
+"""``kvtrim eval``: a resumable sweep of tasks x lengths x methods x budgets on one model.
+
+The plan is checked by :mod:`kvtrim.eval.plan`, results go to the directory layout of
+:mod:`kvtrim.eval.store`, and each configuration runs as a program of :mod:`kvtrim.eval.programs`.
+
+Resumption: a line is written (one ``os.write`` on an ``O_APPEND`` descriptor) as soon as its
+sample is scored; on a rerun every (task, length, sample, method, keep, prefill) already present
+is skipped, and a sample whose configurations are all present is not even generated. A line cut
+short by an interruption is dropped when the sweep starts again. ``--shard I/N`` lets N processes
+share one directory (sample units are dealt round-robin).
+
+How one sample unit runs (all configurations of one generated sample):
+
+1. the sample is generated (``kvtrim.eval.TASKS`` / ``LONGTEXT_TASKS``, seed ``sample_seed(seed, i)``,
+   depths spread evenly), and its prompt ids built with the chat template (``ppl``: plain text);
+2. the prompt's forward pass runs **once** with a recording policy (``kvtrim.eval.replay``) and each
+   (method, keep) builds its compressed cache by replaying its prefill hook on the recorded
+   q/k/v -- identical to running the method from scratch (tested), because kvtrim compresses
+   after each layer's attention;
+3. greedy decoding (``MAX_NEW_TOKENS[task]`` tokens at most; it stops early at EOS or once the
+   answer is complete -- every answer found and the text ending in a non-alphanumeric character, so
+   more tokens cannot change the score, see :func:`kvtrim.eval.programs.answer_complete`); multi-turn
+   samples feed each later question as a new turn through the same cache; ``ppl`` and ``labelfree``
+   teacher-force their continuation / the full cache's answer in one forward. The configurations
+   decode **together**, one batch row each, every row attending to its own cache
+   (``kvtrim.integrations.batched``): the weights are read once per step for all of them, which at batch 1
+   dominates a small model's decode step. ``--unbatched`` decodes them one at a time instead.
+
+Reported per line: ``prefill_seconds`` = the shared forward pass + this method's compression
+(``record_seconds`` + ``compress_seconds``), ``decode_seconds`` (the configuration's share of the
+forward steps it took part in: each step's time divided by its rows; ``decode_rows`` is the mean
+number of rows per step, 1 when unbatched -- lone-generation decode speed is ``kvtrim bench``'s
+job) / ``decode_steps``, ``kv_bytes``
+(resident key/value buffers at the end, ``KVTrimCache.kv_bytes``), ``kv_bytes_full`` (what an
+uncompressed cache holds for the same tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kvtrim.errors import KVTrimError
+from kvtrim.eval.plan import MAX_NEW_TOKENS, REFERENCE, EvalPlan, build_sample, check_lengths
+from kvtrim.eval.programs import config_program, prompt_ids
+from kvtrim.eval.store import append_line, check_out_dir, line_key, machine, read_lines, result_files, runs_file
+from kvtrim.machine import release_memory
+
+
+def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, int] = (0, 1), progress: bool = True,
+             stop_after: int | None = None, batch: bool = True) -> dict:
+    """Run (or resume) ``plan`` on the loaded model ``lm`` (``kvtrim.models.LoadedModel``), writing into ``out``.
+
+    The configurations of a sample decode together, one batch row each (``kvtrim.integrations.batched``);
+    ``batch=False`` decodes them one after another at batch 1 (slower; per-line decode times are
+    then those of a lone generation). ``stop_after`` stops after that many sample units (for tests
+    of resumption). Returns the summary.
+    """
+    from tqdm import tqdm
+
+    from kvtrim.eval.replay import record_prefill
+    from kvtrim.eval.report import summarize
+    from kvtrim.integrations.batched import drive
+    from kvtrim.integrations.hf import attach
+
+    out_path = check_out_dir(out, lm.source)
+    check_lengths(plan, lm.tokenizer, lm.max_context)
+    idx, n_shards = shard
+    if not (0 <= idx < n_shards):
+        raise KVTrimError(f"--shard must be I/N with 0 <= I < N; got {idx}/{n_shards}")
+    # drop lines cut short by an interruption, then see what is done
+    done = {line_key(r) for r in read_lines(result_files(out_path), repair=(n_shards == 1))}
+    units = [u for j, u in enumerate(plan.units()) if j % n_shards == idx]
+    todo = []
+    for task, length, i in units:
+        need = [(m, k) for m, k in plan.configs
+                if (task, length, i, m, None if k is None else round(k, 6), plan.prefill) not in done]
+        if need:
+            todo.append((task, length, i, need))
+    n_cfg = sum(len(n) for *_, n in todo)
+    skipped = len(units) * len(plan.configs) - n_cfg
+    prefill_hook = None
+    if plan.prefill != "dense":
+        from kvtrim.attention.prefill import make_prefill
+
+        prefill_hook = make_prefill(lm.model, plan.prefill)
+    bar = tqdm(total=n_cfg, desc="kvtrim eval", unit="run", disable=not progress, dynamic_ncols=True)
+    if skipped:
+        bar.write(f"kvtrim eval: {skipped} runs already in {out_path} are skipped")
+    started = 0
+    for task, length, i, need in todo:
+        if stop_after is not None and started >= stop_after:
+            break
+        started += 1
+        sample = build_sample(plan, lm.tokenizer, task, length, i)
+        ids = prompt_ids(lm.tokenizer, sample)
+        bar.set_postfix_str(f"{task}@{length} #{i}")
+        recording = record_prefill(lm.model, ids, prefill_hook)
+        memo: dict = {}
+        reference = None
+        if task == "labelfree":
+            # the full cache's answer is the reference: from the file if full already ran, else from its run here
+            prev = [r for r in read_lines([runs_file(out_path, task, length)])
+                    if r["sample"] == i and r["method"] == REFERENCE and r.get("prefill", "dense") == plan.prefill]
+            if prev:
+                reference = prev[-1]["answer_ids"]
+            need = sorted(need, key=lambda c: c[0] != REFERENCE)
+        ref_key = (REFERENCE, None) if (REFERENCE, None) in need else None
+        programs = {(m, k): config_program(lm.model, lm.tokenizer, sample, recording, m, k, memo, reference, ref_key)
+                    for m, k in need}
+
+        def write(key, row, task=task, length=length, i=i, sample=sample, ids=ids, recording=recording):
+            method, keep = key
+            line = {"task": task, "length": length, "sample": i, "seed": sample.seed, "depth": sample.depth,
+                    "method": method, "keep": keep, "prefill": plan.prefill, "prompt_tokens": len(ids),
+                    "max_new_tokens": MAX_NEW_TOKENS[task], **row}
+            if recording.prefill_stats is not None:
+                line["prefill_stats"] = {k: v for k, v in recording.prefill_stats.items() if isinstance(v, (int, float, str)) or v is None}
+            append_line(runs_file(out_path, task, length), line)
+            bar.update(1)
+
+        with attach(lm.model):
+            drive(lm.model, programs, batch=batch, on_done=write)
+        del programs, write
+        del recording, memo
+        release_memory()
+    bar.close()
+    summary = summarize(read_lines(result_files(out_path)))
+    summary["machine"] = machine()
+    (out_path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
