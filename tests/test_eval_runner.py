@@ -106,6 +106,40 @@ def test_batched_rows_apply_their_own_logit_bias(model, prompt):
     assert run(True) == alone
 
 
+def test_shared_prefill_scores_are_computed_once_and_change_nothing(model, prompt, monkeypatch):
+    """share_prefill_scores: the prompt's column sums are computed once per layer for every budget of
+    every method that shares them (H2O, Elastic Cache), and a shared H2O cache holds exactly the
+    state of an unshared one."""
+    import kvtrim.policies.base as base
+
+    rec = record_prefill(model, prompt[0].tolist())
+    calls = []
+    real = base.causal_column_sums
+    monkeypatch.setattr(base, "causal_column_sums", lambda *a: calls.append(1) or real(*a))
+    memo: dict = {}
+    sharing = [m for m in method_names() if get_policy_class(m).shares_prefill_scores]
+    assert "h2o" in sharing and "elastic" in sharing
+    configs = [(m, k) for m in sharing for k in (0.3, 0.6)]
+    shared = {c: replay(model, make_policy(c[0], {"keep": c[1]}, memo), rec) for c in configs}
+    assert len(calls) == len(rec.record)  # once per layer, for every sharing method and both budgets
+    assert not make_policy("snapkv", {"keep": 0.3}, memo).shares_prefill_scores
+    for k in (0.3, 0.6):
+        plain = replay(model, make_policy("h2o", {"keep": k}), rec)
+        for a, b in zip(shared[("h2o", k)].compressed_layers, plain.compressed_layers):
+            assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
+            assert torch.equal(a.state_view("h2o_acc"), b.state_view("h2o_acc"))
+
+
+def test_batched_rows_refuse_a_method_that_rewrites_the_forward(model):
+    from kvtrim.cache import KVTrimCache
+    from kvtrim.integrations.batched import MultiCache
+
+    rewriting = [m for m in method_names() if get_policy_class(m).rewrites_forward]
+    assert rewriting, "no registered method rewrites the forward pass"
+    with pytest.raises(KVTrimError, match="cannot share a batch"):
+        MultiCache([KVTrimCache(model, "full"), KVTrimCache(model, rewriting[0])])
+
+
 def test_drive_reports_dead_wait(model, prompt):
     def waits():
         yield Wait("nobody")

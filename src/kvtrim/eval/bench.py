@@ -23,6 +23,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from kvtrim.errors import KVTrimError
+from kvtrim.eval.plan import REFERENCE
 
 
 @dataclass
@@ -147,7 +148,7 @@ def run_bench(model: str | None, plan: BenchPlan, rss: bool = True, progress: bo
 
 def table(result: dict) -> str:
     rows = result["rows"]
-    full = {r["length"]: r for r in rows if r["method"] == "full"}
+    full = {r["length"]: r for r in rows if r["method"] == REFERENCE}
     out = ["| length | method | prefill s | decode ms/tok | KV MB | KV of full | peak RSS MB |",
            "|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvtrim.errors import KVTrimError
+from kvtrim.eval.plan import REFERENCE
 
 START = "<!-- kvtrim-report:start -->"
 END = "<!-- kvtrim-report:end -->"
@@ -47,7 +48,7 @@ def summarize(lines: Iterable[dict]) -> dict:
         groups[(r["task"], int(r["length"]), r["method"], _keep(r.get("keep")), r.get("prefill", "dense"))].append(r)
     full_by_sample: dict[tuple, dict] = {}
     for r in lines:
-        if r["method"] == "full":
+        if r["method"] == REFERENCE:
             full_by_sample[(r["task"], int(r["length"]), r.get("prefill", "dense"), int(r["sample"]))] = r
     cells = []
     for (task, length, method, keep, prefill), rows in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
@@ -86,7 +87,7 @@ def _score(task: str, rows: list[dict]) -> float:
 
 def _sort_key(key: tuple) -> tuple:
     task, length, method, keep, prefill = key
-    return (length, task, prefill, method != "full", method, -1 if keep is None else keep)
+    return (length, task, prefill, method != REFERENCE, method, -1 if keep is None else keep)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -172,7 +173,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
     paths = []
     lengths = sorted({c["length"] for c in sel})
     tasks = list(dict.fromkeys(c["task"] for c in sel))
-    methods = [m for m in dict.fromkeys(c["method"] for c in sel) if m != "full"]
+    methods = [m for m in dict.fromkeys(c["method"] for c in sel) if m != REFERENCE]
     colors = {m: f"C{i}" for i, m in enumerate(methods)}
     for n in lengths:
         cols = min(4, len(tasks))
@@ -184,9 +185,9 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
                 pts = sorted((c["keep"], c["score"]) for c in cs if c["method"] == m and c["keep"] is not None)
                 if pts:
                     ax.plot(*zip(*pts), marker="o", color=colors[m], label=m)
-            full = [c["score"] for c in cs if c["method"] == "full"]
+            full = [c["score"] for c in cs if c["method"] == REFERENCE]
             if full:
-                ax.axhline(full[0], color="black", linestyle="--", linewidth=1, label="full")
+                ax.axhline(full[0], color="black", linestyle="--", linewidth=1, label=REFERENCE)
             ax.set_title(t, fontsize=9)
             ax.set_xlabel("keep", fontsize=8)
             ax.set_ylabel("perplexity" if t == "ppl" else "score", fontsize=8)
@@ -203,7 +204,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
         paths.append(p)
     # KV bytes vs budget, and time vs length
     fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for m in ["full", *methods]:
+    for m in [REFERENCE, *methods]:
         for n in lengths:
             cs = [c for c in sel if c["method"] == m and c["length"] == n]
             by_keep = defaultdict(list)
@@ -219,11 +220,11 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
             pts = []
             for n in lengths:
                 cs = [c[key] for c in sel if c["method"] == m and c["length"] == n and c.get(key) is not None
-                      and (m == "full" or c["keep"] == pick)]
+                      and (m == REFERENCE or c["keep"] == pick)]
                 if cs:
                     pts.append((n, statistics.median(cs)))
             if pts:
-                ax.plot(*zip(*pts), marker="o", color=colors.get(m, "black"), label=m if m == "full" else f"{m} @{pick:g}")
+                ax.plot(*zip(*pts), marker="o", color=colors.get(m, "black"), label=m if m == REFERENCE else f"{m} @{pick:g}")
     axes[0].set(xlabel="keep", ylabel="KV MB", title="resident KV bytes vs budget")
     axes[1].set(xlabel="prompt tokens", ylabel="s", title="prefill time (median)")
     axes[2].set(xlabel="prompt tokens", ylabel="ms / token", title="decode ms/token (median, lines decoded alone)")

@@ -53,7 +53,7 @@ from kvtrim.cache import ACTIVE, KVTrimCache, LayerBinding
 from kvtrim.decoding import Program, Step, Wait, explicit_positions, forward
 from kvtrim.errors import KVTrimError
 
-__all__ = ["MultiCache", "RowBindings", "drive", "step_rows"]
+__all__ = ["MultiCache", "drive", "step_rows"]
 
 
 @dataclass
