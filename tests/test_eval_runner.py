@@ -7,13 +7,13 @@ import json
 import pytest
 import torch
 
-from kvtrim.errors import KVTrimError
 from kvtrim.decoding import Clock, Step, Wait, decode
+from kvtrim.errors import KVTrimError
 from kvtrim.eval.plan import make_plan
 from kvtrim.eval.replay import make_policy, record_prefill, replay
 from kvtrim.eval.store import read_lines
-from kvtrim.integrations.batched import drive
 from kvtrim.generation import generate_ids
+from kvtrim.integrations.batched import drive
 from kvtrim.integrations.hf import attach
 from kvtrim.registry import create_policy, get_policy_class, method_names
 

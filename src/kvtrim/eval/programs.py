@@ -93,7 +93,9 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
                 feed = ([] if not out or out[-1] == eos else [out[-1]]) + turn_tail(tokenizer, turn.question)
                 logits = yield Step(cache, feed, False, clock)
                 steps += 1
-            done = (lambda ids, t=turn: answer_complete(tokenizer, sample.metric, ids, t.answers, eos))
+            def done(ids, t=turn):
+                return answer_complete(tokenizer, sample.metric, ids, t.answers, eos)
+
             out, s = yield from decode(cache, logits, max_new, stop_ids=stop, finished=done, clock=clock)
             steps += s
             text = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
@@ -103,8 +105,10 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
         answer = answers[0]
         extra = {"answers": answers, "turn_scores": scores}
     else:
-        done = (lambda ids: answer_complete(tokenizer, sample.metric, ids, sample.answers, eos))
-        out, steps = yield from decode(cache, logits, max_new, stop_ids=stop, finished=done, clock=clock)
+        def complete(ids):
+            return answer_complete(tokenizer, sample.metric, ids, sample.answers, eos)
+
+        out, steps = yield from decode(cache, logits, max_new, stop_ids=stop, finished=complete, clock=clock)
         answer = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
         value = score_text(sample, answer)
     stored = cache.stored_tokens()

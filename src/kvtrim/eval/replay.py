@@ -30,13 +30,13 @@ from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 
+
 def replayable(method: "str | Policy | type[Policy]") -> bool:
     """True when the method's prefill forward does not depend on it (``Policy.rewrites_forward``)."""
-    if isinstance(method, str):
-        from kvtrim.registry import get_policy_class
+    from kvtrim.registry import get_policy_class
 
-        method = get_policy_class(method)
-    return not method.rewrites_forward
+    cls = get_policy_class(method) if isinstance(method, str) else method
+    return not cls.rewrites_forward
 
 
 @dataclass

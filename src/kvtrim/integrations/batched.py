@@ -43,8 +43,9 @@ cannot share a forward with other rows and are refused.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -52,6 +53,7 @@ from transformers.cache_utils import Cache
 from kvtrim.cache import ACTIVE, KVTrimCache, LayerBinding
 from kvtrim.decoding import Program, Step, Wait, explicit_positions, forward
 from kvtrim.errors import KVTrimError
+from kvtrim.policies.base import Policy
 
 __all__ = ["MultiCache", "drive", "step_rows"]
 
@@ -92,9 +94,10 @@ class MultiCache(Cache):
         if not caches:
             raise KVTrimError("MultiCache needs at least one cache")
         for c in caches:
-            if c.policy.rewrites_forward:
+            policy = c.policy
+            if isinstance(policy, Policy) and policy.rewrites_forward:
                 raise KVTrimError(
-                    f"method {c.policy.name!r} changes the forward pass (hidden-state pruning), so its cache "
+                    f"method {policy.name!r} changes the forward pass (hidden-state pruning), so its cache "
                     "cannot share a batch with others; run it at batch 1"
                 )
         super().__init__(layers=caches[0].layers)
@@ -147,7 +150,7 @@ class _Pending:
     result: object = None
 
 
-def drive(model, programs: dict[Hashable, Program], *, batch: bool = True, max_rows: int = 64,
+def drive(model, programs: Mapping[Any, Program], *, batch: bool = True, max_rows: int = 64,
           on_done: Callable[[Hashable, object], None] | None = None) -> dict:
     """Run decoding ``programs`` to completion, batching their steps; returns ``{key: result}``.
 
@@ -178,7 +181,7 @@ def drive(model, programs: dict[Hashable, Program], *, batch: bool = True, max_r
     while any(not p.done for p in state.values()):
         live = [k for k, p in state.items() if not p.done]
         if not _serve(model, state, results, advance, live, max_rows=max_rows if batch else 1):
-            missing = {state[k].request.key for k in live if isinstance(state[k].request, Wait)}
+            missing = [r.key for r in (state[k].request for k in live) if isinstance(r, Wait)]
             raise KVTrimError(f"programs wait for results that never come: {sorted(map(str, missing))}")
     return results
 

@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ from kvtrim.errors import KVTrimError
 
 @dataclass
 class _Forward:
-    cache: object
+    cache: Any  # the KVTrimCache of this forward
     n_new: int
     keep: torch.Tensor | None = None  # indices into this forward's tokens, ascending
     start_layer: int = 0

@@ -204,15 +204,16 @@ class Policy:
 
         ``key`` names the score and every parameter it depends on (not the budget).
         """
-        if not self.sharing_prefill_scores(layer):
+        memo = getattr(self, "_score_memo", None)
+        if memo is None or layer.phase != "prefill":
             return compute()
-        memo = self._score_memo
         k = (key, layer.layer_idx)
         if k not in memo:
             memo[k] = compute()
         return memo[k]
 
-    def prefill_column_sums(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    def prefill_column_sums(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor,
+                            scaling: float) -> torch.Tensor:
         """Causal softmax column sums of a prefill, ``[B, Hkv, G, S]`` (``kvtrim.scores.causal_column_sums``),
         shared through the memo of :meth:`share_prefill_scores` (H2O and Elastic Cache use the same sums)."""
         return self.prefill_scores(layer, "column_sums", lambda: causal_column_sums(query, key, scaling))

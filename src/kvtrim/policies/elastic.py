@@ -197,8 +197,9 @@ class Elastic(Policy):
         if self.sharing_prefill_scores(layer):
             if self.importance == "sum":
                 return self.prefill_column_sums(layer, query, key, scaling).mean(dim=(1, 2))
-            return self.prefill_scores(layer, ("elastic", self.importance, self.ema_decay),
-                                       lambda: attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk))
+            key_ = ("elastic", self.importance, self.ema_decay)
+            return self.prefill_scores(layer, key_, lambda: attention_importance(
+                query, key, scaling, self.importance, self.ema_decay, self.chunk))
         return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk)
 
     def select_anchors(self, importance: torch.Tensor, budget: int) -> torch.Tensor:

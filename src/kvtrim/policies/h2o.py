@@ -46,7 +46,8 @@ class H2O(Policy):
         if query.shape[-2] == 1:
             got = group_reduce(window_probs(query, key, scaling, 1).sum(dim=-2), "sum")
         else:  # the prompt's sums do not depend on the budget: shared across budgets (share_prefill_scores)
-            got = self.prefill_scores(layer, "h2o", lambda: group_reduce(self.prefill_column_sums(layer, query, key, scaling), "sum"))
+            got = self.prefill_scores(
+                layer, "h2o", lambda: group_reduce(self.prefill_column_sums(layer, query, key, scaling), "sum"))
         acc[:, :, : layer.length] += got
 
     def score(self, layer, query, key, scaling):
