@@ -9,6 +9,10 @@ kvtrim's attention function wraps the model's own implementation (SDPA by defaul
 the query when the cache re-assigned positions, computes the attention output with the base
 implementation, then calls ``KVTrimCache.after_attention`` so the policy can score (from q and
 k, only the rows it needs) and evict. Layers not bound to a kvtrim cache pass straight through.
+The cache publishes what the next attention call is bound to (``kvtrim.cache.AttentionBinding``)
+and the function hands that binding its attention for one cache layer (``binding.attend``): a
+binding decides how often to call it (once for one cache; once per row for the batched rows of
+``kvtrim.integrations.batched``), so this module needs to know nothing about batching.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ def _base_fn(name: str):
 
 
 def kvtrim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers attention function: base attention, then the cache's policy hook."""
+    """transformers attention function: base attention, then the cache's policy hook, for every
+    cache layer the published binding names."""
     base = _BASE.get(id(module.config)) or _base_fn("sdpa")
     binding = ACTIVE.get()
 
