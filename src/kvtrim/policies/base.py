@@ -190,7 +190,9 @@ class Policy:
         ``memo`` is a dict owned by the caller and used for **one prompt** only (a new prompt needs
         a new dict); ``None`` stops sharing. Policies that declare ``shares_prefill_scores`` store
         and reuse their budget-independent prefill scores in it (:meth:`prefill_scores`), so an
-        evaluation of several budgets on one prompt scores it once. Results are the same numbers.
+        evaluation of several budgets on one prompt scores it once. The scores are the same
+        quantities as without sharing (H2O's are bit-identical; Elastic Cache's ``sum`` importance
+        is then the head mean of the shared column sums, equal up to the order of summation).
         """
         self._score_memo = memo
         return self
