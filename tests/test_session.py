@@ -167,7 +167,7 @@ class _WordTokenizer:
 def test_recall_bad_input():
     from kvtrim.eval.recall import recall_sample
 
-    with pytest.raises(KVTrimError, match="n_facts must be an integer >= 1"):
+    with pytest.raises(KVTrimError, match="n_facts must be a positive integer"):
         recall_sample(_WordTokenizer(), n_facts=0)
 
 

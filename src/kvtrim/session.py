@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvtrim import decoding
+from kvtrim import decoding, validate
 from kvtrim.cache import CompressedLayer, KVTrimCache
 from kvtrim.decoding import Sampler, check_context, chunk_size
 from kvtrim.errors import KVTrimError
@@ -96,10 +96,6 @@ class ChunkStats:
         return d
 
 
-def _policy_params(policy: Policy) -> dict:
-    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-
-
 def _fingerprint(model) -> dict:
     cfg = model.config.get_text_config(decoder=True)
     keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size", "head_dim")
@@ -141,8 +137,7 @@ class Session:
             raise KVTrimError("pass method parameters either in the Policy object or as keywords with a name, not both")
         if not policy.supports_turns:
             raise KVTrimError(f"method {policy.name!r} does not support multi-turn sessions")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-            raise KVTrimError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        prefill_chunk = validate.optional_integer(prefill_chunk, "prefill_chunk", minimum=1)
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
@@ -248,8 +243,7 @@ class Session:
         """
         if len(ids) == 0:
             raise KVTrimError("the turn is empty; send a non-empty message")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise KVTrimError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        validate.integer(max_new_tokens, "max_new_tokens", minimum=1)
         self._check_fits(len(ids), max_new_tokens)
         if stop_ids is None:
             eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
@@ -319,8 +313,7 @@ class Session:
         first token by the previous chunk's last logits), under the compressed cache.
         ``score=False`` skips it (only the last position's logits are computed; ``scored`` is 0).
         """
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise KVTrimError(f"chunk must be a positive number of tokens, got {chunk!r}")
+        validate.integer(chunk, "chunk", minimum=1, unit="tokens")
         if len(ids) == 0:
             raise KVTrimError("nothing to feed: the text is empty")
         held = min(self.policy.budget(self.seen + len(ids)), self.seen + len(ids))
@@ -402,7 +395,7 @@ class Session:
         info = {
             "format": FORMAT, "version": FORMAT_VERSION,
             "model": _fingerprint(self.model),
-            "policy": {"name": self.policy.name, "params": _policy_params(self.policy)},
+            "policy": {"name": self.policy.name, "params": self.policy.params()},
             "chat": self.chat, "prefill_chunk": self.prefill_chunk,
             "messages": self.messages, "turns": self.turns, "chunks_fed": self.chunks_fed,
             "pending_ids": self._pending_ids, "pending_text": self._pending_text,

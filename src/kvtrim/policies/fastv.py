@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.scores import _grouped
@@ -47,8 +48,7 @@ class PrefillTokenPruning(Policy):
     takes_budget = False
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise KVTrimError(f"{self.name}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        validate.choice(self.mode, f"{self.name}: mode", MODES)
         if isinstance(self.targets, str):
             self.targets = (self.targets,)
         self.targets = tuple(self.targets)
@@ -150,10 +150,8 @@ class FastV(PrefillTokenPruning):
     description = "FastV: keep the top 50% of image tokens by the last token's attention in layer K=2, prune hidden states after"
 
     def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise KVTrimError(f"fastv: k must be a positive integer layer index, got {self.k!r}")
-        if not (0.0 <= float(self.ratio) <= 1.0):
-            raise KVTrimError(f"fastv: ratio must be in [0, 1], got {self.ratio!r}")
+        self.k = validate.integer(self.k, "fastv: k", minimum=1)
+        self.ratio = validate.number(self.ratio, "fastv: ratio", minimum=0.0, maximum=1.0)
         super().__post_init__()
         if self.max_tokens is not None or (self.keep is not None and self.keep != 1.0):
             raise KVTrimError("fastv takes no cache budget (keep/max_tokens); set the share of image tokens kept with ratio")
@@ -171,6 +169,3 @@ class FastV(PrefillTokenPruning):
         if n_keep:
             keep[torch.topk(s, n_keep).indices] = True
         return keep
-
-    def describe(self) -> dict:
-        return {**super().describe(), "k": self.k, "ratio": self.ratio, "mode": self.mode, "targets": list(self.targets)}
