@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtrim import decoding, validate
-from kvtrim.cache import CompressedLayer, KVTrimCache
+from kvtrim.cache import KVTrimCache
 from kvtrim.decoding import Sampler, check_context, chunk_size
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.hf import ATTN_NAME, attach
@@ -365,29 +365,15 @@ class Session:
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        tensors: dict[str, torch.Tensor] = {}
-        layers = []
-        for i, layer in enumerate(self.cache.layers):
-            if not isinstance(layer, CompressedLayer):
-                if getattr(layer, "keys", None) is not None:
-                    raise KVTrimError("saving a session whose model has sliding-window layers is not supported")
-                layers.append(None)
+        tensors = self.cache.state_dict()
+        layers = self.cache.state_meta()
+        for meta in layers:
+            if meta is None:
                 continue
-            meta = {"initialized": layer.is_initialized, "seen": layer.seen, "length": layer.length,
-                    "phase": layer.phase, "n_new": layer.n_new, "token_state": sorted(layer.token_state)}
             try:
-                meta["state"] = json.loads(json.dumps(layer.state))
+                meta["state"] = json.loads(json.dumps(meta["state"]))
             except TypeError:
                 raise KVTrimError(f"policy {self.policy.name!r} keeps per-layer state that cannot be saved as JSON") from None
-            if layer.is_initialized:
-                tensors[f"layers.{i}.keys"] = layer.keys.contiguous()
-                tensors[f"layers.{i}.values"] = layer.values.contiguous()
-                tensors[f"layers.{i}.positions"] = layer.positions.contiguous()
-                if layer._rot is not None:
-                    tensors[f"layers.{i}.rotations"] = layer.rotations.contiguous()
-                for name in layer.token_state:
-                    tensors[f"layers.{i}.state.{name}"] = layer.state_view(name).contiguous()
-            layers.append(meta)
         if self._last_logits is not None:
             tensors["last_logits"] = self._last_logits.contiguous()
         tensors["rng_state"] = self._gen.get_state()
@@ -422,36 +408,10 @@ class Session:
         policy = create_policy(info["policy"]["name"], **info["policy"]["params"])
         s = cls(model, tokenizer, policy, chat=info["chat"], prefill_chunk=info["prefill_chunk"])
         tensors = load_file(str(d / "cache.safetensors"), device=str(s.device))
-        for i, meta in enumerate(info["layers"]):
-            if meta is None:
-                continue
-            _restore_layer(s.cache.layers[i], meta, tensors, f"layers.{i}.")
+        s.cache.load_state_dict({k: t for k, t in tensors.items() if k.startswith("layers.")}, info["layers"])
         s.messages, s.turns, s.chunks_fed = info["messages"], info["turns"], info["chunks_fed"]
         s._pending_ids, s._pending_text = list(info["pending_ids"]), info["pending_text"]
         s._last_logits = tensors.get("last_logits")
         s._gen.set_state(tensors["rng_state"].cpu())
         return s
 
-
-def _restore_layer(layer: CompressedLayer, meta: dict, tensors: dict, prefix: str) -> None:
-    """Rebuild a ``CompressedLayer``'s buffers (with the usual slack) from saved tensors."""
-    layer.seen, layer.phase, layer.n_new = meta["seen"], meta["phase"], meta["n_new"]
-    layer.state = meta["state"]
-    if not meta["initialized"]:
-        return
-    k, v = tensors[prefix + "keys"], tensors[prefix + "values"]
-    layer.lazy_initialization(k, v)
-    n = meta["length"]
-    cap = n + layer.slack(n)
-
-    def buf(t: torch.Tensor) -> torch.Tensor:
-        out = t.new_empty(*t.shape[:2], cap, *t.shape[3:])
-        out[:, :, :n] = t
-        return out
-
-    layer._k, layer._v, layer._pos = buf(k), buf(v), buf(tensors[prefix + "positions"])
-    if layer._rot is not None:
-        layer._rot = buf(tensors[prefix + "rotations"])
-    layer.token_state = {name: buf(tensors[f"{prefix}state.{name}"]) for name in meta["token_state"]}
-    layer.length = n
-    layer.awaiting_attention = False

@@ -63,8 +63,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.cache import LOGIT_BIAS
 from kvtrim import validate
+from kvtrim.cache import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.rope import rotate

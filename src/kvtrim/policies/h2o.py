@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtrim import validate
-from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.scores import causal_column_sums, group_reduce, window_probs
 

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import torch
 
 from kvtrim import validate
-from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.scores import group_reduce, window_probs
 

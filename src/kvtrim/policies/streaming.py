@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtrim import validate
-from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 
 
