@@ -324,9 +324,10 @@ class CompressedLayer(CacheLayerMixin):
         policies) and ``state.<name>`` for each per-token policy state. Empty before the first
         update. :meth:`state_meta` holds the rest; :meth:`load_state_dict` takes both.
         """
-        if not self.is_initialized:
+        k, v = self.keys, self.values
+        if k is None or v is None:
             return {}
-        out = {"keys": self.keys.contiguous(), "values": self.values.contiguous(), "positions": self.positions.contiguous()}
+        out = {"keys": k.contiguous(), "values": v.contiguous(), "positions": self.positions.contiguous()}
         if self._rot is not None:
             out["rotations"] = self.rotations.contiguous()
         for name in sorted(self.token_state):
@@ -550,11 +551,10 @@ class KVTrimCache(Cache):
             if (m is None) == isinstance(layer, CompressedLayer):
                 raise KVTrimError(f"layer {i}: the saved state and the model disagree on whether this layer is compressed "
                                   "(sliding-window layers are not)")
-            if m is None:
-                if i in per_layer:
-                    raise KVTrimError(f"layer {i}: tensors saved for a sliding-window layer")
-                continue
-            layer.load_state_dict(per_layer.get(i, {}), m)
+            if isinstance(layer, CompressedLayer) and m is not None:
+                layer.load_state_dict(per_layer.get(i, {}), m)
+            elif i in per_layer:
+                raise KVTrimError(f"layer {i}: tensors saved for a sliding-window layer")
         self._last_layer = None
 
     # --- reporting -----------------------------------------------------------------------------

@@ -41,14 +41,14 @@ class PrefillTokenPruning(Policy):
     ``slice_decision_layers`` whether layers ``<= decision_layer`` drop the tokens from their KV too.
     """
 
-    mode: str = "prune"
+    mode: str | None = None  # "prune" or "kv"; None means "prune"
     targets: tuple = VISUAL
 
     slice_decision_layers: ClassVar[bool] = False
     takes_budget = False
 
     def __post_init__(self) -> None:
-        validate.choice(self.mode, f"{self.name}: mode", MODES)
+        self.mode = validate.choice("prune" if self.mode is None else self.mode, f"{self.name}: mode", MODES)
         if isinstance(self.targets, str):
             self.targets = (self.targets,)
         self.targets = tuple(self.targets)

@@ -66,7 +66,6 @@ class HAE(PrefillTokenPruning):
     ``dap_mode`` is the former name of ``mode``, accepted for older scripts and saved sessions;
     giving both with different values is refused."""
 
-    mode: str | None = None  # None: "prune", or what dap_mode says
     r: float = 0.0015
     alpha: float = 0.0005
     bin_ratio: float = 0.15
@@ -87,8 +86,6 @@ class HAE(PrefillTokenPruning):
                     f"hae: mode={self.mode!r} and dap_mode={dap_mode!r} disagree; dap_mode is the former name of mode, give one"
                 )
             self.mode = dap_mode
-        if self.mode is None:
-            self.mode = "prune"
         self.r = validate.number(self.r, "hae: r", minimum=0.0, maximum=1.0)
         self.alpha = validate.number(self.alpha, "hae: alpha", minimum=0.0, maximum=1.0)
         self.bin_ratio = validate.number(self.bin_ratio, "hae: bin_ratio", minimum=0.0, maximum=1.0, min_open=True, max_open=True)
