@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -224,6 +225,20 @@ def test_import_changes_nothing_and_attach_is_reversible(model):
 
 
 # --- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ALL)
+def test_describe_and_params_come_from_the_dataclass_fields(name):
+    """One place: describe() is {"method": name, **every field} with the position resolved; params()
+    rebuilds the policy (sessions save it)."""
+    import dataclasses
+
+    p = create_policy(name)
+    d = p.describe()
+    assert list(d) == ["method", *(f.name for f in dataclasses.fields(p))]
+    assert d["method"] == name and d["position"] == p.position_policy and p.params()["position"] is None
+    assert create_policy(name, **p.params()) == p
+    assert json.loads(json.dumps(d)) == d  # JSON-ready (tuples as lists)
+
+
 def test_unknown_method_lists_known():
     with pytest.raises(KVTrimError, match="known methods: full, streaming_llm"):
         create_policy("nope")
