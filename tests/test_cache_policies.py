@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -224,6 +225,20 @@ def test_import_changes_nothing_and_attach_is_reversible(model):
 
 
 # --- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ALL)
+def test_describe_and_params_come_from_the_dataclass_fields(name):
+    """One place: describe() is {"method": name, **every field} with the position resolved; params()
+    rebuilds the policy (sessions save it)."""
+    import dataclasses
+
+    p = create_policy(name)
+    d = p.describe()
+    assert list(d) == ["method", *(f.name for f in dataclasses.fields(p))]
+    assert d["method"] == name and d["position"] == p.position_policy and p.params()["position"] is None
+    assert create_policy(name, **p.params()) == p
+    assert json.loads(json.dumps(d)) == d  # JSON-ready (tuples as lists)
+
+
 def test_unknown_method_lists_known():
     with pytest.raises(KVTrimError, match="known methods: full, streaming_llm"):
         create_policy("nope")
@@ -323,3 +338,115 @@ def test_keep_indices_per_head_matches_gather(model, prompt):
     assert layer.length == n // 2
     assert torch.equal(layer.keys, want_k) and torch.equal(layer.values, want_v)
     assert torch.equal(layer.positions, want_p)
+
+
+# --- layer state: state_dict / load_state_dict --------------------------------------------------------
+def _filled_cache(model, prompt, method="h2o", **kw):
+    """A cache after a prefill and three decode steps (h2o with reassigned positions: rotations and
+    a per-token state, both exercised)."""
+    cache = KVTrimCache(model, method, **(kw or {"keep": 0.5, "position": "reassigned"}))
+    with kvtrim.attach(model):
+        logits = run_loop(model, prompt, cache, steps=3)
+    return cache, logits[-1].argmax(-1, keepdim=True)
+
+
+def _continue(model, cache, tok, steps=4):
+    out = []
+    with torch.no_grad(), kvtrim.attach(model):
+        for _ in range(steps):
+            logits = model(input_ids=tok, past_key_values=cache, use_cache=True).logits[:, -1]
+            out.append(logits)
+            tok = logits.argmax(-1, keepdim=True)
+    return out
+
+
+@pytest.mark.parametrize("method, kw", [("h2o", {"keep": 0.5, "position": "reassigned"}), ("snapkv", {"keep": 0.5}),
+                                        ("elastic", {"keep": 0.5, "proportional": True})])
+def test_layer_state_round_trip_continues_identically(model, prompt, method, kw):
+    cache, tok = _filled_cache(model, prompt, method, **kw)
+    tensors, meta = cache.state_dict(), cache.state_meta()
+    layer = cache.compressed_layers[0]
+    own = layer.state_dict()
+    assert set(own) == {"keys", "values", "positions", *(["rotations"] if kw.get("position") == "reassigned" else []),
+                        *(f"state.{n}" for n in layer.token_state)}
+    assert all(t.is_contiguous() and t.shape[2] == layer.length for t in own.values())
+    assert torch.equal(tensors["layers.0.keys"], layer.keys) and torch.equal(tensors["layers.0.positions"], layer.positions)
+
+    fresh = KVTrimCache(model, method, **kw)
+    fresh.load_state_dict(tensors, meta)
+    assert fresh.state_meta() == meta
+    got = fresh.state_dict()
+    assert got.keys() == tensors.keys() and all(torch.equal(got[k], tensors[k]) for k in tensors)
+    for a, b in zip(cache.compressed_layers, fresh.compressed_layers):
+        assert b.capacity == b.length + b.slack(b.length)  # rebuilt with the usual slack
+        assert (a.seen, a.phase, a.n_new) == (b.seen, b.phase, b.n_new)
+    for x, y in zip(_continue(model, cache, tok), _continue(model, fresh, tok)):
+        assert torch.equal(x, y)
+
+
+def test_layer_state_of_an_unused_layer_round_trips(model):
+    cache = KVTrimCache(model, "snapkv", keep=0.5)
+    layer = cache.compressed_layers[0]
+    assert layer.state_dict() == {}
+    fresh = KVTrimCache(model, "snapkv", keep=0.5)
+    fresh.load_state_dict({}, cache.state_meta())
+    assert not fresh.compressed_layers[0].is_initialized and fresh.state_meta() == cache.state_meta()
+
+
+def _bad(tensors, key, value):
+    out = dict(tensors)
+    if value is None:
+        del out[key]
+    else:
+        out[key] = value
+    return out
+
+
+def test_layer_load_refuses_inconsistent_input(model, prompt):
+    cache, _ = _filled_cache(model, prompt)
+    layer = cache.compressed_layers[0]
+    t, m = layer.state_dict(), layer.state_meta()
+    n = layer.length
+    fresh = KVTrimCache(model, "h2o", keep=0.5, position="reassigned").compressed_layers[0]
+    cases = [
+        (_bad(t, "keys", None), m, r"missing \['keys'\]"),
+        (_bad(t, "rotations", None), m, r"missing \['rotations'\]"),
+        (_bad(t, "extra", t["positions"]), m, r"unexpected \['extra'\]"),
+        (_bad(t, "state.h2o_acc", None), m, r"missing \['state.h2o_acc'\]"),
+        (_bad(t, "positions", t["positions"][:, :, :-1]), m, r"positions has shape .*expected"),
+        (_bad(t, "state.h2o_acc", t["state.h2o_acc"][:, :1]), m, r"state.h2o_acc has shape"),
+        (_bad(t, "values", t["values"][:, :, :-1]), m, r"keys .* and values .* must both be"),
+        (_bad(t, "keys", t["keys"][0]), m, r"must both be \[batch, kv_heads, stored, dim\]"),
+        (_bad(t, "positions", t["positions"].float()), m, "positions must be int64"),
+        (_bad(t, "positions", t["positions"] + m["seen"]), m, r"stream indices must lie in \[0, "),
+        (t, {**m, "length": n - 1}, f"{n} stored keys but length {n - 1}"),
+        (t, {**m, "length": m["seen"] + 1}, "length must be an integer in"),
+        (t, {**m, "phase": "warmup"}, "phase must be one of prefill, turn, decode"),
+        (t, {**m, "seen": -1}, "seen must be a non-negative integer"),
+        (t, {k: v for k, v in m.items() if k != "n_new"}, "lacks n_new"),
+        (t, {**m, "initialized": False}, "uninitialised layer cannot store"),
+    ]
+    for tensors, meta, message in cases:
+        with pytest.raises(KVTrimError, match=message):
+            fresh.load_state_dict(tensors, meta)
+        assert not fresh.is_initialized and fresh.length == 0 and fresh.seen == 0  # left reset
+    heads = {k: v[:, :1] for k, v in t.items()}
+    with pytest.raises(KVTrimError, match="1 KV heads saved, the model has 2"):
+        fresh.load_state_dict(heads, m)
+    true_pos = KVTrimCache(model, "h2o", keep=0.5).compressed_layers[0]  # position "true": no rotations
+    with pytest.raises(KVTrimError, match=r"unexpected \['rotations'\]"):
+        true_pos.load_state_dict(t, m)
+
+
+def test_cache_load_refuses_wrong_layers(model, prompt):
+    cache, _ = _filled_cache(model, prompt)
+    tensors, meta = cache.state_dict(), cache.state_meta()
+    fresh = KVTrimCache(model, "h2o", keep=0.5, position="reassigned")
+    with pytest.raises(KVTrimError, match="saved state has 2 layers, the model has 3"):
+        fresh.load_state_dict(tensors, meta[:2])
+    with pytest.raises(KVTrimError, match="unexpected tensor 'layers.9.keys'"):
+        fresh.load_state_dict({**tensors, "layers.9.keys": tensors["layers.0.keys"]}, meta)
+    with pytest.raises(KVTrimError, match="unexpected tensor 'rng_state'"):
+        fresh.load_state_dict({**tensors, "rng_state": torch.zeros(3)}, meta)
+    with pytest.raises(KVTrimError, match="layer 1: the saved state and the model disagree"):
+        fresh.load_state_dict(tensors, [meta[0], None, meta[2]])

@@ -83,7 +83,7 @@ def test_dap_keeps_exactly_the_rule_and_broadcasts_it_to_every_layer(llava, mode
     r, alpha = float(g.median() / g.sum()), float(m.median())
     expect = _dap_oracle(attn0, ids, v.processor.image_token_id, r, alpha)
     assert 0 < len(ids) - expect.numel() < int(vis.sum())
-    cache, _ = prefill(v, ids, extra, HAE(r=r, alpha=alpha, dap_mode=mode))
+    cache, _ = prefill(v, ids, extra, HAE(r=r, alpha=alpha, mode=mode))
     assert cache.layers[0].state["kept_stream"].tolist() == expect.tolist()
     for layer in cache.compressed_layers:  # the same set in every layer and KV head
         for h in range(layer.positions.shape[1]):
@@ -125,8 +125,8 @@ def test_prune_and_kv_modes_relationship(llava):
     layer 1 never let them attend to dropped tokens)."""
     v, ids, extra = llava
     kw = dict(r=0.5, alpha=1.0)
-    a, out_a = prefill(v, ids, extra, HAE(dap_mode="prune", **kw))
-    b, out_b = prefill(v, ids, extra, HAE(dap_mode="kv", **kw))
+    a, out_a = prefill(v, ids, extra, HAE(mode="prune", **kw))
+    b, out_b = prefill(v, ids, extra, HAE(mode="kv", **kw))
     first_drop = next(i for i, t in enumerate(ids) if t == v.processor.image_token_id)
     for li, (la, lb) in enumerate(zip(a.compressed_layers, b.compressed_layers)):
         assert torch.equal(la.positions, lb.positions)
@@ -221,8 +221,10 @@ def test_ddes_with_a_ratio_budget_holds_it_through_generate(llava):
 
 # --- bad input --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kw, msg", [
-    ({"r": -0.1}, "r must be a number in"),
-    ({"alpha": 2}, "alpha must be a number in"),
+    ({"r": -0.1}, r"r must be in \[0, 1\]"),
+    ({"alpha": 2}, r"alpha must be in \[0, 1\]"),
+    ({"r": True}, r"r must be in \[0, 1\]"),
+    ({"mode": "both"}, "mode must be one of prune, kv"),
     ({"bin_ratio": 0.0}, "bin_ratio must be in"),
     ({"dap_mode": "both"}, "mode must be one of prune, kv"),
     ({"targets": ("text",)}, "targets must be prunable modalities"),
@@ -231,6 +233,18 @@ def test_ddes_with_a_ratio_budget_holds_it_through_generate(llava):
 def test_hae_bad_parameters(kw, msg):
     with pytest.raises(KVTrimError, match=msg):
         create_policy("hae", **kw)
+
+
+def test_hae_mode_has_one_field_and_accepts_its_former_name():
+    """``mode`` is the one field (as for FastV); ``dap_mode`` (its former name, in older scripts and saved
+    sessions) maps onto it, and conflicting values are refused."""
+    assert HAE().mode == "prune"
+    assert HAE(dap_mode="kv").mode == "kv"
+    assert HAE(mode="kv", dap_mode="kv").mode == "kv"
+    assert create_policy("hae", dap_mode="kv") == HAE(mode="kv")
+    assert "dap_mode" not in HAE().params() and HAE(dap_mode="kv").describe()["mode"] == "kv"
+    with pytest.raises(KVTrimError, match="mode='prune' and dap_mode='kv' disagree"):
+        HAE(mode="prune", dap_mode="kv")
 
 
 def test_fastv_bad_parameters():

@@ -53,6 +53,27 @@ def test_saved_and_restored_session_continues_identically(model, tmp_path, metho
     assert saved["policy"]["name"] == method and not list((tmp_path / "s").glob("*.pkl"))
 
 
+def test_saved_file_layout_is_the_format_v1_layout(model, tmp_path):
+    """The cache's state_dict/state_meta write exactly the names sessions of format v1 hold, so sessions
+    saved before them still load."""
+    from safetensors.torch import load_file
+
+    a = Session(model, None, "h2o", max_tokens=40, position="reassigned")
+    a.send_ids(_ids(50, 1), max_new_tokens=3, stop_ids=())
+    a.save(tmp_path / "s")
+    info = json.loads((tmp_path / "s" / "session.json").read_text())
+    tensors = load_file(str(tmp_path / "s" / "cache.safetensors"))
+    n = len(a.cache.layers)
+    want = {"last_logits", "rng_state"} | {f"layers.{i}.{k}" for i in range(n)
+                                           for k in ("keys", "values", "positions", "rotations", "state.h2o_acc")}
+    assert set(tensors) == want and info["version"] == 1
+    assert [list(m) for m in info["layers"]] == [["initialized", "seen", "length", "phase", "n_new", "token_state", "state"]] * n
+    assert info["policy"]["params"] == {"keep": None, "max_tokens": 40, "position": "reassigned", "per_head": True,
+                                        "recent_ratio": 0.5}
+    for i, (layer, meta) in enumerate(zip(a.cache.compressed_layers, info["layers"])):
+        assert meta["length"] == layer.length == tensors[f"layers.{i}.keys"].shape[2] and meta["seen"] == a.seen
+
+
 def test_text_turns_and_restore_with_a_tokenizer(model, tmp_path):
     tok = CharTokenizer()
     a = Session(model, tok, "inf_mllm", max_tokens=64, window=8)
@@ -167,7 +188,7 @@ class _WordTokenizer:
 def test_recall_bad_input():
     from kvtrim.eval.recall import recall_sample
 
-    with pytest.raises(KVTrimError, match="n_facts must be an integer >= 1"):
+    with pytest.raises(KVTrimError, match="n_facts must be a positive integer"):
         recall_sample(_WordTokenizer(), n_facts=0)
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.rope import find_inv_freq, rotate
 
@@ -335,6 +336,110 @@ class CompressedLayer(CacheLayerMixin):
         ts = [self._pos, self._rot, *self.token_state.values()]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
+    # --- persistence -----------------------------------------------------------------------------
+    PHASES = ("prefill", "turn", "decode")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The stored part of this layer's tensors, each contiguous (no spare capacity):
+
+        ``keys`` ``[B, H, stored, D]``, ``values`` ``[B, H, stored, Dv]``, ``positions`` (int64
+        ``[B, H, stored]``), ``rotations`` (only under the ``reassigned``/``compressed`` position
+        policies) and ``state.<name>`` for each per-token policy state. Empty before the first
+        update. :meth:`state_meta` holds the rest; :meth:`load_state_dict` takes both.
+        """
+        k, v = self.keys, self.values
+        if k is None or v is None:
+            return {}
+        out = {"keys": k.contiguous(), "values": v.contiguous(), "positions": self.positions.contiguous()}
+        if self._rot is not None:
+            out["rotations"] = self.rotations.contiguous()
+        for name in sorted(self.token_state):
+            out[f"state.{name}"] = self.state_view(name).contiguous()
+        return out
+
+    def state_meta(self) -> dict:
+        """What :meth:`state_dict` does not hold: counters, the phase, the names of the per-token
+        states and the policy's per-layer ``state`` (as is; a caller that writes it as JSON checks it)."""
+        return {"initialized": self.is_initialized, "seen": self.seen, "length": self.length, "phase": self.phase,
+                "n_new": self.n_new, "token_state": sorted(self.token_state), "state": self.state}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Replace this layer's contents with a :meth:`state_dict` / :meth:`state_meta` pair.
+
+        Buffers are rebuilt with the usual slack on the device of ``tensors["keys"]``. Raises
+        ``KVTrimError`` (and leaves the layer reset) for missing or unexpected entries, shapes that
+        disagree with each other, with ``meta["length"]`` or with the cache's KV heads, or counters
+        that do not fit (``length <= seen``, every stream index ``< seen``).
+        """
+        where = f"layer {self.layer_idx}"
+        missing = [k for k in ("initialized", "seen", "length", "phase", "n_new", "token_state", "state") if k not in meta]
+        if missing:
+            raise KVTrimError(f"{where}: saved layer state lacks {', '.join(missing)}")
+        self.reset()
+        try:
+            self._load(tensors, meta, where)
+        except BaseException:
+            self.reset()
+            raise
+
+    def _load(self, tensors: dict[str, torch.Tensor], meta: dict, where: str) -> None:
+        seen = validate.integer(meta["seen"], f"{where}: seen", minimum=0)
+        n = validate.integer(meta["length"], f"{where}: length", minimum=0, maximum=seen)
+        n_new = validate.integer(meta["n_new"], f"{where}: n_new", minimum=0)
+        phase = validate.choice(meta["phase"], f"{where}: phase", self.PHASES)
+        if not isinstance(meta["state"], dict):
+            raise KVTrimError(f"{where}: the policy state must be a dict, got {type(meta['state']).__name__}")
+        names = list(meta["token_state"])
+        rotated = self.cache.position_policy != "true"
+        expected = {"keys", "values", "positions", *(("rotations",) if rotated else ()), *(f"state.{x}" for x in names)}
+        if not meta["initialized"]:
+            expected = set()
+            if n or names:
+                raise KVTrimError(f"{where}: an uninitialised layer cannot store {n} tokens or token states {names}")
+        if set(tensors) != expected:
+            lacking, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+            raise KVTrimError(
+                f"{where}: saved tensors do not match the layer (position policy {self.cache.position_policy!r}, "
+                f"token states {names}): missing {lacking}, unexpected {extra}"
+            )
+        self.seen, self.phase, self.n_new, self.state = seen, phase, n_new, dict(meta["state"])
+        if not meta["initialized"]:
+            return
+        k, v = tensors["keys"], tensors["values"]
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise KVTrimError(f"{where}: keys {tuple(k.shape)} and values {tuple(v.shape)} must both be [batch, kv_heads, stored, dim]")
+        b, h = k.shape[:2]
+        if k.shape[2] != n:
+            raise KVTrimError(f"{where}: {k.shape[2]} stored keys but length {n}")
+        if h != self.cache.num_kv_heads:
+            raise KVTrimError(f"{where}: {h} KV heads saved, the model has {self.cache.num_kv_heads}")
+        dev = k.device
+        index = {name: tensors[name].to(dev) for name in ("positions", "rotations") if name in tensors}
+        states = {x: tensors[f"state.{x}"].to(dev) for x in names}
+        for name, t in [*index.items(), *((f"state.{x}", t) for x, t in states.items())]:
+            if tuple(t.shape) != (b, h, n):
+                raise KVTrimError(f"{where}: {name} has shape {tuple(t.shape)}, expected {(b, h, n)}")
+        for name, t in index.items():
+            if t.dtype != torch.long:
+                raise KVTrimError(f"{where}: {name} must be int64, got {t.dtype}")
+        pos = index["positions"]
+        if n and (int(pos.min()) < 0 or int(pos.max()) >= seen):
+            raise KVTrimError(f"{where}: stream indices must lie in [0, {seen}) (tokens seen)")
+        cap = n + self.slack(n)
+
+        def buf(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_empty(*t.shape[:2], cap, *t.shape[3:])
+            out[:, :, :n] = t
+            return out
+
+        self.device = dev
+        self._k, self._v, self._pos = buf(k), buf(v.to(dev)), buf(pos)
+        self._rot = buf(index["rotations"]) if rotated else None
+        self.token_state = {x: buf(t) for x, t in states.items()}
+        self.length = n
+        self.is_initialized = True
+        self.awaiting_attention = False
+
 
 def _layer_nbytes(layer) -> int:
     if isinstance(layer, CompressedLayer):
@@ -434,6 +539,46 @@ class KVTrimCache(Cache):
         """Called by kvtrim's attention function once the layer's attention output is computed."""
         layer.awaiting_attention = False
         self.policy.after_attention(layer, query, key, scaling)
+
+    # --- persistence -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every compressed layer's :meth:`CompressedLayer.state_dict`, keys prefixed ``layers.<i>.``.
+
+        Raises ``KVTrimError`` when a sliding-window layer (transformers' own) holds tokens: those are
+        not saved.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, CompressedLayer):
+                out.update({f"layers.{i}.{k}": t for k, t in layer.state_dict().items()})
+            elif getattr(layer, "keys", None) is not None:
+                raise KVTrimError("saving a cache whose model has sliding-window layers is not supported")
+        return out
+
+    def state_meta(self) -> list[dict | None]:
+        """Per layer, :meth:`CompressedLayer.state_meta` (``None`` for a sliding-window layer)."""
+        return [layer.state_meta() if isinstance(layer, CompressedLayer) else None for layer in self.layers]
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: list[dict | None]) -> None:
+        """Restore a :meth:`state_dict` / :meth:`state_meta` pair into this (fresh) cache of the same model."""
+        if len(meta) != len(self.layers):
+            raise KVTrimError(f"saved state has {len(meta)} layers, the model has {len(self.layers)}")
+        per_layer: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            head, _, rest = key.partition(".")
+            idx, _, name = rest.partition(".")
+            if head != "layers" or not idx.isdigit() or not name or int(idx) >= len(self.layers):
+                raise KVTrimError(f"unexpected tensor {key!r} in the saved cache (expected layers.<i>.<name>)")
+            per_layer.setdefault(int(idx), {})[name] = t
+        for i, (layer, m) in enumerate(zip(self.layers, meta)):
+            if (m is None) == isinstance(layer, CompressedLayer):
+                raise KVTrimError(f"layer {i}: the saved state and the model disagree on whether this layer is compressed "
+                                  "(sliding-window layers are not)")
+            if isinstance(layer, CompressedLayer) and m is not None:
+                layer.load_state_dict(per_layer.get(i, {}), m)
+            elif i in per_layer:
+                raise KVTrimError(f"layer {i}: tensors saved for a sliding-window layer")
+        self._last_layer = None
 
     # --- reporting -----------------------------------------------------------------------------
     @property

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvtrim import decoding
-from kvtrim.cache import CompressedLayer, KVTrimCache
+from kvtrim import decoding, validate
+from kvtrim.cache import KVTrimCache
 from kvtrim.decoding import Sampler, check_context, chunk_size
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.hf import ATTN_NAME, attach
@@ -96,10 +96,6 @@ class ChunkStats:
         return d
 
 
-def _policy_params(policy: Policy) -> dict:
-    return {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)}
-
-
 def _fingerprint(model) -> dict:
     cfg = model.config.get_text_config(decoder=True)
     keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size", "head_dim")
@@ -141,8 +137,7 @@ class Session:
             raise KVTrimError("pass method parameters either in the Policy object or as keywords with a name, not both")
         if not policy.supports_turns:
             raise KVTrimError(f"method {policy.name!r} does not support multi-turn sessions")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-            raise KVTrimError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        prefill_chunk = validate.optional_integer(prefill_chunk, "prefill_chunk", minimum=1)
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
@@ -248,8 +243,7 @@ class Session:
         """
         if len(ids) == 0:
             raise KVTrimError("the turn is empty; send a non-empty message")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise KVTrimError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        validate.integer(max_new_tokens, "max_new_tokens", minimum=1)
         self._check_fits(len(ids), max_new_tokens)
         if stop_ids is None:
             eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
@@ -319,8 +313,7 @@ class Session:
         first token by the previous chunk's last logits), under the compressed cache.
         ``score=False`` skips it (only the last position's logits are computed; ``scored`` is 0).
         """
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise KVTrimError(f"chunk must be a positive number of tokens, got {chunk!r}")
+        validate.integer(chunk, "chunk", minimum=1, unit="tokens")
         if len(ids) == 0:
             raise KVTrimError("nothing to feed: the text is empty")
         held = min(self.policy.budget(self.seen + len(ids)), self.seen + len(ids))
@@ -372,29 +365,15 @@ class Session:
 
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        tensors: dict[str, torch.Tensor] = {}
-        layers = []
-        for i, layer in enumerate(self.cache.layers):
-            if not isinstance(layer, CompressedLayer):
-                if getattr(layer, "keys", None) is not None:
-                    raise KVTrimError("saving a session whose model has sliding-window layers is not supported")
-                layers.append(None)
+        tensors = self.cache.state_dict()
+        layers = self.cache.state_meta()
+        for meta in layers:
+            if meta is None:
                 continue
-            meta = {"initialized": layer.is_initialized, "seen": layer.seen, "length": layer.length,
-                    "phase": layer.phase, "n_new": layer.n_new, "token_state": sorted(layer.token_state)}
             try:
-                meta["state"] = json.loads(json.dumps(layer.state))
+                meta["state"] = json.loads(json.dumps(meta["state"]))
             except TypeError:
                 raise KVTrimError(f"policy {self.policy.name!r} keeps per-layer state that cannot be saved as JSON") from None
-            if layer.is_initialized:
-                tensors[f"layers.{i}.keys"] = layer.keys.contiguous()
-                tensors[f"layers.{i}.values"] = layer.values.contiguous()
-                tensors[f"layers.{i}.positions"] = layer.positions.contiguous()
-                if layer._rot is not None:
-                    tensors[f"layers.{i}.rotations"] = layer.rotations.contiguous()
-                for name in layer.token_state:
-                    tensors[f"layers.{i}.state.{name}"] = layer.state_view(name).contiguous()
-            layers.append(meta)
         if self._last_logits is not None:
             tensors["last_logits"] = self._last_logits.contiguous()
         tensors["rng_state"] = self._gen.get_state()
@@ -402,7 +381,7 @@ class Session:
         info = {
             "format": FORMAT, "version": FORMAT_VERSION,
             "model": _fingerprint(self.model),
-            "policy": {"name": self.policy.name, "params": _policy_params(self.policy)},
+            "policy": {"name": self.policy.name, "params": self.policy.params()},
             "chat": self.chat, "prefill_chunk": self.prefill_chunk,
             "messages": self.messages, "turns": self.turns, "chunks_fed": self.chunks_fed,
             "pending_ids": self._pending_ids, "pending_text": self._pending_text,
@@ -429,36 +408,10 @@ class Session:
         policy = create_policy(info["policy"]["name"], **info["policy"]["params"])
         s = cls(model, tokenizer, policy, chat=info["chat"], prefill_chunk=info["prefill_chunk"])
         tensors = load_file(str(d / "cache.safetensors"), device=str(s.device))
-        for i, meta in enumerate(info["layers"]):
-            if meta is None:
-                continue
-            _restore_layer(s.cache.layers[i], meta, tensors, f"layers.{i}.")
+        s.cache.load_state_dict({k: t for k, t in tensors.items() if k.startswith("layers.")}, info["layers"])
         s.messages, s.turns, s.chunks_fed = info["messages"], info["turns"], info["chunks_fed"]
         s._pending_ids, s._pending_text = list(info["pending_ids"]), info["pending_text"]
         s._last_logits = tensors.get("last_logits")
         s._gen.set_state(tensors["rng_state"].cpu())
         return s
 
-
-def _restore_layer(layer: CompressedLayer, meta: dict, tensors: dict, prefix: str) -> None:
-    """Rebuild a ``CompressedLayer``'s buffers (with the usual slack) from saved tensors."""
-    layer.seen, layer.phase, layer.n_new = meta["seen"], meta["phase"], meta["n_new"]
-    layer.state = meta["state"]
-    if not meta["initialized"]:
-        return
-    k, v = tensors[prefix + "keys"], tensors[prefix + "values"]
-    layer.lazy_initialization(k, v)
-    n = meta["length"]
-    cap = n + layer.slack(n)
-
-    def buf(t: torch.Tensor) -> torch.Tensor:
-        out = t.new_empty(*t.shape[:2], cap, *t.shape[3:])
-        out[:, :, :n] = t
-        return out
-
-    layer._k, layer._v, layer._pos = buf(k), buf(v), buf(tensors[prefix + "positions"])
-    if layer._rot is not None:
-        layer._rot = buf(tensors[prefix + "rotations"])
-    layer.token_state = {name: buf(tensors[f"{prefix}state.{name}"]) for name in meta["token_state"]}
-    layer.length = n
-    layer.awaiting_attention = False

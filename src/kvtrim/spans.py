@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 
 MODALITIES = ("system", "text", "image", "video", "document")
@@ -41,10 +42,8 @@ class Span:
     def __post_init__(self) -> None:
         if self.modality not in MODALITIES:
             raise KVTrimError(f"unknown modality {self.modality!r} in span {self.start}..{self.end}; allowed: {', '.join(MODALITIES)}")
-        for name in ("start", "end"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise KVTrimError(f"span {name} must be an integer token position, got {v!r}")
+        validate.integer(self.start, "span start (a token position)")
+        validate.integer(self.end, "span end (a token position)")
         if self.start < 0 or self.end <= self.start:
             raise KVTrimError(f"span [{self.start}, {self.end}) is empty or negative; spans need 0 <= start < end")
 
@@ -60,8 +59,7 @@ class SpanSet:
     """
 
     def __init__(self, spans: Iterable[Span | tuple], n_tokens: int):
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 1:
-            raise KVTrimError(f"the prompt length must be a positive integer, got {n_tokens!r}")
+        n_tokens = validate.integer(n_tokens, "the prompt length", minimum=1)
         items = [s if isinstance(s, Span) else Span(*s) for s in spans]
         items.sort(key=lambda s: (s.start, s.end))
         for s in items:

@@ -21,16 +21,20 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def integer(value, what: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """An ``int`` (not ``bool``) within ``[minimum, maximum]`` where given."""
+def integer(value, what: str, *, minimum: int | None = None, maximum: int | None = None, unit: str | None = None) -> int:
+    """An ``int`` (not ``bool``) within ``[minimum, maximum]`` where given.
+
+    ``unit`` names what is counted in the message ("a positive number of tokens").
+    """
     if not _is_int(value) or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        raise KVTrimError(f"{what} must be {_int_range(minimum, maximum)}, got {value!r}")
+        raise KVTrimError(f"{what} must be {_int_range(minimum, maximum, unit)}, got {value!r}")
     return int(value)
 
 
-def optional_integer(value, what: str, *, minimum: int | None = None, maximum: int | None = None) -> int | None:
+def optional_integer(value, what: str, *, minimum: int | None = None, maximum: int | None = None,
+                     unit: str | None = None) -> int | None:
     """``None``, or an integer as :func:`integer` checks it."""
-    return None if value is None else integer(value, what, minimum=minimum, maximum=maximum)
+    return None if value is None else integer(value, what, minimum=minimum, maximum=maximum, unit=unit)
 
 
 def number(value, what: str, *, minimum: float | None = None, maximum: float | None = None,
@@ -45,13 +49,15 @@ def number(value, what: str, *, minimum: float | None = None, maximum: float | N
     if ok and maximum is not None:
         ok = float(value) < maximum if max_open else float(value) <= maximum
     if not ok:
-        raise KVTrimError(f"{what} must be {_num_range(minimum, maximum, min_open, max_open)}, got {value!r}")
+        raise KVTrimError(f"{what} must be {_num_range(minimum, maximum, min_open, max_open, finite)}, got {value!r}")
     return float(value)
 
 
 def fraction(value, what: str, *, allow_zero: bool = False) -> float:
     """A fraction in ``(0, 1]`` (``[0, 1]`` with ``allow_zero``)."""
-    return number(value, what, minimum=0.0, maximum=1.0, min_open=not allow_zero)
+    if not _is_number(value) or not (0.0 <= float(value) <= 1.0) or (not allow_zero and float(value) == 0.0):
+        raise KVTrimError(f"{what} must be a fraction in {'[' if allow_zero else '('}0, 1], got {value!r}")
+    return float(value)
 
 
 def choice(value, what: str, allowed) -> str:
@@ -61,23 +67,27 @@ def choice(value, what: str, allowed) -> str:
     return value
 
 
-def _int_range(lo, hi) -> str:
+def _int_range(lo, hi, unit) -> str:
+    noun = f"number of {unit}" if unit else "integer"
     if lo is not None and hi is not None:
         return f"an integer in [{lo}, {hi}]"
     if lo == 1:
-        return "a positive integer"
+        return f"a positive {noun}"
+    if lo == 0:
+        return f"a non-negative {noun}"
     if lo is not None:
         return f"an integer >= {lo}"
     if hi is not None:
         return f"an integer <= {hi}"
-    return "an integer"
+    return f"an integer number of {unit}" if unit else "an integer"
 
 
-def _num_range(lo, hi, lo_open, hi_open) -> str:
+def _num_range(lo, hi, lo_open, hi_open, finite) -> str:
+    kind = "a finite number" if finite else "a number"
     if lo is not None and hi is not None:
-        return f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        return f"in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
     if lo is not None:
-        return f"a number {'>' if lo_open else '>='} {lo:g}"
+        return f"{kind} {'>' if lo_open else '>='} {lo:g}"
     if hi is not None:
-        return f"a number {'<' if hi_open else '<='} {hi:g}"
-    return "a finite number"
+        return f"{kind} {'<' if hi_open else '<='} {hi:g}"
+    return kind

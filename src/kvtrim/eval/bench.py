@@ -22,6 +22,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.plan import REFERENCE
 
@@ -45,19 +46,16 @@ def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dens
     names = split_list(methods, "methods")
     for m in names:
         get_policy_class(m)  # raises on an unknown name
-    if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < keep <= 1.0:
-        raise KVTrimError(f"--keep must be a fraction in (0, 1]; got {keep!r}")
+    keep = validate.fraction(keep, "--keep")
     try:
         lens = [int(x) for x in split_list(lengths, "lengths")]
     except ValueError:
         raise KVTrimError(f"--lengths takes comma-separated token counts; got {lengths!r}") from None
     if any(n < 128 for n in lens):
         raise KVTrimError(f"--lengths must be >= 128 tokens; got {lengths}")
-    for name, v, lo in (("reps", reps, 1), ("new-tokens", new_tokens, 2)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise KVTrimError(f"--{name} must be an integer >= {lo}; got {v!r}")
-    if threads is not None and threads < 1:
-        raise KVTrimError(f"--threads must be >= 1; got {threads}")
+    reps = validate.integer(reps, "--reps", minimum=1)
+    new_tokens = validate.integer(new_tokens, "--new-tokens", minimum=2)
+    threads = validate.optional_integer(threads, "--threads", minimum=1)
     if prefill not in PREFILL_MODES:
         raise KVTrimError(f"unknown --prefill {prefill!r}; choose one of: {', '.join(PREFILL_MODES)}")
     return BenchPlan(list(dict.fromkeys(names)), float(keep), lens, reps, new_tokens, prefill, threads)

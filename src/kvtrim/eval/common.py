@@ -24,6 +24,7 @@ import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtrim import validate
 from kvtrim.data import essays_text, prose_haystack, pydoc_text
 from kvtrim.errors import KVTrimError
 
@@ -106,8 +107,7 @@ def count_tokens(tokenizer, text: str) -> int:
 
 
 def check_length(task: str, length) -> int:
-    if isinstance(length, bool) or not isinstance(length, int):
-        raise KVTrimError(f"{task}: length must be an integer number of tokens, got {length!r}")
+    length = validate.integer(length, f"{task}: length", unit="tokens")
     if length < MIN_LENGTH:
         raise KVTrimError(f"{task}: length {length} is too small; ask for at least {MIN_LENGTH} tokens")
     return length
@@ -124,15 +124,12 @@ def check_depth(task: str, depth) -> float:
 
 
 def check_count(task: str, name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise KVTrimError(f"{task}: {name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return validate.integer(value, f"{task}: {name}", minimum=minimum)
 
 
 def make_rng(task: str, seed: int) -> random.Random:
     """A generator-private RNG: the same seed gives unrelated draws in different tasks."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise KVTrimError(f"{task}: seed must be an integer, got {seed!r}")
+    seed = validate.integer(seed, f"{task}: seed")
     return random.Random(f"kvtrim.eval:{task}:{seed}")
 
 

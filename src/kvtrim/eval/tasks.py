@@ -28,6 +28,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.eval import metrics
 from kvtrim.eval.common import (
@@ -180,8 +181,7 @@ def make_samples(task: str, tokenizer, length: int, n: int = 1, seed: int = 0, *
     gen = get_task(task)
     check_length(task, length)
     check_count(task, "n", n)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise KVTrimError(f"{task}: seed must be an integer, got {seed!r}")
+    validate.integer(seed, f"{task}: seed")
     if depths is None:
         depths = even_depths(n)
     else:

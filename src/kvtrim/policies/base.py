@@ -20,6 +20,7 @@ Budgets (METHODS.md §0): either ``keep`` (a fraction of the tokens seen so far)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.scores import causal_column_sums
 
@@ -83,12 +85,9 @@ class Policy:
         if self.keep is not None and self.max_tokens is not None:
             raise KVTrimError(f"{self.name}: give either keep or max_tokens, not both")
         if self.keep is not None:
-            if isinstance(self.keep, bool) or not isinstance(self.keep, (int, float)) or not (0.0 < float(self.keep) <= 1.0):
-                raise KVTrimError(f"{self.name}: keep must be a fraction in (0, 1], got {self.keep!r}")
-            self.keep = float(self.keep)
+            self.keep = validate.fraction(self.keep, f"{self.name}: keep")
         if self.max_tokens is not None:
-            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-                raise KVTrimError(f"{self.name}: max_tokens must be an integer, got {self.max_tokens!r}")
+            self.max_tokens = validate.integer(self.max_tokens, f"{self.name}: max_tokens")
             if self.max_tokens < self.min_tokens:
                 raise KVTrimError(
                     f"{self.name}: max_tokens={self.max_tokens} is smaller than the {self.min_tokens} tokens this "
@@ -126,14 +125,16 @@ class Policy:
         """True when this configuration can run past the model's trained context."""
         return self.supports_streaming and self.position_policy == "reassigned" and self.max_tokens is not None
 
+    def params(self) -> dict:
+        """Every dataclass field as given (``position`` may be None): ``create_policy(name, **params())``
+        rebuilds this policy."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
     def describe(self) -> dict:
-        return {
-            "method": self.name,
-            "keep": self.keep,
-            "max_tokens": self.max_tokens,
-            "position": self.position_policy,
-            "per_head": self.per_head,
-        }
+        """``{"method": name, **params()}`` with ``position`` resolved to the effective position policy
+        and tuples as lists (JSON-ready; results files and ``--json`` output read these keys)."""
+        d = {"method": self.name, **self.params(), "position": self.position_policy}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
     # --- hooks ---------------------------------------------------------------------------------
     def after_attention(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:

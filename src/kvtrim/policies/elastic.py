@@ -63,6 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtrim import validate
 from kvtrim.cache import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
@@ -146,22 +147,15 @@ class Elastic(Policy):
     def __post_init__(self) -> None:
         if self.per_head:
             raise KVTrimError("elastic: per_head=True is not supported; Elastic Cache keeps one index set per layer")
-        if isinstance(self.distance, bool) or not isinstance(self.distance, int) or self.distance < 0:
-            raise KVTrimError(f"elastic: distance must be a non-negative integer, got {self.distance!r}")
-        if self.combine not in COMBINE:
-            raise KVTrimError(f"elastic: combine must be one of {', '.join(COMBINE)}, got {self.combine!r}")
-        if self.importance not in IMPORTANCE:
-            raise KVTrimError(f"elastic: importance must be one of {', '.join(IMPORTANCE)}, got {self.importance!r}")
-        if self.eviction not in EVICTION:
-            raise KVTrimError(f"elastic: eviction must be one of {', '.join(EVICTION)}, got {self.eviction!r}")
-        if not (0.0 < float(self.ema_decay) < 1.0):
-            raise KVTrimError(f"elastic: ema_decay must be in (0, 1), got {self.ema_decay!r}")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
-            raise KVTrimError(f"elastic: window must be a non-negative integer, got {self.window!r}")
+        self.distance = validate.integer(self.distance, "elastic: distance", minimum=0)
+        validate.choice(self.combine, "elastic: combine", COMBINE)
+        validate.choice(self.importance, "elastic: importance", IMPORTANCE)
+        validate.choice(self.eviction, "elastic: eviction", EVICTION)
+        self.ema_decay = validate.number(self.ema_decay, "elastic: ema_decay", minimum=0.0, maximum=1.0, min_open=True, max_open=True)
+        self.window = validate.integer(self.window, "elastic: window", minimum=0)
         if self.proportional and self.combine != "merge":
             raise KVTrimError("elastic: proportional=True needs combine='merge' (it weighs merged tokens by their bucket size)")
-        if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 1:
-            raise KVTrimError(f"elastic: chunk must be a positive integer, got {self.chunk!r}")
+        self.chunk = validate.integer(self.chunk, "elastic: chunk", minimum=1)
         super().__post_init__()
 
     @property
@@ -177,14 +171,6 @@ class Elastic(Policy):
         if self.window > 1:
             return f"the first token and the last {self.window} prompt tokens"
         return "the first token and the last prompt token"
-
-    def describe(self) -> dict:
-        d = super().describe()
-        d.update(distance=self.distance, combine=self.combine, importance=self.importance, eviction=self.eviction, align=self.align,
-            merge_protected=self.merge_protected,
-            window=self.window, proportional=self.proportional,
-        )
-        return d
 
     # --- instruction encoding ----------------------------------------------------------------------
     def layer_importance(self, layer, query, key, scaling) -> torch.Tensor:

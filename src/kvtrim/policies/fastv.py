@@ -22,6 +22,7 @@ from typing import ClassVar
 
 import torch
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.scores import _grouped
@@ -40,7 +41,7 @@ class PrefillTokenPruning(Policy):
     ``slice_decision_layers`` whether layers ``<= decision_layer`` drop the tokens from their KV too.
     """
 
-    mode: str = "prune"
+    mode: str | None = None  # "prune" or "kv"; None means "prune"
     targets: tuple = VISUAL
 
     slice_decision_layers: ClassVar[bool] = False
@@ -49,8 +50,7 @@ class PrefillTokenPruning(Policy):
     needs_spans = True
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise KVTrimError(f"{self.name}: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        self.mode = validate.choice("prune" if self.mode is None else self.mode, f"{self.name}: mode", MODES)
         if isinstance(self.targets, str):
             self.targets = (self.targets,)
         self.targets = tuple(self.targets)
@@ -158,10 +158,8 @@ class FastV(PrefillTokenPruning):
     description = "FastV: keep the top 50% of image tokens by the last token's attention in layer K=2, prune hidden states after"
 
     def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise KVTrimError(f"fastv: k must be a positive integer layer index, got {self.k!r}")
-        if not (0.0 <= float(self.ratio) <= 1.0):
-            raise KVTrimError(f"fastv: ratio must be in [0, 1], got {self.ratio!r}")
+        self.k = validate.integer(self.k, "fastv: k", minimum=1)
+        self.ratio = validate.number(self.ratio, "fastv: ratio", minimum=0.0, maximum=1.0)
         super().__post_init__()
         if self.max_tokens is not None or (self.keep is not None and self.keep != 1.0):
             raise KVTrimError("fastv takes no cache budget (keep/max_tokens); set the share of image tokens kept with ratio")
@@ -179,6 +177,3 @@ class FastV(PrefillTokenPruning):
         if n_keep:
             keep[torch.topk(s, n_keep).indices] = True
         return keep
-
-    def describe(self) -> dict:
-        return {**super().describe(), "k": self.k, "ratio": self.ratio, "mode": self.mode, "targets": list(self.targets)}

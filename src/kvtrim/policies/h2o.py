@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtrim.errors import KVTrimError
+from kvtrim import validate
 from kvtrim.policies.base import Policy
 from kvtrim.scores import group_reduce, window_probs
 
@@ -30,8 +30,7 @@ class H2O(Policy):
     shares_prefill_scores = True
 
     def __post_init__(self) -> None:
-        if not (0.0 <= float(self.recent_ratio) < 1.0):
-            raise KVTrimError(f"h2o: recent_ratio must be in [0, 1), got {self.recent_ratio!r}")
+        self.recent_ratio = validate.number(self.recent_ratio, "h2o: recent_ratio", minimum=0.0, maximum=1.0, max_open=True)
         super().__post_init__()
 
     @property

@@ -5,11 +5,12 @@ is not a target, i.e. not image/video) over the keys, averaged over all query he
 ``A[i, j]`` for text row ``i`` and target (visual) token ``j``. Global relevance
 ``g_j = sum_i A[i, j]``, local relevance ``m_j = max_i A[i, j]``. Token ``j`` is dropped only if
 ``g_j < r * sum_k g_k`` **and** ``m_j < alpha`` (defaults r = 0.0015 [paper], alpha = 0.0005
-[seed]). The kept set is computed once and broadcast to every layer, layer 0 included. Two modes:
+[seed]). The kept set is computed once and broadcast to every layer, layer 0 included. Two modes
+(``mode``, as for FastV; ``dap_mode`` is its former name and still accepted):
 
-* ``dap_mode="prune"`` (default): the hidden states of dropped tokens are removed after layer 0,
+* ``mode="prune"`` (default): the hidden states of dropped tokens are removed after layer 0,
   so layers 1.. never compute them (prefill compute saved; ``kvtrim.integrations.pruning``);
-* ``dap_mode="kv"``: a normal prefill, then every layer's KV is sliced to the kept set.
+* ``mode="kv"``: a normal prefill, then every layer's KV is sliced to the kept set.
 
 Relationship (tested): both modes hold the same token set in every layer, and identical KV in
 layers 0 and 1 (layer 1's keys and values are projections of layer 0's output, which both modes
@@ -38,10 +39,11 @@ prefill, if the prompt left after DAP exceeds ``B``, the top ``B`` by the window
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.fastv import PrefillTokenPruning, head_mean_probs
 from kvtrim.scores import group_reduce, window_probs
@@ -58,38 +60,39 @@ def dap_keep(attn: torch.Tensor, r: float = 0.0015, alpha: float = 0.0005) -> to
 
 @dataclass
 class HAE(PrefillTokenPruning):
-    """Args: ``r`` (0.0015), ``alpha`` (0.0005), ``dap_mode`` ("prune" | "kv"), ``targets``
-    (image, video), budget ``keep``/``max_tokens`` for DDES (none: decoded tokens are appended),
-    ``bin_ratio`` (0.15), ``gamma`` (0.9), ``lam`` (0.5), ``recent`` (8), ``window`` (32)."""
+    """Args: ``r`` (0.0015), ``alpha`` (0.0005), ``mode`` ("prune" | "kv"; default "prune"),
+    ``targets`` (image, video), budget ``keep``/``max_tokens`` for DDES (none: decoded tokens are
+    appended), ``bin_ratio`` (0.15), ``gamma`` (0.9), ``lam`` (0.5), ``recent`` (8), ``window`` (32).
+    ``dap_mode`` is the former name of ``mode``, accepted for older scripts and saved sessions;
+    giving both with different values is refused."""
 
     r: float = 0.0015
     alpha: float = 0.0005
-    dap_mode: str = "prune"
     bin_ratio: float = 0.15
     gamma: float = 0.9
     lam: float = 0.5
     recent: int = 8
     window: int = 32
+    dap_mode: InitVar[str | None] = None
 
     name = "hae"
     description = "HAE: first-layer dual-attention pruning of visual tokens (broadcast) + recycle-bin decode eviction"
     takes_budget = True
 
-    def __post_init__(self) -> None:
-        for n in ("r", "alpha"):
-            v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0.0 <= float(v) <= 1.0):
-                raise KVTrimError(f"hae: {n} must be a number in [0, 1], got {v!r}")
-        if not (0.0 < float(self.bin_ratio) < 1.0):
-            raise KVTrimError(f"hae: bin_ratio must be in (0, 1) (the seed suggests 0.1-0.2), got {self.bin_ratio!r}")
-        for n in ("gamma", "lam"):
-            if not (0.0 <= float(getattr(self, n)) <= 1.0):
-                raise KVTrimError(f"hae: {n} must be in [0, 1], got {getattr(self, n)!r}")
-        for n in ("recent", "window"):
-            v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise KVTrimError(f"hae: {n} must be a positive integer, got {v!r}")
-        self.mode = self.dap_mode
+    def __post_init__(self, dap_mode: str | None = None) -> None:
+        if dap_mode is not None:
+            if self.mode is not None and self.mode != dap_mode:
+                raise KVTrimError(
+                    f"hae: mode={self.mode!r} and dap_mode={dap_mode!r} disagree; dap_mode is the former name of mode, give one"
+                )
+            self.mode = dap_mode
+        self.r = validate.number(self.r, "hae: r", minimum=0.0, maximum=1.0)
+        self.alpha = validate.number(self.alpha, "hae: alpha", minimum=0.0, maximum=1.0)
+        self.bin_ratio = validate.number(self.bin_ratio, "hae: bin_ratio", minimum=0.0, maximum=1.0, min_open=True, max_open=True)
+        self.gamma = validate.number(self.gamma, "hae: gamma", minimum=0.0, maximum=1.0)
+        self.lam = validate.number(self.lam, "hae: lam", minimum=0.0, maximum=1.0)
+        self.recent = validate.integer(self.recent, "hae: recent", minimum=1)
+        self.window = validate.integer(self.window, "hae: window", minimum=1)
         super().__post_init__()
 
     @property
@@ -167,10 +170,3 @@ class HAE(PrefillTokenPruning):
             layer.state["hae_restored"] += int((binned & ~new_bin).sum())
             layer.state["hae_binned"] += int((~binned & new_bin).sum())
         binned.copy_(new_bin)
-
-    def describe(self) -> dict:
-        return {
-            **super().describe(),
-            "r": self.r, "alpha": self.alpha, "dap_mode": self.dap_mode, "bin_ratio": self.bin_ratio,
-            "gamma": self.gamma, "lam": self.lam, "targets": list(self.targets),
-        }

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.errors import KVTrimError
+from kvtrim import validate
 from kvtrim.policies.base import Policy
 from kvtrim.scores import group_reduce, window_probs
 
@@ -95,15 +95,10 @@ class InfMLLM(Policy):
     supports_streaming = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise KVTrimError(f"inf_mllm: window must be a positive integer, got {self.window!r}")
-        if isinstance(self.bias, bool) or not isinstance(self.bias, (int, float)) or not (float(self.bias) >= 0.0) or math.isinf(self.bias):
-            raise KVTrimError(f"inf_mllm: bias must be a finite number >= 0, got {self.bias!r}")
-        self.bias = float(self.bias)
-        if isinstance(self.recent_share, bool) or not isinstance(self.recent_share, (int, float)) or not (0.0 < float(self.recent_share) <= 1.0):
-            raise KVTrimError(f"inf_mllm: recent_share must be in (0, 1], got {self.recent_share!r}")
-        if isinstance(self.decode_cap, bool) or not isinstance(self.decode_cap, int) or self.decode_cap < 0:
-            raise KVTrimError(f"inf_mllm: decode_cap must be a non-negative integer, got {self.decode_cap!r}")
+        self.window = validate.integer(self.window, "inf_mllm: window", minimum=1)
+        self.bias = validate.number(self.bias, "inf_mllm: bias", minimum=0.0)
+        self.recent_share = validate.number(self.recent_share, "inf_mllm: recent_share", minimum=0.0, maximum=1.0, min_open=True)
+        self.decode_cap = validate.integer(self.decode_cap, "inf_mllm: decode_cap", minimum=0)
         super().__post_init__()
 
     @property
@@ -112,11 +107,6 @@ class InfMLLM(Policy):
 
     def min_tokens_reason(self) -> str:
         return f"the retrieval window of {self.window} tokens"
-
-    def describe(self) -> dict:
-        d = super().describe()
-        d.update(window=self.window, bias=self.bias, recent_share=self.recent_share, decode_cap=self.decode_cap)
-        return d
 
     def n_recent(self, layer, budget: int) -> int:
         """Most recent tokens kept unconditionally at this prompt."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.scores import group_reduce, window_probs
@@ -33,12 +34,11 @@ class SnapKV(Policy):
     description = "observation window of the last 32 queries, pooled scores, per KV head, at each prompt"
 
     def __post_init__(self) -> None:
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-            raise KVTrimError(f"snapkv: window must be a positive integer, got {self.window!r}")
-        if not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
+        self.window = validate.integer(self.window, "snapkv: window", minimum=1)
+        self.kernel = validate.integer(self.kernel, "snapkv: kernel", minimum=1)
+        if self.kernel % 2 == 0:
             raise KVTrimError(f"snapkv: kernel must be a positive odd integer, got {self.kernel!r}")
-        if self.pooling not in ("avg", "max"):
-            raise KVTrimError(f"snapkv: pooling must be 'avg' or 'max', got {self.pooling!r}")
+        validate.choice(self.pooling, "snapkv: pooling", ("avg", "max"))
         super().__post_init__()
 
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtrim.errors import KVTrimError
+from kvtrim import validate
 from kvtrim.policies.base import Policy
 
 
@@ -27,8 +27,7 @@ class StreamingLLM(Policy):
     supports_streaming = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.sinks, bool) or not isinstance(self.sinks, int) or self.sinks < 0:
-            raise KVTrimError(f"streaming_llm: sinks must be a non-negative integer, got {self.sinks!r}")
+        self.sinks = validate.integer(self.sinks, "streaming_llm: sinks", minimum=0)
         super().__post_init__()
 
     @property
