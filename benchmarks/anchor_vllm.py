@@ -331,7 +331,7 @@ def run(args) -> dict:
     import transformers
 
     import kvtrim
-    from kvtrim.attention.prefill import make_prefill
+    from kvtrim.integrations.prefill import make_prefill
     from kvtrim.eval import make_samples
     from kvtrim.generation import generate_ids
     from kvtrim.models import _resolve, build_prompt_ids, load_model

@@ -37,7 +37,7 @@ class BenchPlan:
 
 
 def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dense", threads=None) -> BenchPlan:
-    from kvtrim.attention.prefill import PREFILL_MODES
+    from kvtrim.integrations.prefill import PREFILL_MODES
     from kvtrim.eval.runner import _split
     from kvtrim.registry import get_policy_class
 
@@ -105,7 +105,7 @@ def run_bench(model: str | None, plan: BenchPlan, rss: bool = True, progress: bo
     lm = load_model(model)
     hook = None
     if plan.prefill != "dense":
-        from kvtrim.attention.prefill import make_prefill
+        from kvtrim.integrations.prefill import make_prefill
 
         hook = make_prefill(lm.model, plan.prefill)
     too_long = [n for n in plan.lengths if lm.max_context and n + plan.new_tokens + 64 > lm.max_context]
@@ -178,7 +178,7 @@ def _one(spec: str) -> None:
     lm = load_model(d["model"])
     hook = None
     if plan.prefill != "dense":
-        from kvtrim.attention.prefill import make_prefill
+        from kvtrim.integrations.prefill import make_prefill
 
         hook = make_prefill(lm.model, plan.prefill)
     _one_run(lm, _prompt(lm, d["length"]), d["method"], plan, hook)

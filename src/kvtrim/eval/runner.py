@@ -116,7 +116,7 @@ def _split(value, what: str) -> list[str]:
 def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, prefill: str = "dense",
               haystack: str | None = None) -> EvalPlan:
     """Validate a sweep (names, ranges) before any model loads; raises ``KVTrimError`` naming the problem."""
-    from kvtrim.attention.prefill import PREFILL_MODES
+    from kvtrim.integrations.prefill import PREFILL_MODES
     from kvtrim.eval.replay import NOT_REPLAYABLE
     from kvtrim.registry import get_policy_class, method_names
 
@@ -466,7 +466,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     skipped = len(units) * len(plan.configs) - n_cfg
     prefill_hook = None
     if plan.prefill != "dense":
-        from kvtrim.attention.prefill import make_prefill
+        from kvtrim.integrations.prefill import make_prefill
 
         prefill_hook = make_prefill(lm.model, plan.prefill)
     bar = tqdm(total=n_cfg, desc="kvtrim eval", unit="run", disable=not progress, dynamic_ncols=True)
