@@ -23,6 +23,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from kvtrim.errors import KVTrimError
+from kvtrim.validate import comma_list
 
 
 @dataclass
@@ -38,16 +39,15 @@ class BenchPlan:
 
 def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dense", threads=None) -> BenchPlan:
     from kvtrim.integrations.prefill import PREFILL_MODES
-    from kvtrim.eval.runner import _split
     from kvtrim.registry import get_policy_class
 
-    names = _split(methods, "methods")
+    names = comma_list(methods, "--methods")
     for m in names:
         get_policy_class(m)  # raises on an unknown name
     if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0.0 < keep <= 1.0:
         raise KVTrimError(f"--keep must be a fraction in (0, 1]; got {keep!r}")
     try:
-        lens = [int(x) for x in _split(lengths, "lengths")]
+        lens = [int(x) for x in comma_list(lengths, "--lengths")]
     except ValueError:
         raise KVTrimError(f"--lengths takes comma-separated token counts; got {lengths!r}") from None
     if any(n < 128 for n in lens):

@@ -56,6 +56,7 @@ from kvtrim.eval.batched import Clock, Step, Wait, drive
 from kvtrim.eval.longtext import LONGTEXT_TASKS
 from kvtrim.eval.metrics import METRICS
 from kvtrim.eval.tasks import TASKS, even_depths, sample_seed
+from kvtrim.validate import comma_list
 
 ALL_TASKS = {**TASKS, **LONGTEXT_TASKS}
 
@@ -105,14 +106,6 @@ class EvalPlan:
         return [(t, n, i) for n in self.lengths for i in order for t in self.tasks]
 
 
-def _split(value, what: str) -> list[str]:
-    items = value.split(",") if isinstance(value, str) else list(value)
-    items = [str(x).strip() for x in items]
-    if not items or any(not x for x in items):
-        raise KVTrimError(f"--{what} takes a comma-separated list without empty items; got {value!r}")
-    return items
-
-
 def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, prefill: str = "dense",
               haystack: str | None = None) -> EvalPlan:
     """Validate a sweep (names, ranges) before any model loads; raises ``KVTrimError`` naming the problem."""
@@ -120,11 +113,11 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
     from kvtrim.eval.replay import NOT_REPLAYABLE
     from kvtrim.registry import get_policy_class, method_names
 
-    task_list = _split(tasks, "tasks")
+    task_list = comma_list(tasks, "--tasks")
     for t in task_list:
         if t not in ALL_TASKS:
             raise KVTrimError(f"unknown task {t!r}; known tasks: {', '.join(ALL_TASKS)}")
-    method_list = _split(methods, "methods")
+    method_list = comma_list(methods, "--methods")
     for m in method_list:
         if m not in method_names():
             raise KVTrimError(f"unknown method {m!r}; known methods: {', '.join(method_names())}")
@@ -134,7 +127,7 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
                 "Evaluate it on images with kvtrim generate --image (see docs/multimodal.md)"
             )
     try:
-        length_list = [int(x) for x in _split(lengths, "length")]
+        length_list = [int(x) for x in comma_list(lengths, "--length")]
     except ValueError:
         raise KVTrimError(f"--length takes comma-separated token counts, e.g. 2048,4096; got {lengths!r}") from None
     from kvtrim.eval.common import MIN_LENGTH
@@ -143,7 +136,7 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
         if n < MIN_LENGTH:
             raise KVTrimError(f"--length must be >= {MIN_LENGTH} tokens; got {n}")
     try:
-        keep_list = [float(x) for x in _split(keeps, "keep")]
+        keep_list = [float(x) for x in comma_list(keeps, "--keep")]
     except ValueError:
         raise KVTrimError(f"--keep takes comma-separated fractions, e.g. 0.1,0.25,0.5; got {keeps!r}") from None
     for k in keep_list:
