@@ -210,3 +210,52 @@ def test_no_private_name_is_imported_from_another_module():
         return not any(is_private(p) for p in parts)
 
     check(rule, {})
+
+
+# -- the repository stands on its own -------------------------------------------------------------
+ROOT = SRC.parent
+# Written in pieces so that this file does not match itself.
+OUTSIDE_FILES = ["../" + "shared", "METHODS" + ".md", "STYLE" + ".md", "EVAL" + ".md", "INTEGRATION" + ".md"]
+JARGON = {
+    r"\bseed 0\d\d\b": "an internal write-up's number; cite the paper by title",
+    r"\[open\]": "an outside document's tag; say \"kvtrim's choice\" and what was chosen",
+}
+
+
+def repository_texts() -> list[Path]:
+    paths = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
+    for folder in ("src", "tests", "docs"):
+        paths += [p for p in sorted((ROOT / folder).rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    return paths
+
+
+def test_docs_and_code_cite_nothing_outside_the_repository():
+    """Docstrings, comments, docs and tests point at files of this repository and at papers, so a
+    person who clones kvtrim can follow every reference."""
+    import re
+
+    found = []
+    for path in repository_texts():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # images
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            hits = [s for s in OUTSIDE_FILES if s in line] + [why for rx, why in JARGON.items() if re.search(rx, line)]
+            found += [f"{path.relative_to(ROOT)}:{n}: {h}" for h in hits]
+    assert not found, "references to files outside the repository or internal jargon:\n" + "\n".join(found)
+
+
+def test_docs_links_resolve():
+    """Every relative Markdown link in README.md, CONTRIBUTING.md and the hand-written pages of docs/
+    names an existing file (docs/eval/ is written by ``kvtrim report``)."""
+    import re
+
+    missing = []
+    for path in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (path.parent / target).exists():
+                missing.append(f"{path.relative_to(ROOT)} -> {target}")
+    assert not missing, "links to missing files:\n" + "\n".join(missing)
