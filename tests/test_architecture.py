@@ -9,6 +9,8 @@ reason. An allowance that no longer matches an import fails the test too, so the
 from __future__ import annotations
 
 import ast
+import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -125,8 +127,8 @@ def test_kernels_load_without_transformers():
         f"for m in {kernels!r}: importlib.import_module(m)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kvtrim', 'transformers')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     loaded = eval(out.stdout.strip().splitlines()[-1])
     assert not [m for m in loaded if top(m) == "transformers"]
     assert [m for m in loaded if not inside(m, "kvtrim.attention")] == ["kvtrim", "kvtrim.errors", "kvtrim.registry"]
@@ -232,8 +234,6 @@ def repository_texts() -> list[Path]:
 def test_docs_and_code_cite_nothing_outside_the_repository():
     """Docstrings, comments, docs and tests point at files of this repository and at papers, so a
     person who clones kvtrim can follow every reference."""
-    import re
-
     found = []
     for path in repository_texts():
         try:
@@ -249,8 +249,6 @@ def test_docs_and_code_cite_nothing_outside_the_repository():
 def test_docs_links_resolve():
     """Every relative Markdown link in README.md, CONTRIBUTING.md and the hand-written pages of docs/
     names an existing file (docs/eval/ is written by ``kvtrim report``)."""
-    import re
-
     missing = []
     for path in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
