@@ -331,10 +331,10 @@ def run(args) -> dict:
     import transformers
 
     import kvtrim
-    from kvtrim.attention.prefill import make_prefill
+    from kvtrim.integrations.prefill import make_prefill
     from kvtrim.eval import make_samples
     from kvtrim.generation import generate_ids
-    from kvtrim.models import _resolve, build_prompt_ids, load_model
+    from kvtrim.models import build_prompt_ids, load_model, resolve_model
     from kvtrim.registry import create_policy
 
     sys.path.insert(0, str(HERE))
@@ -342,7 +342,7 @@ def run(args) -> dict:
 
     lm = load_model(None)
     model, tok = lm.model, lm.tokenizer
-    model_dir = str(_resolve(None)[0])
+    model_dir = str(resolve_model(None)[0])
     kt_dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     prompts = {}
     for L in args.lengths:

@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from kvtrim.attention.prefill import SIZE_KEYS, SparsePrefill, make_prefill
+from kvtrim.integrations.prefill import SIZE_KEYS, SparsePrefill, make_prefill
 from kvtrim.cache import KVTrimCache
 from kvtrim.data import essays_text
 from kvtrim.integrations.hf import attach, cache_kwarg

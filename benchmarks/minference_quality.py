@@ -27,7 +27,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from kvtrim.attention.prefill import SparsePrefill, make_prefill
+from kvtrim.integrations.prefill import SparsePrefill, make_prefill
 from kvtrim.cache import KVTrimCache
 from kvtrim.data import essays_text, pydoc_text
 from kvtrim.eval.tasks import passkey

@@ -1,6 +1,6 @@
 """Reproduce Elastic Cache's label-free protocol on the embedded model (resumable).
 
-Protocol (METHODS.md §2, the paper's code): for each instruction prompt (a 1-3k-token passage
+Protocol (docs/methods-spec.md, Elastic Cache; the paper's code): for each instruction prompt (a 1-3k-token passage
 from package texts + "summarize / describe / answer about the passage"), the reference is the
 full-cache greedy answer. For each configuration (method x budget, plus ablations at 0.5):
 

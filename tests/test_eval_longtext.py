@@ -12,9 +12,9 @@ from kvtrim.eval.longtext import LABELFREE_INSTRUCTIONS, LONGTEXT_TASKS, labelfr
 @pytest.fixture(scope="module")
 def tok():
     try:
-        from kvtrim.models import _resolve
+        from kvtrim.models import resolve_model
 
-        path = _resolve(None)[0]
+        path = resolve_model(None)[0]
     except KVTrimError as e:
         pytest.skip(str(e))
     from transformers import AutoTokenizer

@@ -190,9 +190,9 @@ def tiny_lm():
     from kvtrim.models import LoadedModel
 
     try:
-        from kvtrim.models import _resolve
+        from kvtrim.models import resolve_model
 
-        path = _resolve(None)[0]
+        path = resolve_model(None)[0]
     except KVTrimError as e:
         pytest.skip(str(e))
     from transformers import AutoTokenizer

@@ -18,9 +18,9 @@ LENGTHS = (1000, 2000, 4000)
 @pytest.fixture(scope="module")
 def tok():
     try:
-        from kvtrim.models import _resolve
+        from kvtrim.models import resolve_model
 
-        path = _resolve(None)[0]
+        path = resolve_model(None)[0]
     except KVTrimError as e:  # the embedded model is not installed
         pytest.skip(str(e))
     from transformers import AutoTokenizer

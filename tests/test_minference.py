@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from kvtrim.attention.prefill import PatternConfig, SparsePrefill, make_pattern, make_prefill, model_identity
-from kvtrim.attention.search import head_candidates
 from kvtrim.cache import KVTrimCache
 from kvtrim.cli import main
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_ids
 from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.integrations.prefill import PatternConfig, SparsePrefill, make_pattern, make_prefill, model_identity
 from kvtrim.policies.full import Full
+from kvtrim.tools.search_patterns import head_candidates
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +216,9 @@ def test_search_candidates_share_one_executed_cost():
 
 
 def test_search_picks_the_lowest_error_candidate(model, long_prompt):
-    from kvtrim.attention.search import _SearchHook
+    from kvtrim.tools.search_patterns import SearchHook
 
-    hook = _SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, 0.6)
+    hook = SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, 0.6)
     out = _logits(model, long_prompt, hook)
     torch.testing.assert_close(out, _logits(model, long_prompt, None), atol=1e-5, rtol=1e-4)  # the model ran dense
     for row in hook.rows:
@@ -249,7 +249,7 @@ def test_cli_bad_input(argv, message, capsys):
 
 @pytest.mark.model
 def test_shipped_config_fits_the_embedded_model(real):
-    from kvtrim.attention.prefill import shipped_config
+    from kvtrim.integrations.prefill import shipped_config
 
     cfg = shipped_config(real.model)
     assert cfg is not None
@@ -304,10 +304,10 @@ def test_dense_entries_of_a_config_run_dense(model, long_prompt):
 
 
 def test_search_takes_the_cheapest_level_within_the_error_tolerance(model, long_prompt):
-    from kvtrim.attention.search import _SearchHook
+    from kvtrim.tools.search_patterns import SearchHook
 
     eps = 0.3
-    hook = _SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, [0.7, 0.4], max_error=eps)
+    hook = SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, [0.7, 0.4], max_error=eps)
     _logits(model, long_prompt, hook)
     assert hook.levels == [0.4, 0.7]
     seen_dense = seen_sparse = False

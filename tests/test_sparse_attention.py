@@ -1,6 +1,6 @@
 """Sparse prefill (MInference): every fast path against the explicit-mask reference.
 
-Tolerance rule (STYLE.md): with a float64 reference computed from the same (rounded) inputs, the
+Tolerance rule (docs/style.md): with a float64 reference computed from the same (rounded) inputs, the
 fast result's max abs error is at most twice the error of the plain PyTorch version in the same
 dtype (``masked_attention(..., upcast=False)``: matmuls in that dtype, softmax in float32).
 Float32 errors sit near 1e-7 where the two orders of summation differ by chance, so the float32

@@ -6,7 +6,7 @@ the tensors; the memory is freed, not masked), per KV head: tensors are
 ``[batch, kv_heads, stored, head_dim]`` and each KV head may keep a different set of tokens (all
 heads keep the same number, so the tensors stay rectangular).
 
-Seen vs stored (METHODS.md §0): a layer counts the tokens it has *seen* (the stream index of the
+Seen vs stored (docs/methods-spec.md): a layer counts the tokens it has *seen* (the stream index of the
 next token) and the tokens it *stores*. ``get_seq_length()`` returns *seen* and
 ``get_mask_sizes(q)`` returns ``(stored + q, seen - stored)``, which is what transformers' mask
 and position code needs for a cache that drops tokens. Each stored token carries its stream

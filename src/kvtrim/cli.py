@@ -71,7 +71,7 @@ def _parse_sizes(items: list[str] | None) -> dict:
 
 def _prefill_from_args(args, model=None):
     """Validate the sparse-prefill options (before the model loads), then build the hook (after)."""
-    from kvtrim.attention.prefill import PREFILL_MODES, PatternConfig, SparsePrefill, make_prefill
+    from kvtrim.integrations.prefill import PREFILL_MODES, PatternConfig, SparsePrefill, make_prefill
 
     mode = args.prefill
     if mode not in PREFILL_MODES:
@@ -185,7 +185,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_search_patterns(args) -> int:
-    from kvtrim.attention.search import search_patterns
+    from kvtrim.tools.search_patterns import search_patterns
     from kvtrim.models import load_model
 
     try:

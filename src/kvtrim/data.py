@@ -1,7 +1,7 @@
 """Long texts that ship in installed packages (no downloads): haystacks and streams.
 
 ``pydoc_text()`` is always available (Python's own ``pydoc_data.topics``, ~114k tokens of
-reference prose). Other package texts (EVAL.md) are optional extras loaded by the evaluation
+reference prose). Other package texts are optional extras loaded by the evaluation
 suite. No text is copied into this repository.
 """
 

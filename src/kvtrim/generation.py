@@ -83,7 +83,7 @@ def generate_ids(
 
     ``prefill_chunk`` feeds the prompt in chunks (each later chunk is a policy "turn"); streaming
     policies get chunks automatically when the prompt exceeds the model's context.
-    ``prefill`` is a :class:`kvtrim.attention.prefill.SparsePrefill` (MInference sparse prefill of
+    ``prefill`` is a :class:`kvtrim.integrations.prefill.SparsePrefill` (MInference sparse prefill of
     the first forward; decode stays dense); its statistics are returned in ``result.prefill``.
     ``model_inputs`` are extra prefill inputs of a vision-language model (``pixel_values``,
     ``image_grid_thw``, ``mm_token_type_ids``, ... from its processor; see ``kvtrim.vlm``).

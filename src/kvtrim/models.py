@@ -105,8 +105,12 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def _resolve(model: str | os.PathLike | None) -> tuple[Path, str]:
-    """Return a transformers directory for ``model`` (converting a GGUF if needed) and a label."""
+def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
+    """Return a transformers directory for ``model`` (converting a GGUF if needed) and a label.
+
+    ``None`` is the embedded default model (converted once into kvtrim's cache directory); a
+    ``.gguf`` file is converted the same way; a directory must hold a ``config.json``.
+    """
     if model is None:
         gguf = embedded_gguf_path()
         out = cache_dir() / f"{DEFAULT_NAME}-{_file_key(gguf)}"
@@ -155,7 +159,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torc
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    path, label = _resolve(model)
+    path, label = resolve_model(model)
     cfg = AutoConfig.from_pretrained(str(path))
     if not _is_causal_lm(cfg):
         raise KVTrimError(

@@ -2,7 +2,7 @@
 
 RoPE is a rotation per frequency pair, so a vector rotated at position ``p`` is moved to position
 ``p + delta`` by one more rotation by ``delta``. kvtrim uses this for the ``reassigned`` and
-``compressed`` position policies (METHODS.md §0): keys are cached after RoPE by the model, and
+``compressed`` position policies (docs/methods-spec.md): keys are cached after RoPE by the model, and
 kvtrim re-rotates them to in-cache positions. Angles are computed in float64 so that large
 position values do not lose phase precision.
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 
-def _grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
+def grouped_queries(query: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """``[B, Hq, q, D]`` -> ``[B, Hkv, G, q, D]`` (a view): query heads grouped by the KV head they read."""
     b, hq, q, d = query.shape
     return query.reshape(b, n_kv, hq // n_kv, q, d)
 
@@ -27,7 +28,7 @@ def window_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, window:
     """
     s = key.shape[-2]
     w = min(window, query.shape[-2])
-    qg = _grouped(query[:, :, -w:].float(), key.shape[1])
+    qg = grouped_queries(query[:, :, -w:].float(), key.shape[1])
     logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, key.float()) * scaling
     qi = torch.arange(s - w, s, device=key.device).unsqueeze(1)
     kj = torch.arange(s, device=key.device).unsqueeze(0)
@@ -49,7 +50,7 @@ def causal_prob_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, c
     for start in range(0, q, chunk):
         stop = min(q, start + chunk)
         n = stop - start
-        qg = _grouped(query[:, :, start:stop].float(), n_kv)
+        qg = grouped_queries(query[:, :, start:stop].float(), n_kv)
         logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf[:, :, :off + stop])
         logits.mul_(scaling)
         # query i of the chunk sees keys <= off + start + i: only the last n columns hold later keys

@@ -1,6 +1,6 @@
 """Modality spans: which prompt tokens are system text, text, image, video (or a document).
 
-A request may carry spans of token positions tagged with a modality (METHODS.md §0). kvtrim finds
+A request may carry spans of token positions tagged with a modality (docs/methods-spec.md). kvtrim finds
 them itself for transformers' vision-language models from the token ids their processors insert
 (``config.image_token_id`` / ``image_token_index``, ``config.video_token_id``: every run of such
 ids is one span), and accepts them explicitly for text models, for example to tag a long
@@ -12,8 +12,9 @@ Positions are stream indices of the prompt, ``[start, end)``; tokens not covered
 (``cache.spans``) and turn the stream index of each stored token into a modality with
 :meth:`SpanSet.mask`.
 
-Design decision [open in METHODS.md]: the allowed tags are the spec's four plus ``document``
-(the "second modality" of a text-only request); anything else is refused.
+Design decision (kvtrim's choice): the allowed tags are the vision-language ones (``system``,
+``text``, ``image``, ``video``) plus ``document`` (the "second modality" of a text-only request);
+anything else is refused.
 """
 
 from __future__ import annotations

@@ -67,6 +67,16 @@ def choice(value, what: str, allowed) -> str:
     return value
 
 
+def comma_list(value, what: str) -> list[str]:
+    """A comma-separated string (or a sequence) of non-empty items, each stripped:
+    ``"a, b"`` -> ``["a", "b"]``. Numbers in it stay strings; the caller converts them."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    items = [str(x).strip() for x in items]
+    if not items or any(not x for x in items):
+        raise KVTrimError(f"{what} takes a comma-separated list without empty items; got {value!r}")
+    return items
+
+
 def _int_range(lo, hi, unit) -> str:
     noun = f"number of {unit}" if unit else "integer"
     if lo is not None and hi is not None:

@@ -50,9 +50,9 @@ def base_tokenizer():
     """The embedded SmolLM2 tokenizer (a fresh copy each call, so added tokens do not leak)."""
     from transformers import AutoTokenizer
 
-    from kvtrim.models import _resolve
+    from kvtrim.models import resolve_model
 
-    path, _ = _resolve(None)
+    path, _ = resolve_model(None)
     return AutoTokenizer.from_pretrained(str(path))
 
 

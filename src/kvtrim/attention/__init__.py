@@ -1,6 +1,10 @@
 """Sparse prefill attention (MInference): patterns, index estimation, reference and fast paths.
 
-Plain tensors in and out; nothing here knows about transformers.
+Plain tensors in and out; nothing here knows about transformers or the rest of kvtrim (only
+:mod:`kvtrim.errors` and :mod:`kvtrim.validate`; ``tests/test_architecture.py`` checks it). The
+hook that runs these kernels inside a transformers model is
+:class:`kvtrim.integrations.prefill.SparsePrefill`; the offline pattern search is
+:mod:`kvtrim.tools.search_patterns`.
 
 - ``q``: ``[batch, q_heads, seq, head_dim]``; ``k``, ``v``: ``[batch, kv_heads, seq, head_dim]``,
   ``q_heads = kv_heads * group`` (GQA; query head ``h`` reads KV head ``h // group``).

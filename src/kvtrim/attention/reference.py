@@ -64,7 +64,7 @@ def masked_attention(
         mask: boolean ``[B or 1, Hq or 1, T, T]``, ANDed with the causal mask.
         scaling: logit scale; default ``D ** -0.5``.
         upcast: ``True`` (default): matmuls and softmax in float32 (float64 for float64 inputs).
-            ``False``: the plain low-precision baseline of the tolerance rule (STYLE.md): both
+            ``False``: the plain low-precision baseline of the tolerance rule (docs/style.md): both
             matmuls in the input dtype, softmax in float32, probabilities cast back to it.
 
     Returns:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.plan import REFERENCE
+from kvtrim.validate import comma_list
 
 
 @dataclass
@@ -39,16 +40,15 @@ class BenchPlan:
 
 
 def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dense", threads=None) -> BenchPlan:
-    from kvtrim.attention.prefill import PREFILL_MODES
-    from kvtrim.eval.plan import split_list
+    from kvtrim.integrations.prefill import PREFILL_MODES
     from kvtrim.registry import get_policy_class
 
-    names = split_list(methods, "methods")
+    names = comma_list(methods, "--methods")
     for m in names:
         get_policy_class(m)  # raises on an unknown name
     keep = validate.fraction(keep, "--keep")
     try:
-        lens = [int(x) for x in split_list(lengths, "lengths")]
+        lens = [int(x) for x in comma_list(lengths, "--lengths")]
     except ValueError:
         raise KVTrimError(f"--lengths takes comma-separated token counts; got {lengths!r}") from None
     if any(n < 128 for n in lens):
@@ -104,7 +104,7 @@ def run_bench(model: str | None, plan: BenchPlan, rss: bool = True, progress: bo
     lm = load_model(model)
     hook = None
     if plan.prefill != "dense":
-        from kvtrim.attention.prefill import make_prefill
+        from kvtrim.integrations.prefill import make_prefill
 
         hook = make_prefill(lm.model, plan.prefill)
     too_long = [n for n in plan.lengths if lm.max_context and n + plan.new_tokens + 64 > lm.max_context]
@@ -177,7 +177,7 @@ def _one(spec: str) -> None:
     lm = load_model(d["model"])
     hook = None
     if plan.prefill != "dense":
-        from kvtrim.attention.prefill import make_prefill
+        from kvtrim.integrations.prefill import make_prefill
 
         hook = make_prefill(lm.model, plan.prefill)
     _one_run(lm, _prompt(lm, d["length"]), d["method"], plan, hook)

@@ -16,6 +16,7 @@ from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.longtext import LONGTEXT_TASKS
 from kvtrim.eval.tasks import TASKS, even_depths, sample_seed
+from kvtrim.validate import comma_list
 
 ALL_TASKS = {**TASKS, **LONGTEXT_TASKS}
 
@@ -56,27 +57,18 @@ class EvalPlan:
         return [(t, n, i) for n in self.lengths for i in order for t in self.tasks]
 
 
-def split_list(value, what: str) -> list[str]:
-    """Items of a comma-separated option (or of a list); refuses an empty item."""
-    items = value.split(",") if isinstance(value, str) else list(value)
-    items = [str(x).strip() for x in items]
-    if not items or any(not x for x in items):
-        raise KVTrimError(f"--{what} takes a comma-separated list without empty items; got {value!r}")
-    return items
-
-
 def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, prefill: str = "dense",
               haystack: str | None = None) -> EvalPlan:
     """Validate a sweep (names, ranges) before any model loads; raises ``KVTrimError`` naming the problem."""
-    from kvtrim.attention.prefill import PREFILL_MODES
+    from kvtrim.integrations.prefill import PREFILL_MODES
     from kvtrim.eval.common import MIN_LENGTH
     from kvtrim.registry import get_policy_class, method_names
 
-    task_list = split_list(tasks, "tasks")
+    task_list = comma_list(tasks, "--tasks")
     for t in task_list:
         if t not in ALL_TASKS:
             raise KVTrimError(f"unknown task {t!r}; known tasks: {', '.join(ALL_TASKS)}")
-    method_list = split_list(methods, "methods")
+    method_list = comma_list(methods, "--methods")
     for m in method_list:
         if m not in method_names():
             raise KVTrimError(f"unknown method {m!r}; known methods: {', '.join(method_names())}")
@@ -87,14 +79,14 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
                 "Evaluate it on images with kvtrim generate --image (see docs/multimodal.md)"
             )
     try:
-        length_list = [int(x) for x in split_list(lengths, "length")]
+        length_list = [int(x) for x in comma_list(lengths, "--length")]
     except ValueError:
         raise KVTrimError(f"--length takes comma-separated token counts, e.g. 2048,4096; got {lengths!r}") from None
     for n in length_list:
         if n < MIN_LENGTH:
             raise KVTrimError(f"--length must be >= {MIN_LENGTH} tokens; got {n}")
     try:
-        keep_list = [float(x) for x in split_list(keeps, "keep")]
+        keep_list = [float(x) for x in comma_list(keeps, "--keep")]
     except ValueError:
         raise KVTrimError(f"--keep takes comma-separated fractions, e.g. 0.1,0.25,0.5; got {keeps!r}") from None
     for k in keep_list:

@@ -81,7 +81,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     skipped = len(units) * len(plan.configs) - n_cfg
     prefill_hook = None
     if plan.prefill != "dense":
-        from kvtrim.attention.prefill import make_prefill
+        from kvtrim.integrations.prefill import make_prefill
 
         prefill_hook = make_prefill(lm.model, plan.prefill)
     bar = tqdm(total=n_cfg, desc="kvtrim eval", unit="run", disable=not progress, dynamic_ncols=True)

@@ -188,7 +188,7 @@ def compress(model, method: str = "snapkv", prefill=None, **policy_kwargs) -> It
 
     ``prefill`` adds MInference sparse prefill: a mode name (``"minference"`` uses the pattern
     config shipped for the model; ``"a_shape"``, ``"vertical_slash"``, ``"block_sparse"`` one
-    pattern for every head) or a :class:`kvtrim.attention.prefill.SparsePrefill`. Its ``stats()``
+    pattern for every head) or a :class:`kvtrim.integrations.prefill.SparsePrefill`. Its ``stats()``
     is then available as ``cache.prefill_stats()``.
 
     The cache serves one sequence; make another with ``kvtrim.KVTrimCache(model, ...)`` inside
@@ -196,7 +196,7 @@ def compress(model, method: str = "snapkv", prefill=None, **policy_kwargs) -> It
     """
     cache = KVTrimCache(model, method, **policy_kwargs)
     if isinstance(prefill, str):
-        from kvtrim.attention.prefill import make_prefill
+        from kvtrim.integrations.prefill import make_prefill
 
         prefill = make_prefill(model, prefill)
     if prefill is not None:

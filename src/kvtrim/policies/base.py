@@ -14,7 +14,7 @@ always keep some tokens, ``protected()``; ``evict_by_score`` then keeps exactly 
 tokens of ``score`` with the protected ones forced in. Merging methods (Elastic Cache) and
 streaming methods override the hooks instead.
 
-Budgets (METHODS.md §0): either ``keep`` (a fraction of the tokens seen so far) or
+Budgets (docs/methods-spec.md): either ``keep`` (a fraction of the tokens seen so far) or
 ``max_tokens`` (a fixed cap). With neither, nothing is evicted.
 """
 
@@ -50,7 +50,7 @@ class Policy:
         keep: fraction of the seen tokens to keep, in (0, 1]. Mutually exclusive with ``max_tokens``.
         max_tokens: fixed number of tokens to keep per layer (and per KV head).
         position: position policy, one of ``true``, ``reassigned``, ``compressed``
-            (METHODS.md §0); ``None`` takes the method's default.
+            (docs/methods-spec.md); ``None`` takes the method's default.
         per_head: select a separate token set per KV head (scores averaged over the query heads
             of its group) instead of one set per layer.
     """

@@ -14,19 +14,19 @@
 * **Generation (decode): fixed-point eviction.** The budget is elastic:
   ``budget(t) = floor(keep * (T + t))`` after ``t`` generated tokens. Whenever the cache exceeds
   it, the entry at one fixed slot ``P`` is deleted. ``P = L - distance`` is set once after the
-  prompt, with ``L`` the compressed prompt length (``distance = 24``, METHODS.md §2). The slots
+  prompt, with ``L`` the compressed prompt length (``distance = 24``, docs/methods-spec.md). The slots
   before ``P`` are a frozen prefix; from ``P`` on the cache is a queue. Guard: ``P >= 1``, so the
   first token is never evicted when the compressed prompt is shorter than ``distance + 1``.
 
-Design decisions where the sources are silent or differ (METHODS.md [open] items):
+Design decisions where the sources are silent or differ (kvtrim's choices):
 
 * Tie rule: a token exactly half-way between two anchors joins the *earlier* anchor (the
   official code's ``argmin`` over ascending anchors does the same).
 * Anchors are the intended top-k of the importance (the official code confuses ranks with token
   indices); the official code also always keeps a few start tokens (``start_size``, 1 in its
-  evaluation scripts); kvtrim forces the first token in, as the spec says.
-* ``distance`` is 24 as the spec states; the official code's ``distance=-25`` gives
-  ``P = L - 25`` (one more recent slot). It is a parameter.
+  evaluation scripts); kvtrim always forces the first token in.
+* ``distance`` is 24, kvtrim's reading of the paper's "recent distance of 25"; the official
+  code's ``distance=-25`` gives ``P = L - 25`` (one more recent slot). It is a parameter.
 * A later multi-token forward (a new user turn) is encoded like the prompt: importance from the
   turn's queries over all stored keys, then a merge of everything stored down to
   ``floor(keep * seen)`` and a new ``P``. The paper covers single-turn requests only.

@@ -25,7 +25,7 @@ import torch
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.scores import _grouped
+from kvtrim.scores import grouped_queries
 from kvtrim.spans import MODALITIES, VISUAL
 
 MODES = ("prune", "kv")
@@ -138,7 +138,7 @@ def head_mean_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, rows
     out = []
     for a in range(0, rows.numel(), chunk):
         r = rows[a : a + chunk].to(query.device)
-        qg = _grouped(query[:, :, r].float(), key.shape[1])  # [1, Hkv, G, n, D]
+        qg = grouped_queries(query[:, :, r].float(), key.shape[1])  # [1, Hkv, G, n, D]
         logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf) * scaling
         qi = (s - t + r).unsqueeze(1)
         logits = logits.masked_fill(kj.unsqueeze(0) > qi, float("-inf"))

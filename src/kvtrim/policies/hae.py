@@ -1,12 +1,14 @@
-"""``hae``: hierarchical adaptive eviction for multimodal models (seed 004; METHODS.md §4).
+"""``hae``: hierarchical adaptive eviction for multimodal models (Ma et al., 2026,
+"Hierarchical Adaptive Eviction for KV Cache Management in Multimodal Language Models";
+specification in docs/methods-spec.md).
 
 **DAP (prefill).** In the first layer, the attention of the text tokens (every prompt token that
 is not a target, i.e. not image/video) over the keys, averaged over all query heads, gives
 ``A[i, j]`` for text row ``i`` and target (visual) token ``j``. Global relevance
 ``g_j = sum_i A[i, j]``, local relevance ``m_j = max_i A[i, j]``. Token ``j`` is dropped only if
-``g_j < r * sum_k g_k`` **and** ``m_j < alpha`` (defaults r = 0.0015 [paper], alpha = 0.0005
-[seed]). The kept set is computed once and broadcast to every layer, layer 0 included. Two modes
-(``mode``, as for FastV; ``dap_mode`` is its former name and still accepted):
+``g_j < r * sum_k g_k`` **and** ``m_j < alpha`` (defaults: r = 0.0015 from the paper; alpha =
+0.0005, kvtrim's choice). The kept set is computed once and broadcast to every layer, layer 0
+included. Two modes (``mode``, as for FastV; ``dap_mode`` is its former name and still accepted):
 
 * ``mode="prune"`` (default): the hidden states of dropped tokens are removed after layer 0,
   so layers 1.. never compute them (prefill compute saved; ``kvtrim.integrations.pruning``);
@@ -21,13 +23,13 @@ tokens. With nothing dropped the two modes equal the full cache.
 
 **DDES (decoding).** With a budget ``B`` (``keep`` or ``max_tokens``; none = no decode eviction)
 and a recycle bin of capacity ``D = max(1, round(bin_ratio * B))`` (default ``bin_ratio`` 0.15,
-within the seed's 10-20%). Each step, every stored token's score is updated from q and k:
+within the 10-20% HAE suggests). Each step, every stored token's score is updated from q and k:
 
     hist <- gamma * hist + (1 - gamma) * a_t          (gamma = 0.9)
     score = lam * a_t + (1 - lam) * hist              (lam = 0.5)
 
 where ``a_t`` is the attention the token gets from the current query (mean over the query heads
-of its KV group; design decision [open]: the formula is kvtrim's). ``hist`` starts at the mean
+of its KV group; the formula is kvtrim's, the paper gives none). ``hist`` starts at the mean
 attention from the last ``window`` (32) prompt queries. The ``B - D`` top-scoring tokens (the
 ``recent`` newest forced in) are *active*; the other stored tokens are in the *bin*: still
 resident, so a binned token whose score climbs back into the top ``B - D`` is restored (counted in

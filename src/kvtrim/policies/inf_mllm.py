@@ -8,7 +8,7 @@ average*: key ``j`` among the last ``w`` keys is seen by only ``S - j`` of the `
 its column is divided by ``S - j`` instead of ``w``), then over the query heads of each KV group.
 
 Scores are scaled so that uniform attention scores 1 and the **attention bias** is added (the
-paper gives no formula; METHODS.md §3 [open]; kvtrim's choice)::
+paper gives no formula; kvtrim's choice, docs/methods-spec.md)::
 
     score_j = S * mean_attention_j + bias * slot_j / (S - 1)
 

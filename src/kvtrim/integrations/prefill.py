@@ -1,5 +1,10 @@
 """Sparse prefill inside a transformers model: per-head MInference patterns behind one hook.
 
+This is the transformers-facing half of sparse prefill: the hook has the signature of a
+transformers attention function, and a :class:`PatternConfig` belongs to one model (its layer and
+head counts). The kernels it runs (pattern index estimation, the CPU and Triton paths) live in
+:mod:`kvtrim.attention` and work on plain tensors.
+
 :class:`SparsePrefill` is the function kvtrim's attention calls for a prefill forward (the first
 forward of a sequence, ``q_len == k_len > 1``). It picks each head's pattern (one pattern for all
 heads, or a per-layer, per-head :class:`PatternConfig` found by ``kvtrim search-patterns``),
@@ -157,7 +162,7 @@ class PatternConfig:
 def shipped_config(model) -> PatternConfig | None:
     """The config shipped in the package for this model, if any (matched by layer/head counts and name)."""
     ident = model_identity(model)
-    root = resources.files("kvtrim.attention") / "configs"
+    root = resources.files("kvtrim.attention") / "configs"  # package data, beside the kernels
     if not root.is_dir():
         return None
     for f in sorted(root.iterdir()):

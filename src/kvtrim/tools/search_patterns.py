@@ -1,4 +1,10 @@
-"""Offline, kernel-aware pattern search (MInference §3.2, with the paper's output-error objective).
+"""Offline, kernel-aware pattern search (the MInference paper's search, with its output-error objective).
+
+A tool above the layers it uses (``kvtrim search-patterns`` runs it): for a loaded model it builds the
+calibration prompt with :mod:`kvtrim.eval.tasks`, runs the model through
+:func:`kvtrim.integrations.hf.attach` with :class:`SearchHook` as the prefill attention, sizes
+candidates with the kernels' patterns (:mod:`kvtrim.attention`), and returns the per-model
+:class:`kvtrim.integrations.prefill.PatternConfig`.
 
 For every layer and query head, candidates of each pattern are sized to the same *executed* cost,
 counted as the kernel runs them (whole 64x64 blocks, 64-row columns; see
@@ -33,8 +39,8 @@ import torch.nn.functional as F
 
 from kvtrim.attention.cpu import sparse_attention_cpu
 from kvtrim.attention.patterns import AShape, BlockSparse, VerticalSlash
-from kvtrim.attention.prefill import PatternConfig, model_identity
 from kvtrim.errors import KVTrimError
+from kvtrim.integrations.prefill import PatternConfig, model_identity
 
 A_SHAPE_SINKS = (64, 256)
 VS_RATIOS = ((1, 6), (1, 1), (6, 1))  # k_v : k_s
@@ -45,11 +51,6 @@ OVER = 1.05
 # candidate's relative output error is <= DEFAULT_MAX_ERROR, else stays dense.
 DEFAULT_LEVELS = (0.1, 0.2, 0.35, 0.5, 0.65, 0.8)
 DEFAULT_MAX_ERROR = 0.05
-
-
-def _dense_cost(t: int, bs: int = 64) -> float:
-    n = math.ceil(t / bs)
-    return n * (n + 1) / 2 * bs * bs
 
 
 def _bisect_int(lo: int, hi: int, cost, target: float) -> int:
@@ -114,8 +115,12 @@ def head_candidates(q: torch.Tensor, k: torch.Tensor, scale: float, target_densi
     return out
 
 
-class _SearchHook:
+class SearchHook:
     """Prefill hook: dense output for the model, candidate errors recorded per head.
+
+    Passed to ``attach(model, prefill_attention=...)`` by :func:`search_patterns`; after the
+    forward, ``rows[layer]`` holds each head's chosen entry (pattern, sizes, error, density, level
+    and every candidate's error), the layer's row of the :class:`PatternConfig`.
 
     ``target_density`` is one cost level or an ascending sequence of levels: a head takes the
     cheapest level whose best candidate's error is at most ``max_error`` (``None``: the first
@@ -213,7 +218,7 @@ def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT
         from tqdm import tqdm
 
         bar = tqdm(total=ident["num_hidden_layers"], desc="search-patterns", unit="layer")
-    hook = _SearchHook(ident["num_hidden_layers"], ident["num_attention_heads"], levels, bar, max_error)
+    hook = SearchHook(ident["num_hidden_layers"], ident["num_attention_heads"], levels, bar, max_error)
     t0 = time.perf_counter()
     cache = KVTrimCache(model, "full")
     device = next(model.parameters()).device

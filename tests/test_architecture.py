@@ -1,0 +1,262 @@
+"""The layering of docs/architecture.md, checked from the source: every import statement of every
+module under src/kvtrim (top-level, inside functions and under ``TYPE_CHECKING`` alike) is read
+with ``ast``, and each rule below names the modules that break it.
+
+An allowance is a (module, imported module) pair that breaks a rule on purpose; each carries its
+reason. An allowance that no longer matches an import fails the test too, so the lists stay exact.
+
+The last tests keep the repository self-contained: no reference to files outside it, no internal
+jargon, no relative link in the docs to a missing file.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = SRC / "kvtrim"
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # dotted module name of the file that imports
+    target: str  # dotted module imported (``from a.b import c`` gives ``a.b.c`` when that is a module)
+    name: str | None  # the name taken by ``from ... import name``; None for ``import x``
+    line: int
+
+    def where(self) -> str:
+        return f"{self.importer}:{self.line} imports {self.target}" + (f" ({self.name})" if self.name else "")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def read_imports(name: str, path: Path) -> list[Import]:
+    is_package = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [Import(name, a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import: resolve against the importing package
+                pkg = name.split(".") if is_package else name.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.append(Import(name, sub if sub in MODULES else base, a.name, node.lineno))
+    return out
+
+
+IMPORTS = [imp for name, path in MODULES.items() for imp in read_imports(name, path)]
+
+
+def top(target: str) -> str:
+    return target.split(".")[0]
+
+
+def inside(target: str, *prefixes: str) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in prefixes)
+
+
+def layer(module: str) -> str:
+    """The layer a kvtrim module belongs to (docs/architecture.md)."""
+    if inside(module, "kvtrim.attention"):
+        return "kernels"
+    if inside(module, "kvtrim.policies"):
+        return "policies"
+    if inside(module, "kvtrim.integrations"):
+        return "integrations"
+    if inside(module, "kvtrim.eval", "kvtrim.tools", "kvtrim.cli", "kvtrim.cli_eval", "kvtrim.cli_session", "kvtrim.__main__"):
+        return "top"
+    return "core"
+
+
+def check(rule, allowances: dict[tuple[str, str], str]) -> None:
+    """Fail with every import that breaks ``rule`` and is not allowed, and every unused allowance."""
+    broken = [imp for imp in IMPORTS if not rule(imp)]
+    unexplained = [imp.where() for imp in broken if (imp.importer, imp.target) not in allowances]
+    used = {(imp.importer, imp.target) for imp in broken}
+    stale = [f"{a} -> {b}" for a, b in allowances if (a, b) not in used]
+    assert not unexplained, "imports that break the layering:\n" + "\n".join(unexplained)
+    assert not stale, "allowances no longer needed (delete them):\n" + "\n".join(stale)
+
+
+def test_every_module_was_read():
+    assert "kvtrim.attention.patterns" in MODULES and "kvtrim.integrations.prefill" in MODULES
+    assert any(imp.importer == "kvtrim.cache" and top(imp.target) == "transformers" for imp in IMPORTS)
+
+
+# -- kernels ----------------------------------------------------------------------------------------
+# ninja: the build tool torch.utils.cpp_extension runs to compile the native CPU kernel (a
+# declared dependency; native.py only reads where its binary is).
+KERNEL_THIRD_PARTY = {"torch", "triton", "ninja"}
+KERNEL_KVTRIM = ("kvtrim.attention", "kvtrim.errors", "kvtrim.validate")
+
+
+def test_kernels_import_only_torch_triton_stdlib_and_leaf_modules():
+    def rule(imp: Import) -> bool:
+        if layer(imp.importer) != "kernels":
+            return True
+        t = top(imp.target)
+        if t == "kvtrim":
+            return inside(imp.target, *KERNEL_KVTRIM)
+        return t in KERNEL_THIRD_PARTY or t in sys.stdlib_module_names
+
+    check(rule, {})
+
+
+def test_kernels_load_without_transformers():
+    """What the import statements say, at run time: importing every kernel module loads neither
+    transformers nor a kvtrim module outside attention/ (besides the package's own light
+    ``__init__``: errors and the registry of names)."""
+    kernels = [m for m in MODULES if layer(m) == "kernels" and m != "kvtrim.attention.triton.kernels"]  # needs triton
+    code = (
+        "import importlib, sys\n"
+        f"for m in {kernels!r}: importlib.import_module(m)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kvtrim', 'transformers')))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    loaded = eval(out.stdout.strip().splitlines()[-1])
+    assert not [m for m in loaded if top(m) == "transformers"]
+    assert [m for m in loaded if not inside(m, "kvtrim.attention")] == ["kvtrim", "kvtrim.errors", "kvtrim.registry"]
+
+
+# -- transformers -----------------------------------------------------------------------------------
+# Modules below the integrations and the top layer that import transformers, and why.
+TRANSFORMERS_ALLOWED = {
+    ("kvtrim.cache", "transformers.cache_utils"):
+        "a KVTrimCache is a transformers Cache: it subclasses Cache, CacheLayerMixin and DynamicSlidingWindowLayer",
+    ("kvtrim.models", "transformers"):
+        "loading a model and its tokenizer is this module's job (AutoConfig, AutoModelForCausalLM, AutoTokenizer)",
+    ("kvtrim.models", "transformers.models.auto.modeling_auto"):
+        "tells a causal LM from a masked LM before loading, by transformers' own architecture tables",
+    ("kvtrim.vlm", "transformers"):
+        "loading vision-language models and their processors, and building the tiny test ones from configs",
+    ("kvtrim.vlm", "transformers.models.clip.image_processing_pil_clip"):
+        "the PIL image processor of LLaVA-style models (no torchvision needed)",
+    ("kvtrim.vlm", "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"):
+        "the PIL image processor of Qwen2-VL (no torchvision needed)",
+    ("kvtrim.machine", "transformers"):
+        "records transformers.__version__ in the machine record of results",
+}
+
+
+def test_only_integrations_and_the_top_layer_import_transformers():
+    def rule(imp: Import) -> bool:
+        return top(imp.target) != "transformers" or layer(imp.importer) in ("integrations", "top")
+
+    check(rule, TRANSFORMERS_ALLOWED)
+
+
+# -- policies ---------------------------------------------------------------------------------------
+POLICY_KVTRIM = ("kvtrim.policies", "kvtrim.errors", "kvtrim.validate", "kvtrim.scores", "kvtrim.rope", "kvtrim.spans")
+POLICY_ALLOWED = {
+    ("kvtrim.policies.base", "kvtrim.cache"):
+        "type hints only (under TYPE_CHECKING): the hooks receive the cache's CompressedLayer",
+    ("kvtrim.policies.elastic", "kvtrim.cache"):
+        "LOGIT_BIAS, the context variable through which a policy adds a bias to the attention scores",
+    # Removed by the consolidation: FastV's hidden-state pruning moves behind a capability flag and
+    # kvtrim.pruning becomes kvtrim.integrations.pruning; delete this entry with that merge.
+    ("kvtrim.policies.fastv", "kvtrim.pruning"): "FastV installs hidden-state pruning after layer K",
+}
+
+
+def test_policies_import_only_base_helpers():
+    """A policy sees tensors and hooks: never an integration, the evaluation, a tool or the CLI."""
+
+    def rule(imp: Import) -> bool:
+        if layer(imp.importer) != "policies":
+            return True
+        t = top(imp.target)
+        if t == "kvtrim":
+            return inside(imp.target, *POLICY_KVTRIM)
+        return t == "torch" or t in sys.stdlib_module_names
+
+    check(rule, POLICY_ALLOWED)
+
+
+# -- nothing imports upwards into the top layer ---------------------------------------------------
+def test_only_the_top_layer_imports_eval_tools_and_cli():
+    def rule(imp: Import) -> bool:
+        return top(imp.target) != "kvtrim" or layer(imp.target) != "top" or layer(imp.importer) == "top"
+
+    check(rule, {})
+
+
+# -- private names ----------------------------------------------------------------------------------
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name with a leading underscore belongs to its module: another module that needs it gets a
+    public, documented name instead."""
+
+    def rule(imp: Import) -> bool:
+        if top(imp.target) != "kvtrim" or imp.target == imp.importer:
+            return True
+        parts = imp.target.split(".") + ([imp.name] if imp.name else [])
+        return not any(is_private(p) for p in parts)
+
+    check(rule, {})
+
+
+# -- the repository stands on its own -------------------------------------------------------------
+ROOT = SRC.parent
+# Written in pieces so that this file does not match itself.
+OUTSIDE_FILES = ["../" + "shared", "METHODS" + ".md", "STYLE" + ".md", "EVAL" + ".md", "INTEGRATION" + ".md"]
+JARGON = {
+    r"\bseed 0\d\d\b": "an internal write-up's number; cite the paper by title",
+    r"\[open\]": "an outside document's tag; say \"kvtrim's choice\" and what was chosen",
+}
+
+
+def repository_texts() -> list[Path]:
+    paths = [ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
+    for folder in ("src", "tests", "docs"):
+        paths += [p for p in sorted((ROOT / folder).rglob("*")) if p.is_file() and "__pycache__" not in p.parts]
+    return paths
+
+
+def test_docs_and_code_cite_nothing_outside_the_repository():
+    """Docstrings, comments, docs and tests point at files of this repository and at papers, so a
+    person who clones kvtrim can follow every reference."""
+    found = []
+    for path in repository_texts():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # images
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            hits = [s for s in OUTSIDE_FILES if s in line] + [why for rx, why in JARGON.items() if re.search(rx, line)]
+            found += [f"{path.relative_to(ROOT)}:{n}: {h}" for h in hits]
+    assert not found, "references to files outside the repository or internal jargon:\n" + "\n".join(found)
+
+
+def test_docs_links_resolve():
+    """Every relative Markdown link in README.md, CONTRIBUTING.md and the hand-written pages of docs/
+    names an existing file (docs/eval/ is written by ``kvtrim report``)."""
+    missing = []
+    for path in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (path.parent / target).exists():
+                missing.append(f"{path.relative_to(ROOT)} -> {target}")
+    assert not missing, "links to missing files:\n" + "\n".join(missing)
