@@ -80,7 +80,7 @@ TASKS = ("passkey", "niah_single", "niah_multikey", "vt")
 LENGTHS = (2048, 4096)
 PRESSES = ("StreamingLLM", "SnapKV", "TOVA", "Knorm", "ExpectedAttention")
 RATIOS = (0.9, 0.75, 0.5)
-#: as kvtrim's runner (kvtrim.eval.runner.MAX_NEW_TOKENS): the model restates the question before the
+#: as kvtrim's runner (kvtrim.eval.plan.MAX_NEW_TOKENS): the model restates the question before the
 #: number (~25 tokens), so 16 cut the 7-digit answers off; lines with other budgets are not reused
 MAX_NEW_TOKENS = {"passkey": 12, "niah_single": 28, "niah_multikey": 28, "vt": 40}
 KVTRIM_METHODS = ("full", "streaming_llm", "h2o", "snapkv", "inf_mllm", "elastic")

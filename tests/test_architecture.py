@@ -171,9 +171,6 @@ POLICY_ALLOWED = {
         "type hints only (under TYPE_CHECKING): the hooks receive the cache's CompressedLayer",
     ("kvtrim.policies.elastic", "kvtrim.cache"):
         "LOGIT_BIAS, the context variable through which a policy adds a bias to the attention scores",
-    # Removed by the consolidation: FastV's hidden-state pruning moves behind a capability flag and
-    # kvtrim.pruning becomes kvtrim.integrations.pruning; delete this entry with that merge.
-    ("kvtrim.policies.fastv", "kvtrim.pruning"): "FastV installs hidden-state pruning after layer K",
 }
 
 
