@@ -126,6 +126,9 @@ def test_table_renders_json_and_jsonl_without_out(tmp_path, capsys):
     lines = tmp_path / "r.jsonl"
     lines.write_text('{"a": 1}\n{"a": 2}\n')
     assert harness.read_result(lines) == [{"a": 1}, {"a": 2}]
+    one = tmp_path / "one.jsonl"
+    one.write_text('{"a": 1}\n')
+    assert harness.read_result(one) == [{"a": 1}]  # one line is still a list of lines
 
 
 def test_machine_record_keys_and_load_at_end():

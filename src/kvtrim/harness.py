@@ -100,12 +100,14 @@ def check_out(path: str | os.PathLike, *, force: bool = False, directory: bool =
 
 
 def read_result(path: str | os.PathLike) -> Any:
-    """A result file: a JSON document, or JSON lines (a list of their objects)."""
+    """A result file: JSON lines (``*.jsonl``: a list of their objects) or a JSON document."""
     text = Path(path).read_text()
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    if Path(path).suffix != ".jsonl":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def start(parser: argparse.ArgumentParser, args: argparse.Namespace, *, table: Callable[[Any], str] | None = None,
