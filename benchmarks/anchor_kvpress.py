@@ -413,11 +413,10 @@ def worker(args) -> None:
     import copy
     import importlib.metadata as md
 
+    import kvpress
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
-
-    import kvpress
 
     torch.set_num_threads(1)
     machine = {

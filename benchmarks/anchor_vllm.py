@@ -333,13 +333,12 @@ def run(args) -> dict:
     import transformers
 
     import kvtrim
+    from kvtrim import harness
     from kvtrim.attention.prefill import make_prefill
     from kvtrim.eval import make_samples
     from kvtrim.generation import generate_ids
     from kvtrim.models import _resolve, build_prompt_ids, load_model
     from kvtrim.registry import create_policy
-
-    from kvtrim import harness
 
     lm = load_model(None)
     model, tok = lm.model, lm.tokenizer

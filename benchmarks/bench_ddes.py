@@ -84,7 +84,7 @@ def run(model, ids: list[int], name: str, kw: dict, steps: int, warmup: int) -> 
         "budget_at_end": cache.policy.budget(cache.seen_tokens()),
         "kv_bytes_end": cache.kv_bytes(),
         "kv_bytes_full_end": cache.kv_bytes_full(),
-        "restored_per_layer_head": (sum(l.state.get("hae_restored", 0) for l in layers) / n_layers / cache.num_kv_heads),
+        "restored_per_layer_head": (sum(layer.state.get("hae_restored", 0) for layer in layers) / n_layers / cache.num_kv_heads),
     }
 
 

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import json
 import sys
-import time
 
 import torch
 from transformers import DynamicCache
@@ -69,9 +68,9 @@ def run(model, ids: list[int], config: str, steps: int, warmup: int) -> dict:
         cache = KVTrimCache(model, name, **({"keep": float(keep)} if keep else {}))
     times: list[float] = []
     with attach(model) if serve is None else contextlib.nullcontext():  # transformers' cache runs unattached
-        t0 = time.perf_counter()
-        logits = decoding.run(model, decoding.prefill(cache, ids), serve=serve)
-        prefill = time.perf_counter() - t0
+        pre: list[float] = []
+        logits = decoding.run(model, decoding.prefill(cache, ids), serve=serve, on_step=lambda step, seconds: pre.append(seconds))
+        prefill = sum(pre)
         kv_after_prefill = cache.kv_bytes() if isinstance(cache, KVTrimCache) else kv_bytes_dynamic(cache)
         decoding.run(model, decoding.decode(cache, logits, steps + warmup + 1), serve=serve,
                      on_step=lambda step, seconds: times.append(seconds))

@@ -15,7 +15,8 @@ import argparse
 import sys
 import time
 
-from bench_recall import configs  # the script's folder is on the path when it runs (python benchmarks/...)
+# the script's folder is on the path when it runs (python benchmarks/bench_recall_retention.py)
+from bench_recall import configs
 
 from kvtrim import harness
 

@@ -57,7 +57,9 @@ import torch
 
 from kvtrim import decoding, harness
 from kvtrim.decoding import Step
-from kvtrim.eval.longtext import LABELFREE_INSTRUCTIONS as INSTRUCTIONS  # one list for both protocols
+from kvtrim.eval.longtext import (
+    LABELFREE_INSTRUCTIONS as INSTRUCTIONS,  # one list for both protocols
+)
 from kvtrim.eval.replay import SharedElastic, make_policy, record_prefill, replay
 
 #: the committed results folder (read by ``--report`` unless ``--results`` names another)
@@ -232,12 +234,12 @@ def run(args) -> None:
             ref_text = refs[pid]["answer"]
             memo: dict = {}
 
-            def cell(c: str, rep: int) -> dict:
+            def cell(c: str, rep: int, rec=rec, memo=memo, ref_ids=ref_ids) -> dict:
                 method, params = cfgs[c]
                 cache = replay(model, make_policy(method, params, memo), rec)
                 return decoding.run(model, cell_program(cache, rec.logits, ref_ids, args.max_new_tokens, eos))
 
-            def write(s: harness.Sample) -> None:
+            def write(s: harness.Sample, p=p, pid=pid, ref_text=ref_text) -> None:
                 method, params = cfgs[s.config]
                 text = tok.decode(s.value["gen_ids"], skip_special_tokens=True).strip()
                 rl = rouge_l(text, ref_text) if (ref_text or text) else 1.0
@@ -247,7 +249,7 @@ def run(args) -> None:
                 bar.update(1)
 
             harness.interleave(missing, cell, reps=1, how="fixed", on_sample=write)
-            del rec, memo
+            del cell, write, rec, memo  # free this prompt's recording before the next one is made
     bar.close()
     meta["end"] = harness.finish_record(harness.machine_record())
     harness.write_json(meta_path, meta)
@@ -256,9 +258,8 @@ def run(args) -> None:
 # --- where the anchors go ------------------------------------------------------------------------
 def anchor_stats(args) -> None:
     """Share of anchors in the first 10% of the prompt and share of the instruction tail kept, per importance."""
-    from kvtrim.models import load_model
-
     import kvtrim
+    from kvtrim.models import load_model
 
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)

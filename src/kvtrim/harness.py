@@ -68,7 +68,8 @@ def options(*, reps: int | None = 3, warmup: int | None = 1, out_help: str = "wr
     g = p.add_argument_group("harness")
     g.add_argument("--out", metavar="PATH", help=f"{out_help} (required unless --table; an existing file is refused unless --force)")
     g.add_argument("--force", action="store_true", help="replace an existing --out")
-    g.add_argument("--table", metavar="FILE", help="print the markdown table of a result file (e.g. a committed one) and exit; runs nothing")
+    g.add_argument("--table", metavar="FILE",
+                   help="print the markdown table of a result file (e.g. a committed one) and exit; runs nothing")
     if reps is not None:
         g.add_argument("--reps", type=int, default=reps, help=f"measured repetitions (default {reps})")
     if warmup is not None:
@@ -265,7 +266,7 @@ def isolated(script: str | os.PathLike, argv: Sequence[str], *, env: Mapping[str
     passes through; a child that fails raises ``KVTrimError`` with its exit code.
     """
     cmd = [sys.executable, str(script), *map(str, argv)]
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=None if env is None else dict(env))
+    res = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, text=True, env=None if env is None else dict(env))
     if res.returncode != 0:
         raise KVTrimError(f"isolated run failed with exit code {res.returncode}: {' '.join(cmd)}")
     for line in reversed(res.stdout.splitlines()):
