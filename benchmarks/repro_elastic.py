@@ -127,7 +127,7 @@ def cell_program(cache, logits, ref: list[int], n_new: int, eos: int | None) -> 
     same = True
     for i, r in enumerate(ref):
         nll -= float(torch.log_softmax(logits, dim=-1)[r])
-        g = int(logits.argmax())
+        g = decoding.GREEDY.choose(logits)
         if same:
             gen.append(g)
             if g != r:
@@ -162,7 +162,7 @@ def selfcheck(model, ids: list[int], cfgs: dict, steps: int = 3) -> None:
         b_logits = rec.logits
         for _ in range(steps):
             torch.testing.assert_close(b_logits, a_logits, atol=1e-4, rtol=1e-4)
-            tok = int(a_logits.argmax())
+            tok = decoding.GREEDY.choose(a_logits)
             a_logits = decoding.forward(model, real, [tok])
             b_logits = decoding.forward(model, rep, [tok])
         torch.testing.assert_close(b_logits, a_logits, atol=1e-4, rtol=1e-4)
