@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if harness.start(p, args, table=table):
         return 0
+    open(args.out, "w").close()  # the lines are appended as they are measured (--force: replace the old file)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
