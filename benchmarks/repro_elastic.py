@@ -57,9 +57,8 @@ import torch
 
 from kvtrim import decoding, harness
 from kvtrim.decoding import Step
-from kvtrim.eval.longtext import (
-    LABELFREE_INSTRUCTIONS as INSTRUCTIONS,  # one list for both protocols
-)
+# one list of instructions for both protocols
+from kvtrim.eval.longtext import LABELFREE_INSTRUCTIONS as INSTRUCTIONS
 from kvtrim.eval.replay import SharedElastic, make_policy, record_prefill, replay
 
 #: the committed results folder (read by ``--report`` unless ``--results`` names another)
