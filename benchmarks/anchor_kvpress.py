@@ -1,10 +1,14 @@
 """Anchor: NVIDIA kvpress 0.5.5 on the same generated samples and budgets as kvtrim's sweep.
 
-Run it with the main environment's Python (the one that has kvtrim); it sets up its own
-environment for kvpress and drives it:
+Run it with the Python that has kvtrim; it sets up its own environment for kvpress and drives it:
 
-    PYTHONPATH=src /work/main/.venv/bin/python benchmarks/anchor_kvpress.py            # run / resume
-    PYTHONPATH=src /work/main/.venv/bin/python benchmarks/anchor_kvpress.py --table    # markdown table
+    python benchmarks/anchor_kvpress.py --out results/anchor_kvpress                    # run / resume into results/anchor_kvpress/
+    python benchmarks/anchor_kvpress.py --table benchmarks/results/anchor_kvpress      # markdown table of the committed lines
+
+``--out DIR`` names the folder of result lines (an existing one is continued) and the summary is
+written beside it (``DIR_summary.json``, as ``benchmarks/results/anchor_kvpress_summary.json``
+beside the committed lines); nothing under ``benchmarks/results/`` is written unless ``--out``
+names it.
 
 What it does:
 
@@ -25,9 +29,14 @@ What it does:
    prefill under ``with press(model)``, which the worker checks on the first sample it runs
    (``replay_check`` in the summary: max |difference| of the kept keys/values per press).
 4. **Scoring** (main venv): ``kvtrim.eval.metrics.score(sample, answer)``; one JSON line per
-   (task, length, sample, press, ratio) in ``benchmarks/results/anchor_kvpress/{task}-{length}.jsonl``
-   in the schema of ``kvtrim eval``; finished lines are skipped on a rerun (resumable), and
-   ``benchmarks/results/anchor_kvpress_summary.json`` is rewritten at the end.
+   (task, length, sample, press, ratio) in ``DIR/{task}-{length}.jsonl`` in the schema of
+   ``kvtrim eval``; finished lines are skipped on a rerun (resumable), and ``DIR_summary.json`` is
+   rewritten at the end.
+
+The worker is the one part of ``benchmarks/`` that keeps its own decode loop, clock and machine
+record: it runs in the kvpress environment (kvpress pins transformers < 5.3), where kvtrim is not
+importable on purpose (``PYTHONPATH`` is removed for it), and it decodes as kvpress's own pipeline
+does, which is what the anchor measures.
 
 Defaults and decisions:
 
@@ -45,8 +54,8 @@ Defaults and decisions:
   ``kv_bytes_full``: the same for the uncompressed prompt. ``prefill_seconds`` = the shared dense
   prefill + this press's compression (the replay), ``compress_seconds`` the latter alone.
 
-The table (``--table``) joins these lines with kvtrim's sweep lines
-(``--kvtrim-dir``, default ``/work/main/benchmarks/results/eval_baseline/runs``) on
+The table (``--table DIR``, a folder of these lines) joins them with kvtrim's sweep lines
+(``--kvtrim-dir``, default the committed ``benchmarks/results/eval_baseline/runs``) on
 (task, length, sample, keep), counting only samples whose seed and depth agree on both sides, and
 prints ``mean score (n)`` per cell. The pure functions (``load_lines``, ``joined_keys``,
 ``cell_stats``, ``markdown_table``) import nothing heavy, so tests can use them.
@@ -66,12 +75,9 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 VENV = HERE / ".venv-kvpress"
 WORK = HERE / ".anchor_kvpress_work"
-OUT_DIR = HERE / "results" / "anchor_kvpress"
-SUMMARY = HERE / "results" / "anchor_kvpress_summary.json"
-KVTRIM_DIR = Path("/work/main/benchmarks/results/eval_baseline/runs")
+KVTRIM_DIR = HERE / "results" / "eval_baseline" / "runs"
 
 KVPRESS_VERSION = "0.5.5"
 REQUIREMENTS = [f"kvpress=={KVPRESS_VERSION}", "torch==2.13.0", "transformers>=4.56,<5.3", "gguf", "accelerate"]
@@ -255,9 +261,14 @@ def setup_env() -> Path:
 # ----------------------------------------------------------------------------- orchestration (main venv)
 
 
-def done_keys() -> set:
+def summary_path(out_dir: Path) -> Path:
+    """The summary beside the lines folder: ``DIR_summary.json``."""
+    return out_dir.with_name(out_dir.name + "_summary.json")
+
+
+def done_keys(out_dir: Path) -> set:
     """Keys of finished lines decoded with the current ``MAX_NEW_TOKENS`` of their task."""
-    return {line_key(d) for d in load_lines(sorted(OUT_DIR.glob("*.jsonl")))
+    return {line_key(d) for d in load_lines(sorted(out_dir.glob("*.jsonl")))
             if d.get("max_new_tokens") == MAX_NEW_TOKENS.get(d["task"])}
 
 
@@ -286,7 +297,10 @@ def run(args) -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     presses = args.presses.split(",")
     cfgs = [c for c in configs() if c[0] is None or c[0] in presses]
-    done = done_keys()
+    from kvtrim import harness
+
+    out_dir = Path(args.out)
+    done = done_keys(out_dir)
     order = sample_order(args.pool, args.samples)
     jobs, samples = [], {}
     pool_cache = {}
@@ -309,12 +323,11 @@ def run(args) -> None:
     n_lines = sum(len(j["configs"]) for j in jobs)
     log(f"{len(done)} lines already done; {n_lines} to run over {len(jobs)} prompts")
     if not jobs:
-        write_summary()
+        write_summary(out_dir)
         return
     WORK.mkdir(exist_ok=True)
     jobs_path = WORK / "jobs.jsonl"
     jobs_path.write_text("".join(json.dumps(j) + "\n" for j in jobs))
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     env.pop("PYTHONPATH", None)  # the kvpress venv must not see kvtrim's transformers
@@ -331,25 +344,27 @@ def run(args) -> None:
             s = samples[(d["task"], d["length"], d["sample"])]
             d["score"] = score(s, d["answer"])
             d["correct"] = d["score"] == 1.0
-            with open(OUT_DIR / f"{d['task']}-{d['length']}.jsonl", "a") as f:
-                f.write(json.dumps(d) + "\n")
+            harness.append_jsonl(out_dir / f"{d['task']}-{d['length']}.jsonl", d)
             written += 1
             if written % 16 == 0 or written == n_lines:
                 el = time.time() - t0
                 log(f"{written}/{n_lines} lines, {el / 60:.1f} min, ~{el / written * (n_lines - written) / 60:.0f} min left")
     if proc.returncode != 0:
         raise SystemExit(f"worker failed with exit code {proc.returncode}")
-    write_summary()
+    write_summary(out_dir)
 
 
-def write_summary() -> None:
-    rows = load_lines(sorted(OUT_DIR.glob("*.jsonl")))
+def write_summary(out_dir: Path) -> None:
+    from kvtrim import harness
+
+    rows = load_lines(sorted(out_dir.glob("*.jsonl")))
     if not rows:
         log("no result lines yet")
         return
     machines = [d["machine"] for d in rows if d.get("machine")]
     rc = WORK / "replay_check.json"
-    prev = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
+    path = summary_path(out_dir)
+    prev = json.loads(path.read_text()) if path.exists() else {}
     summary = {
         "what": "kvpress 0.5.5 presses on kvtrim's generated samples (question inside the compressed context)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -362,13 +377,13 @@ def write_summary() -> None:
         "lines": len(rows),
         "cells": summarise(rows),
     }
-    SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
-    log(f"summary: {SUMMARY} ({len(rows)} lines)")
+    harness.write_json(path, summary)
+    log(f"summary: {path} ({len(rows)} lines)")
 
 
 def table(args) -> None:
     tasks, lengths = set(args.tasks.split(",")), {int(x) for x in args.lengths.split(",")}
-    anchor = [d for d in load_lines(sorted(OUT_DIR.glob("*.jsonl"))) if d["task"] in tasks and int(d["length"]) in lengths]
+    anchor = [d for d in load_lines(sorted(Path(args.table).glob("*.jsonl"))) if d["task"] in tasks and int(d["length"]) in lengths]
     kvt_dir = Path(args.kvtrim_dir)
     kvtrim = [d for d in load_lines(sorted(kvt_dir.glob("*.jsonl")))
               if d.get("task") in tasks and int(d.get("length", 0)) in lengths
@@ -398,11 +413,10 @@ def worker(args) -> None:
     import copy
     import importlib.metadata as md
 
+    import kvpress
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
-
-    import kvpress
 
     torch.set_num_threads(1)
     machine = {
@@ -536,9 +550,12 @@ def main(argv=None) -> None:
     ap.add_argument("--pool", type=int, default=20, help="n of make_samples (sample i's depth is i/(pool-1)); default 20")
     ap.add_argument("--samples", type=int, default=10, help="how many of the pool to run (even indices first); default 10")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", metavar="DIR", help="folder of the result lines (an existing one is continued); the summary "
+                                                 "goes beside it as DIR_summary.json. Required unless --table/--setup-only")
     ap.add_argument("--setup-only", action="store_true", help="only create/check the kvpress venv")
-    ap.add_argument("--summary-only", action="store_true", help="only rewrite the summary JSON from the result lines")
-    ap.add_argument("--table", action="store_true", help="print the markdown table (kvpress vs kvtrim sweep) for --tasks/--lengths")
+    ap.add_argument("--summary-only", action="store_true", help="only rewrite the summary JSON from the result lines in --out")
+    ap.add_argument("--table", metavar="DIR", help="print the markdown table (kvpress vs kvtrim sweep) of the lines in DIR "
+                                                   "for --tasks/--lengths, e.g. the committed benchmarks/results/anchor_kvpress")
     ap.add_argument("--kvtrim-dir", default=str(KVTRIM_DIR), help="kvtrim sweep lines ({task}-{length}.jsonl)")
     ap.add_argument("--no-join", action="store_true", help="--table: kvpress side alone, no join")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -551,9 +568,19 @@ def main(argv=None) -> None:
         table(args)
     elif args.setup_only:
         setup_env()
-    elif args.summary_only:
-        write_summary()
     else:
+        from kvtrim import harness
+        from kvtrim.errors import KVTrimError
+
+        if not args.out:
+            ap.error("--out DIR is required (the folder of result lines; --table DIR renders an existing one)")
+        try:
+            harness.check_out(args.out, directory=True)
+        except KVTrimError as e:
+            ap.error(str(e))
+        if args.summary_only:
+            write_summary(Path(args.out))
+            return
         if args.samples > args.pool:
             ap.error("--samples must be <= --pool")
         run(args)

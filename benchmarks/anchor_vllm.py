@@ -1,8 +1,8 @@
 """Anchor: kvtrim on transformers vs vLLM's CPU backend, same prompts, same threads, same dtype.
 
     python benchmarks/anchor_vllm.py --vllm-dtypes float32 bfloat16 \
-        --out benchmarks/results/anchor_vllm.json                                # setup + measure
-    python benchmarks/anchor_vllm.py --table benchmarks/results/anchor_vllm.json # markdown table
+        --out results/anchor_vllm.json                                           # setup + measure; writes results/anchor_vllm.json
+    python benchmarks/anchor_vllm.py --table benchmarks/results/anchor_vllm.json # markdown table of the committed run
     python benchmarks/anchor_vllm.py --setup                                     # environment only
 
 Environment. vLLM's CPU build pins its own torch and transformers, so it lives in a separate
@@ -33,9 +33,11 @@ What is timed, per length (defaults 2048, 4096, 7680):
   ``--minference-lengths`` (default 7680); prefill = ``prefill_seconds``, decode =
   ``decode_seconds / decode_steps`` (64 steps).
 
-One warm-up per engine per length, then ``--reps`` repetitions; within a repetition the engines
-run one after another (vLLM first on even repetitions, last on odd ones) so load drift hits both.
-Medians are reported. ``os.getloadavg()`` and the CPU seconds of both processes are recorded
+One warm-up round per length, then ``--reps`` repetitions, interleaved by :mod:`kvtrim.harness`:
+within a round the engines run one after another, the order alternating between rounds (the
+warm-up round and odd repetitions run vLLM first, even ones last), so load drift hits both.
+Medians are reported. The vLLM side (its venv, where kvtrim is not importable) keeps its own clock:
+it timestamps the request's tokens as they reach the front end, which only that process can see. ``os.getloadavg()`` and the CPU seconds of both processes are recorded
 around every measurement (the machine is shared; the CPU seconds show how many cores a run used).
 
 CPU seconds per phase, the load-robust view on a shared machine: kvtrim's process CPU time split at
@@ -331,14 +333,12 @@ def run(args) -> dict:
     import transformers
 
     import kvtrim
+    from kvtrim import harness
     from kvtrim.integrations.prefill import make_prefill
     from kvtrim.eval import make_samples
     from kvtrim.generation import generate_ids
     from kvtrim.models import build_prompt_ids, load_model, resolve_model
     from kvtrim.registry import create_policy
-
-    sys.path.insert(0, str(HERE))
-    from _bench import machine_info
 
     lm = load_model(None)
     model, tok = lm.model, lm.tokenizer
@@ -359,7 +359,7 @@ def run(args) -> dict:
             "kv_space_gib": args.kv_space_gib, "model_dir": model_dir, "vllm_ld_preload": not args.no_preload,
             "shared_machine": "yes: other sessions (a long evaluation sweep) ran on the same 2 cores; see loadavg per measurement",
         },
-        "machine": machine_info(),
+        "machine": harness.machine_record(),
         "kvtrim": {"version": getattr(kvtrim, "__version__", None), "dtype": kt_dtype,
                    "transformers": transformers.__version__, "torch": torch.__version__},
         "vllm_env_versions": versions,
@@ -434,17 +434,13 @@ def run(args) -> dict:
                                             "generate_65_seconds": g65["wall_seconds"], "token_ids": g65["token_ids"]})
                 print(f"[vllm:{dt}] L={L} LLM.generate 1 tok {g1['wall_seconds']:.2f}s, {args.max_new} tok "
                       f"{g65['wall_seconds']:.2f}s", flush=True)
-            for e in engines:
-                measure(e, L, -1, ids0, warm=True)
-            for rep in range(args.reps):
-                order = engines if rep % 2 == 0 else engines[::-1]
-                for e in order:
-                    measure(e, L, rep, prompts[L][rep], warm=False)
-            Path(args.out).write_text(json.dumps(summarize(out), indent=1))
+            harness.interleave(engines, lambda e, rep: measure(e, L, rep, ids0 if rep < 0 else prompts[L][rep], warm=rep < 0),
+                               reps=args.reps, warmup=1)
+            harness.write_json(args.out, summarize(out))  # rewritten after every length
     finally:
         for w in workers.values():
             w.close()
-    out["machine"]["loadavg_end"] = list(os.getloadavg())
+    harness.finish_record(out["machine"])
     return summarize(out)
 
 
@@ -567,8 +563,9 @@ def table(res: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setup", action="store_true", help="only create/check benchmarks/.venv-vllm")
-    p.add_argument("--table", metavar="JSON", help="print the markdown table of a results file")
-    p.add_argument("--out", default=str(HERE / "results" / "anchor_vllm.json"))
+    p.add_argument("--table", metavar="JSON", help="print the markdown table of a results file and exit")
+    p.add_argument("--out", help="the result JSON (required to measure; an existing file is refused unless --force)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--log", default=str(VENV / "worker.log"), help="vLLM worker log (inside the git-ignored venv)")
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 7680])
     p.add_argument("--reps", type=int, default=3)
@@ -593,11 +590,14 @@ def main() -> None:
     if args.setup:
         setup_env()
         return
+    from kvtrim import harness
+
+    harness.start(p, args)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `kill PID` still shuts the vLLM subprocesses down
     res = run(args)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    harness.write_json(args.out, res)
     print(table(res))
 
 

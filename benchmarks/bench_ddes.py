@@ -3,118 +3,128 @@
 Embedded SmolLM2-135M (fp32, CPU), a prose prompt of ``--length`` tokens, ``--steps`` greedy
 decode steps under the same budget (``keep``). Both policies score every step from q and k; H2O
 evicts one token per layer at every step (one gather of the whole cache per layer per step),
-HAE's DDES moves low scorers to a bin and empties it in one gather when it overflows. Counted:
-calls of ``CompressedLayer.keep_indices`` (gathers) and tokens freed, per layer, over the decode
-steps; decode time per step (median after ``--warmup`` steps). Configurations interleaved per
-repetition; medians over repetitions.
+HAE's DDES moves low scorers to a bin and empties it in one gather when it overflows. Counted,
+per layer, over the decode steps, from the cache's public state (each layer's stored length after
+every step; a step appends one token, so a layer that holds fewer than before + 1 ran one gather
+and freed the difference; both policies evict only when over budget, so every gather frees at
+least one token): gathers and tokens freed; decode time per step (median after ``--warmup``
+steps). Prefill and decode go through :mod:`kvtrim.decoding`; configurations are interleaved per
+repetition by :mod:`kvtrim.harness` (order alternating); medians over repetitions.
 
-    .venv/bin/python benchmarks/bench_ddes.py --out benchmarks/results/ddes.json
+    python benchmarks/bench_ddes.py --steps 64 --reps 3 --out results/ddes.json   # the committed run's arguments
+    python benchmarks/bench_ddes.py --table benchmarks/results/ddes.json             # its README table
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import statistics
-import time
+import sys
 
 import torch
-import transformers
 
-from kvtrim.cache import CompressedLayer, KVTrimCache
+from kvtrim import decoding, harness
+from kvtrim.cache import KVTrimCache
 from kvtrim.data import prose_haystack
 from kvtrim.integrations.hf import attach
 from kvtrim.models import load_model
 from kvtrim.registry import create_policy
 
-COUNT = {"calls": 0, "freed": 0, "on": False}
-_orig_keep = CompressedLayer.keep_indices
 
-
-def _counting_keep(self, idx, *a, **k):
-    if COUNT["on"]:
-        COUNT["calls"] += 1
-        COUNT["freed"] += self.length - idx.shape[-1]
-    return _orig_keep(self, idx, *a, **k)
+def table(d: dict) -> str:
+    """The README table of a DDES result."""
+    load = (d["machine"].get("loadavg_end") if isinstance(d.get("machine"), dict) else d["loadavg_end"])[0]
+    threads = d["machine"]["torch_threads"] if isinstance(d.get("machine"), dict) else d["threads"]
+    out = [
+        f"{d['model']}, {d['context']}-token prose prompt, keep {d['keep']}, {d['decode_steps']} decode steps, "
+        f"{threads} thread(s), {d['reps']} rep(s), {d['date'][:10]}, load average at the end {load:.1f}.",
+        "",
+        "| config | gathers per layer | tokens freed per layer | max stored / budget | restored per layer and head | decode ms/token (median) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['config']} | {r['gathers_per_layer']:.0f} | {r['tokens_freed_per_layer']:.0f} | "
+            f"{r['max_stored_during_decode']} / {r['budget_at_end']} | {r['restored_per_layer_head']:.1f} | "
+            f"{r['decode_ms_median']:.0f} ({', '.join(f'{x:.0f}' for x in r['decode_ms_per_rep'])}) |"
+        )
+    return "\n".join(out)
 
 
 @torch.inference_mode()
-def run(model, ids, name, kw, steps, warmup) -> dict:
+def run(model, ids: list[int], name: str, kw: dict, steps: int, warmup: int) -> dict:
+    """One prefill and ``steps + warmup`` greedy decode steps; gathers counted from the stored lengths."""
     cache = KVTrimCache(model, create_policy(name, **kw))
-    n_layers = len(cache.compressed_layers)
+    layers = cache.compressed_layers
+    times: list[float] = []
+    gathers = freed = max_stored = 0
+    before: list[int] = []
+
+    def on_step(step, seconds: float) -> None:
+        nonlocal gathers, freed, max_stored
+        after = [layer.length for layer in layers]
+        for b, a in zip(before, after):
+            if a < b + 1:  # the step appended one token; fewer stored means a gather freed the rest
+                gathers += 1
+                freed += b + 1 - a
+        before[:] = after
+        times.append(seconds)
+        max_stored = max(max_stored, max(cache.stored_tokens()))
+
     with attach(model):
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        tok = out.logits[:, -1:].argmax(-1)
-        times, max_stored = [], 0
-        COUNT.update(calls=0, freed=0, on=True)
-        for _ in range(steps + warmup):
-            t0 = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            times.append(time.perf_counter() - t0)
-            tok = out.logits[:, -1:].argmax(-1)
-            max_stored = max(max_stored, max(cache.stored_tokens()))
-        COUNT["on"] = False
-    budget = cache.policy.budget(cache.seen_tokens())
+        logits = decoding.run(model, decoding.prefill(cache, ids))
+        before[:] = [layer.length for layer in layers]
+        decoding.run(model, decoding.decode(cache, logits, steps + warmup + 1), on_step=on_step)
+    n_layers = len(layers)
     return {
-        "decode_ms_median": 1000 * statistics.median(times[warmup:]),
-        "gathers_per_layer": COUNT["calls"] / n_layers,
-        "tokens_freed_per_layer": COUNT["freed"] / n_layers,
+        "decode_ms_median": 1000 * harness.median(times[warmup:]),
+        "gathers_per_layer": gathers / n_layers,
+        "tokens_freed_per_layer": freed / n_layers,
         "max_stored_during_decode": max_stored,
-        "budget_at_end": budget,
+        "budget_at_end": cache.policy.budget(cache.seen_tokens()),
         "kv_bytes_end": cache.kv_bytes(),
         "kv_bytes_full_end": cache.kv_bytes_full(),
-        "restored_per_layer_head": (sum(l.state.get("hae_restored", 0) for l in cache.compressed_layers) / n_layers / cache.num_kv_heads),
+        "restored_per_layer_head": (sum(layer.state.get("hae_restored", 0) for layer in layers) / n_layers / cache.num_kv_heads),
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 parents=[harness.options(reps=2, warmup=4, warmup_help="decode steps dropped at the start of each run")])
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--keep", type=float, default=0.2)
     ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/ddes.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if harness.start(ap, args, table=table):
+        return 0
     torch.set_num_threads(args.threads)
-    CompressedLayer.keep_indices = _counting_keep  # this script only: counts the gathers
+    machine = harness.machine_record()
     lm = load_model(None)
-    hay = lm.tokenizer(prose_haystack()[:100000], add_special_tokens=False)["input_ids"]
-    ids = torch.tensor([hay[: args.length]])
+    ids = lm.tokenizer(prose_haystack()[:100000], add_special_tokens=False)["input_ids"][: args.length]
     cfgs = {
         "h2o": ("h2o", {"keep": args.keep}),
         "hae_ddes(bin 0.15)": ("hae", {"keep": args.keep}),
         "hae_ddes(bin 0.10)": ("hae", {"keep": args.keep, "bin_ratio": 0.10}),
     }
-    res: dict[str, list[dict]] = {c: [] for c in cfgs}
-    for rep in range(args.reps):
-        for cname, (name, kw) in cfgs.items():
-            r = run(lm.model, ids, name, kw, args.steps, args.warmup)
-            res[cname].append(r)
-            print(rep, cname, json.dumps(r), flush=True)
+    samples = harness.interleave(
+        list(cfgs), lambda c, rep: run(lm.model, ids, *cfgs[c], args.steps, args.warmup), reps=args.reps,
+        on_sample=lambda s: print(s.rep, s.config, json.dumps(s.value), file=sys.stderr, flush=True))
     rows = []
-    for cname, rs in res.items():
-        row = dict(rs[-1])
-        row["decode_ms_median"] = statistics.median(r["decode_ms_median"] for r in rs)
-        row["decode_ms_per_rep"] = [r["decode_ms_median"] for r in rs]
+    for cname, ss in samples.items():
+        row = dict(ss[-1].value)
+        row["decode_ms_median"] = harness.median(ss, "decode_ms_median")
+        row["decode_ms_per_rep"] = [s.value["decode_ms_median"] for s in ss]
         rows.append({"config": cname, "policy": cfgs[cname][1], **row})
     out = {
         "benchmark": "ddes_vs_h2o", "model": "SmolLM2-135M-Instruct", "context": args.length, "keep": args.keep,
-        "decode_steps": args.steps, "warmup": args.warmup, "reps": args.reps,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-        "loadavg_end": os.getloadavg(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "dtype": "float32", "rows": rows,
+        "decode_steps": args.steps, "warmup": args.warmup, "reps": args.reps, "date": machine["date"],
+        "machine": harness.finish_record(machine), "dtype": "float32", "rows": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(json.dumps(rows, indent=1))
+    harness.write_json(args.out, out)
+    print(table(out))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

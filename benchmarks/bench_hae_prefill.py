@@ -11,30 +11,48 @@ act on the attention shares; with noise features the default r=0.0015, alpha=0.0
 drop anything, so the run records the kept share for the defaults and also runs a threshold
 pair (``--r``/``--alpha``) and reports what it kept. FastV keeps 50% by construction.
 
-Configurations are interleaved per repetition; medians of ``--reps`` (2 at 1 image after one
-warm-up pass, 1 at 5 images: bounded by the run time on 2 shared cores; see the JSON).
+Configurations are interleaved per repetition by :mod:`kvtrim.harness` (order alternating);
+medians of ``--reps`` (2 at 1 image after one warm-up round, 1 at 5 images: bounded by the run
+time on 2 shared cores; see the JSON).
 
-    .venv/bin/python benchmarks/bench_hae_prefill.py --out benchmarks/results/hae_prefill.json
+    python benchmarks/bench_hae_prefill.py --out results/hae_prefill.json          # writes results/hae_prefill.json
+    python benchmarks/bench_hae_prefill.py --table benchmarks/results/hae_prefill.json   # its README table
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
-import statistics
-import time
+import sys
 
 import torch
-import transformers
 
+from kvtrim import decoding, harness
 from kvtrim.cache import KVTrimCache
 from kvtrim.integrations.hf import attach
 from kvtrim.models import load_model
 from kvtrim.registry import create_policy
 from kvtrim.vlm import llava_from_text_model, prepare, sample_images
+
+
+def table(d: dict) -> str:
+    """The README table of an HAE prefill result."""
+    m = d["machine"] if isinstance(d.get("machine"), dict) else d
+    out = [
+        f"{d['model']}, {d['dtype']}, torch {m['torch']}, transformers {m['transformers']}, "
+        f"{m.get('torch_threads', m.get('threads'))} thread(s), {d['date'][:10]}, load average at the end "
+        f"{m['loadavg_end'][0]:.1f} (shared machine).",
+        "",
+        "| visual tokens | prompt | config | visual kept | prefill s (median) | vs full | KV stored (of full) | tokens first/last layer |",
+        "|---:|---:|---|---:|---:|---:|---:|---|",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {576 * r['images']} | {r['prompt_tokens']} | {r['config']} | {r['visual_kept']}/{r['visual_tokens']} | "
+            f"{r['prefill_s_median']:.2f} (n={len(r['prefill_s_all'])}) | {r['speedup_vs_full']:.2f}x | "
+            f"{r['kv_bytes_stored'] / 1e6:.1f} MB ({r['kv_share_of_full']:.0%}) | "
+            f"{r['stored_tokens_first_last_layer'][0]}/{r['stored_tokens_first_last_layer'][1]} |"
+        )
+    return "\n".join(out)
 
 
 def configs(r: float, alpha: float) -> dict:
@@ -49,12 +67,13 @@ def configs(r: float, alpha: float) -> dict:
 
 
 @torch.inference_mode()
-def prefill(model, ids, extra, name, kw) -> dict:
+def prefill(model, ids: list[int], extra: dict, name: str, kw: dict) -> dict:
+    """One prefill forward (:func:`kvtrim.decoding.prefill`); ``seconds`` is the forward alone."""
     cache = KVTrimCache(model, create_policy(name, **kw))
+    times: list[float] = []
     with attach(model):
-        t0 = time.perf_counter()
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
-        dt = time.perf_counter() - t0
+        decoding.run(model, decoding.prefill(cache, ids, extra=extra), on_step=lambda step, seconds: times.append(seconds))
+    dt = sum(times)
     st = cache.layers[cache.policy.decision_layer].state if hasattr(cache.policy, "decision_layer") else {}
     return {
         "seconds": dt,
@@ -67,16 +86,18 @@ def prefill(model, ids, extra, name, kw) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=1)])
     ap.add_argument("--images", default="1,5", help="images per prompt (576 visual tokens each)")
-    ap.add_argument("--reps", default="2,1", help="repetitions per image count (a warm-up pass runs before the first count only)")
+    ap.add_argument("--reps", default="2,1", help="repetitions per image count (the --warmup rounds run before the first count only)")
     ap.add_argument("--skip-at-5", default="fastv_kv", help="configs left out at 5 images to bound the run time on 2 shared cores")
     ap.add_argument("--alpha", type=float, default=1.0, help="DAP alpha of the matched pair (1.0: the local test never protects)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/hae_prefill.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if harness.start(ap, args, table=table):
+        return 0
     torch.set_num_threads(args.threads)
+    machine = harness.machine_record()
     lm = load_model(None)
     v = llava_from_text_model(lm)
     photos = list(sample_images().values())
@@ -87,48 +108,39 @@ def main() -> None:
         cfgs = configs(1.0 / (576 * n_img), args.alpha)
         if n_img >= 5:
             cfgs = {c: v for c, v in cfgs.items() if c not in args.skip_at_5.split(",")}
-        n_reps, warm = reps[min(ci, len(reps) - 1)], 1 if ci == 0 else 0
+        n_reps, warm = reps[min(ci, len(reps) - 1)], args.warmup if ci == 0 else 0
         imgs = [photos[i % len(photos)] for i in range(n_img)]
         ids, extra = prepare(v.processor, "Describe the pictures in detail.", imgs)
-        ids_t = torch.tensor([ids])
-        times: dict[str, list[float]] = {c: [] for c in cfgs}
         last: dict[str, dict] = {}
-        for rep in range(n_reps + warm):
-            for cname, (name, kw) in cfgs.items():
-                res = prefill(v.model, ids_t, extra, name, kw)
-                if rep >= warm:
-                    times[cname].append(res["seconds"])
-                last[cname] = res
-                print(f"{n_img} img rep {rep} {cname}: {res['seconds']:.2f}s", flush=True)
-        full_s = statistics.median(times["full"])
+
+        def one(cname: str, rep: int) -> dict:
+            res = prefill(v.model, ids, extra, *cfgs[cname])
+            last[cname] = res
+            print(f"{n_img} img rep {rep} {cname}: {res['seconds']:.2f}s", file=sys.stderr, flush=True)
+            return res
+
+        samples = harness.interleave(list(cfgs), one, reps=n_reps, warmup=warm)
+        full_s = harness.median(samples["full"], "seconds")
         for cname in cfgs:
             res = last[cname]
-            med = statistics.median(times[cname])
+            st = harness.stats(samples[cname], "seconds")
             rows.append({
-                "images": n_img, "prompt_tokens": len(ids), "config": cname, "policy": cfgs[cname][1], "prefill_s_median": med,
-                "prefill_s_all": times[cname], "speedup_vs_full": full_s / med,
+                "images": n_img, "prompt_tokens": len(ids), "config": cname, "policy": cfgs[cname][1], "prefill_s_median": st["median"],
+                "prefill_s_all": st["all"], "speedup_vs_full": full_s / st["median"],
                 **{k: res[k] for k in ("kv_bytes", "kv_bytes_stored", "kv_bytes_full", "visual_tokens", "visual_kept")},
                 "kv_share_of_full": res["kv_bytes_stored"] / res["kv_bytes_full"],
                 "stored_tokens_first_last_layer": [res["stored_tokens_per_layer"][0], res["stored_tokens_per_layer"][-1]],
                 "reps": n_reps,
             })
-        dump(args, rows)
-
-
-def dump(args, rows) -> None:
-    out = {
-        "benchmark": "hae_prefill",
-        "model": "LlavaForConditionalGeneration(text=SmolLM2-135M-Instruct real weights, vision=random tiny CLIP 336/14)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-        "loadavg_end": os.getloadavg(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "dtype": "float32", "rows": rows,
-    }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(json.dumps(rows[-1], indent=1), flush=True)
+        out = {
+            "benchmark": "hae_prefill",
+            "model": "LlavaForConditionalGeneration(text=SmolLM2-135M-Instruct real weights, vision=random tiny CLIP 336/14)",
+            "date": machine["date"], "machine": harness.finish_record(machine), "dtype": "float32", "rows": rows,
+        }
+        harness.write_json(args.out, out)  # rewritten after every image count: a long run keeps what it measured
+    print(table(out))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,35 +3,51 @@
 Configurations: transformers' own DynamicCache (what users have without kvtrim), kvtrim ``full``,
 and ``snapkv`` / ``h2o`` at keep 0.1 and 0.2, on the embedded model (fp32, CPU), at context
 lengths 1k, 2k, 4k and ~8k tokens of essay prose. For each: one prefill, then ``--steps`` greedy
-decode steps, each timed; the median step time is reported (the first ``--warmup`` steps are
-dropped). Configurations are interleaved per length so machine noise hits all alike.
+decode steps (:mod:`kvtrim.decoding` programs; the DynamicCache runs the same programs with a
+plain forward), each timed; the median step time is reported (the first ``--warmup`` steps are
+dropped). Configurations are interleaved per length by :mod:`kvtrim.harness` so machine noise hits
+all alike.
 
 Targets (issue 2): resident bytes <= keep * full + 2% of full; at 8k, decode per token with keep
 0.1 at least 1.3x faster than full. Resident bytes are reported right after prefill and at the
 end: ``snapkv`` compresses the prompt and appends decoded tokens, ``h2o`` holds the budget at
 every step.
 
-    .venv/bin/python benchmarks/bench_memory_decode.py --out benchmarks/results/memory_decode.json
+    python benchmarks/bench_memory_decode.py --steps 24 --out results/memory_decode.json   # the committed run's arguments
+    python benchmarks/bench_memory_decode.py --table benchmarks/results/memory_decode.json  # its README table
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import contextlib
 import json
-import platform
-import statistics
-import time
+import sys
 
 import torch
-import transformers
 from transformers import DynamicCache
 
-import kvtrim
+from kvtrim import decoding, harness
 from kvtrim.cache import KVTrimCache
 from kvtrim.data import prose_haystack
-from kvtrim.integrations.hf import attach
+from kvtrim.integrations.hf import attach, cache_kwarg
 from kvtrim.models import load_model
+
+
+def table(d: dict) -> str:
+    """The README table of a memory/decode result."""
+    m = d["machine"]
+    versions = d.get("versions") or m
+    lines = [f"{d['model']}, {d['dtype']}, torch {versions['torch']}, transformers {versions['transformers']}, "
+             f"{m.get('threads', m.get('torch_threads'))} threads, {d['date'][:10]}; median of {d['args']['steps']} decode steps after "
+             f"{d['args']['warmup']} warm-up steps.\n",
+             "| context | config | stored tokens | KV after prefill (of full) | KV at end (of full) | prefill s | decode ms/token | decode speed-up vs HF DynamicCache |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in d["rows"]:
+        lines.append(f"| {r['context']} | {r['config']} | {r['stored_tokens']} | {r['kv_bytes_after_prefill'] / 1e6:.1f} MB "
+                     f"({r['kv_fraction_after_prefill']:.1%}) | {r['kv_bytes'] / 1e6:.1f} MB ({r['kv_fraction_of_full']:.1%}) | "
+                     f"{r['prefill_s']:.2f} | {r['decode_ms_median']:.1f} | {r['decode_speedup_vs_hf_dynamic']:.2f}x |")
+    return "\n".join(lines)
 
 
 def kv_bytes_dynamic(cache: DynamicCache) -> int:
@@ -39,32 +55,27 @@ def kv_bytes_dynamic(cache: DynamicCache) -> int:
 
 
 @torch.inference_mode()
-def run(model, ids: torch.Tensor, config: str, steps: int, warmup: int) -> dict:
+def run(model, ids: list[int], config: str, steps: int, warmup: int) -> dict:
+    serve = None
     if config == "hf_dynamic":
-        cache, ctx = DynamicCache(config=model.config), None
+        cache = DynamicCache(config=model.config)
+
+        def serve(step):  # transformers' own cache: a plain forward (no kvtrim positions to pass)
+            x = torch.tensor([step.ids])
+            return model(input_ids=x, **{cache_kwarg(): step.cache}, use_cache=True, logits_to_keep=1).logits[0, -1].float()
     else:
         name, _, keep = config.partition("@")
         cache = KVTrimCache(model, name, **({"keep": float(keep)} if keep else {}))
-        ctx = attach(model)
-    if ctx is not None:
-        ctx.__enter__()
-    try:
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        prefill = time.perf_counter() - t0
+    times: list[float] = []
+    with attach(model) if serve is None else contextlib.nullcontext():  # transformers' cache runs unattached
+        pre: list[float] = []
+        logits = decoding.run(model, decoding.prefill(cache, ids), serve=serve, on_step=lambda step, seconds: pre.append(seconds))
+        prefill = sum(pre)
         kv_after_prefill = cache.kv_bytes() if isinstance(cache, KVTrimCache) else kv_bytes_dynamic(cache)
-        tok = out.logits[:, -1:].argmax(-1)
-        times = []
-        for _ in range(steps + warmup):
-            t0 = time.perf_counter()
-            out = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            times.append(time.perf_counter() - t0)
-            tok = out.logits[:, -1:].argmax(-1)
-    finally:
-        if ctx is not None:
-            ctx.__exit__(None, None, None)
+        decoding.run(model, decoding.decode(cache, logits, steps + warmup + 1), serve=serve,
+                     on_step=lambda step, seconds: times.append(seconds))
     times = times[warmup:]
-    seen = ids.shape[1] + steps + warmup
+    seen = len(ids) + steps + warmup
     cfg = model.config
     full_bytes = seen * 2 * cfg.num_key_value_heads * cfg.head_dim * 4 * cfg.num_hidden_layers
     if isinstance(cache, KVTrimCache):
@@ -72,63 +83,62 @@ def run(model, ids: torch.Tensor, config: str, steps: int, warmup: int) -> dict:
         index = cache.index_bytes()
     else:
         kv, stored, index = kv_bytes_dynamic(cache), seen, 0
+    st = harness.stats(times)
     return {
         "config": config,
-        "context": ids.shape[1],
+        "context": len(ids),
         "seen": seen,
         "stored_tokens": stored,
         "kv_bytes": kv,
         "kv_bytes_full": full_bytes,
         "kv_fraction_of_full": kv / full_bytes,
         "kv_bytes_after_prefill": kv_after_prefill,
-        "kv_fraction_after_prefill": kv_after_prefill / (full_bytes * ids.shape[1] / seen),
+        "kv_fraction_after_prefill": kv_after_prefill / (full_bytes * len(ids) / seen),
         "index_bytes": index,
         "prefill_s": prefill,
-        "decode_ms_median": 1000 * statistics.median(times),
+        "decode_ms_median": 1000 * st["median"],
         "decode_ms_p10": 1000 * sorted(times)[len(times) // 10],
         "decode_ms_p90": 1000 * sorted(times)[(9 * len(times)) // 10],
         "steps": len(times),
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 parents=[harness.options(reps=None, warmup=4, warmup_help="decode steps dropped at the start of each run")])
     ap.add_argument("--lengths", default="1024,2048,4096,8000")
     ap.add_argument("--configs", default="hf_dynamic,full,snapkv@0.1,snapkv@0.2,h2o@0.1,h2o@0.2")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--out", help="write the JSON here (default: stdout)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if harness.start(ap, args, table=table):
+        return 0
     torch.manual_seed(0)
+    machine = harness.machine_record()
     lm = load_model()
     hay = lm.tokenizer(prose_haystack()[:200000], add_special_tokens=False)["input_ids"]
+    configs = args.configs.split(",")
     rows = []
     for n in [int(x) for x in args.lengths.split(",")]:
-        ids = torch.tensor([hay[:n]])
-        for config in args.configs.split(","):
-            r = run(lm.model, ids, config, args.steps, args.warmup)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+        samples = harness.interleave(configs, lambda c, rep: run(lm.model, hay[:n], c, args.steps, args.warmup), reps=1,
+                                     on_sample=lambda s: print(json.dumps(s.value), file=sys.stderr, flush=True))
+        rows += [samples[c][0].value for c in configs]
     base = {r["context"]: r for r in rows if r["config"] == "hf_dynamic"}
     for r in rows:
-        r["decode_speedup_vs_hf_dynamic"] = base[r["context"]]["decode_ms_median"] / r["decode_ms_median"]
+        if r["context"] in base:
+            r["decode_speedup_vs_hf_dynamic"] = base[r["context"]]["decode_ms_median"] / r["decode_ms_median"]
     result = {
         "benchmark": "memory_decode",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "threads": torch.get_num_threads()},
-        "versions": {"kvtrim": kvtrim.__version__, "torch": torch.__version__, "transformers": transformers.__version__},
+        "date": machine["date"],
+        "machine": harness.finish_record(machine),
         "model": lm.source,
         "dtype": "float32",
-        "args": vars(args),
+        "args": {k: v for k, v in vars(args).items() if k not in ("table", "force")},
         "rows": rows,
     }
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    harness.write_json(args.out, result)
+    print(table(result) if base else json.dumps(rows, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,8 @@
 """End-to-end prefill of the embedded model: dense SDPA vs each MInference pattern vs the searched config.
 
-For each length, one prefill forward (full KV cache, ``logits_to_keep=1``) per configuration,
-configurations interleaved within each repetition (the order alternates between repetitions),
+For each length, one prefill forward (full KV cache, ``logits_to_keep=1``, through
+:mod:`kvtrim.decoding`) per configuration, configurations interleaved within each repetition by
+:mod:`kvtrim.harness` (the order alternates between repetitions),
 medians over ``--reps`` after one warm-up at that length (lengths >= 16k: ``--long-reps``, default 1, no warm-up; the warm-up is negligible
 there). Beyond the model's 8k context the RoPE is scaled linearly (factor = length / 8192; timing
 only, the outputs are not judged there).
@@ -20,35 +21,62 @@ vs dense, and the estimation overhead as a fraction of the prefill. Summary: the
 (smallest measured length at which the config beat dense end to end).
 
     python benchmarks/bench_minference_prefill.py --lengths 2048 4096 8192 16384 32768 \\
-        --out benchmarks/results/minference_prefill.json
+        --out results/minference_prefill.json                       # writes results/minference_prefill.json
+    python benchmarks/bench_minference_prefill.py --table benchmarks/results/minference_prefill.json   # its table
 
-``--isolate`` runs every forward in a fresh process. At 32k a forward holds ~10 GB and the
-configuration that ran second in one process was measured 10-20% slower outside the attention,
-whichever it was; isolated runs remove that effect:
+``--isolate`` runs every forward in a fresh process (:func:`kvtrim.harness.isolated`). At 32k a
+forward holds ~10 GB and the configuration that ran second in one process was measured 10-20%
+slower outside the attention, whichever it was; isolated runs remove that effect:
 
     python benchmarks/bench_minference_prefill.py --isolate --lengths 16384 32768 --long-reps 3 \\
-        --configs dense minference --out benchmarks/results/minference_prefill_long_isolated.json
+        --configs dense minference --out results/minference_prefill_long_isolated.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 
+from kvtrim import decoding, harness
 from kvtrim.integrations.prefill import SIZE_KEYS, SparsePrefill, make_prefill
 from kvtrim.cache import KVTrimCache
 from kvtrim.data import essays_text
-from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.integrations.hf import attach
+from kvtrim.machine import load_average
 from kvtrim.models import load_model
+
+
+def table(d: dict) -> str:
+    """The markdown table of a prefill result (docs/minference.md, README)."""
+    m = d["machine"]
+    lines = [
+        f"SmolLM2-135M-Instruct, float32, torch {d.get('versions', m)['torch']}, {m.get('torch_threads')} threads, {d['date'][:10]}; "
+        "median wall seconds of one prefill forward (reps per row), configurations interleaved"
+        + ("; every forward in its own process." if d.get("isolated") else "."),
+        "",
+        "| length | prefill | density | wall s | speed-up | CPU s | attention s (kernel) | attention speed-up | 1/density | estimation share | reps |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["records"]:
+        sp = f"{r['speedup_wall']:.2f}x" if "speedup_wall" in r else ""
+        asp = f"{r['speedup_attention']:.2f}x" if r.get("speedup_attention") else ""
+        ideal = f"{r['ideal_attention_speedup']:.1f}" if "ideal_attention_speedup" in r else ""
+        lines.append(
+            f"| {r['length']} | {r['config']} | {r['density']:.3f} | {r['wall_seconds']:.2f} | {sp} | {r['cpu_seconds']:.1f} | "
+            f"{r['attention_seconds']:.2f} | {asp} | {ideal} | {r['estimate_fraction']:.1%} | {r['reps']} |"
+        )
+    if d.get("summary"):
+        lines.append("")
+        for name, s in d["summary"].items():
+            measured = sorted({r["length"] for r in d["records"] if r["config"] == name})
+            lines.append(f"- `{name}`: smallest measured length that beats dense end to end: "
+                         f"{s['crossover_length'] or 'none'} (measured: {', '.join(map(str, measured))})")
+    return "\n".join(lines)
 
 
 def scale_rope(model, length: int, base_ctx: int) -> None:
@@ -76,14 +104,16 @@ def median_sizes(cfg, pattern: str) -> dict:
 
 
 @torch.inference_mode()
-def one_prefill(model, ids, hook) -> tuple[float, float, dict]:
+def one_prefill(model, ids: list[int], hook) -> tuple[float, float, dict]:
+    """One prefill forward: (wall seconds of the forward, process CPU seconds, the hook's statistics)."""
     cache = KVTrimCache(model, "full")
     hook.reset_stats()
+    wall: list[float] = []
     with attach(model, prefill_attention=hook):
-        w0, c0 = time.perf_counter(), time.process_time()
-        model(input_ids=ids, **{cache_kwarg(): cache}, logits_to_keep=1)
-        w1, c1 = time.perf_counter(), time.process_time()
-    return w1 - w0, c1 - c0, hook.stats()
+        c0 = time.process_time()
+        decoding.run(model, decoding.prefill(cache, ids), on_step=lambda step, seconds: wall.append(seconds))
+        c1 = time.process_time()
+    return wall[0], c1 - c0, hook.stats()
 
 
 def build(pattern_config: str | None):
@@ -97,70 +127,67 @@ def build(pattern_config: str | None):
         sizes = median_sizes(mi.config, pat)
         single_sizes[pat] = sizes
         hooks[pat] = SparsePrefill(pat, sizes=sizes or None, min_length=1)
-    all_ids = lm.tokenizer(essays_text(), return_tensors="pt").input_ids
+    all_ids = lm.tokenizer(essays_text())["input_ids"]
     return lm, hooks, single_sizes, all_ids
 
 
-def prompt(all_ids: torch.Tensor, n: int) -> torch.Tensor:
-    while all_ids.shape[1] < n:
-        all_ids = torch.cat([all_ids, all_ids], dim=1)
-    return all_ids[:, :n]
+def prompt(all_ids: list[int], n: int) -> list[int]:
+    while len(all_ids) < n:
+        all_ids = all_ids + all_ids
+    return all_ids[:n]
 
 
 def run_one(n: int, name: str, pattern_config: str | None) -> int:
-    """A child of ``--isolate``: one forward (after one warm-up below 16k) in this fresh process; JSON on stdout."""
+    """A child of ``--isolate``: one forward (after one warm-up below 16k) in this fresh process, reported to the parent."""
     lm, hooks, _, all_ids = build(pattern_config)
     scale_rope(lm.model, n, int(lm.model.config.max_position_embeddings))
     ids = prompt(all_ids, n)
     if n < 16384:
         one_prefill(lm.model, ids, hooks[name])
     wall, cpu, stats = one_prefill(lm.model, ids, hooks[name])
-    print(json.dumps({"wall": wall, "cpu": cpu, "stats": stats}))
+    harness.child_result({"wall": wall, "cpu": cpu, "stats": stats})
     return 0
 
 
 def isolated(n: int, name: str, args) -> tuple[float, float, dict]:
-    cmd = [sys.executable, __file__, "--one", str(n), name]
+    argv = ["--one", str(n), name]
     if args.pattern_config:
-        cmd += ["--pattern-config", args.pattern_config]
+        argv += ["--pattern-config", args.pattern_config]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    res = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True)
-    rec = json.loads(res.stdout.strip().splitlines()[-1])
+        argv += ["--threads", str(args.threads)]
+    rec = harness.isolated(__file__, argv)
     return rec["wall"], rec["cpu"], rec["stats"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=3, warmup=1, warmup_help=(
+        "warm-up rounds at lengths below 16k, in one process"))])
     p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
     p.add_argument("--configs", nargs="+", default=["dense", "minference", "a_shape", "vertical_slash", "block_sparse"])
     p.add_argument("--long-configs", nargs="+", default=None, help="configs at lengths >= 16k (default: all)")
     p.add_argument("--pattern-config", default=None)
-    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--long-reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--isolate", action="store_true",
                    help="run every forward in a fresh process (no order or allocator effects between configurations)")
     p.add_argument("--one", nargs=2, metavar=("LENGTH", "CONFIG"), help=argparse.SUPPRESS)  # a child of --isolate
-    p.add_argument("--out", required=False)
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.one:
         return run_one(int(args.one[0]), args.one[1], args.pattern_config)
-    if not args.out:
-        p.error("--out is required")
+    if harness.start(p, args, table=table):
+        return 0
 
+    machine = harness.machine_record()
     lm, hooks, single_sizes, all_ids = build(args.pattern_config)
     model, mi = lm.model, hooks["minference"]
     base_ctx = int(model.config.max_position_embeddings)
     records = []
     meta = {
         "benchmark": "minference_prefill",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads()},
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "date": machine["date"],
+        "machine": machine,
         "model": lm.source,
         "single_pattern_sizes": single_sizes,
         "pattern_config_search": mi.config.search,
@@ -172,18 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         ids = prompt(all_ids, n)
         names = args.configs if (n < 16384 or args.long_configs is None) else args.long_configs
         reps = args.reps if n < 16384 else args.long_reps
-        if n < 16384 and not args.isolate:
-            for name in names:
-                one_prefill(model, ids, hooks[name])
-        runs = {name: [] for name in names}
-        load0 = os.getloadavg()
-        for rep in range(reps):
-            for name in (names if rep % 2 == 0 else names[::-1]):  # the order alternates between repetitions
-                if args.isolate:
-                    runs[name].append(isolated(n, name, args))
-                else:
-                    runs[name].append(one_prefill(model, ids, hooks[name]))
-                print(f"{n} {name}: {runs[name][-1][0]:.2f}s wall, density {runs[name][-1][2]['density']:.3f}", file=sys.stderr, flush=True)
+        warm = args.warmup if n < 16384 and not args.isolate else 0
+        load0 = load_average()
+
+        def one(name: str, rep: int) -> tuple[float, float, dict]:
+            r = isolated(n, name, args) if args.isolate else one_prefill(model, ids, hooks[name])
+            print(f"{n} {name}: {r[0]:.2f}s wall, density {r[2]['density']:.3f}", file=sys.stderr, flush=True)
+            return r
+
+        runs = {name: [s.value for s in ss] for name, ss in harness.interleave(names, one, reps=reps, warmup=warm).items()}
         dense_wall = statistics.median(r[0] for r in runs["dense"]) if "dense" in runs else None
         dense_cpu = statistics.median(r[1] for r in runs["dense"]) if "dense" in runs else None
         dense_attn = statistics.median(r[2]["attention_seconds"] for r in runs["dense"]) if "dense" in runs else None
@@ -196,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 "length": n, "config": name, "reps": len(rr), "wall_seconds": wall, "cpu_seconds": cpu,
                 "wall_all": [r[0] for r in rr], "density": rr[0][2]["density"],
                 "attention_seconds": attn, "estimate_seconds": est, "estimate_fraction": est / wall,
-                "loadavg": [load0, os.getloadavg()],
+                "loadavg": [load0, load_average()],
             }
             if dense_wall:
                 rec["speedup_wall"] = dense_wall / wall
@@ -205,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                 rec["ideal_attention_speedup"] = 1 / rec["density"]
             records.append(rec)
             print(json.dumps(rec), file=sys.stderr, flush=True)
-        with open(args.out, "w") as f:  # rewritten after every length: a long run keeps what it measured
-            json.dump({**meta, "records": records}, f, indent=1)
+        harness.write_json(args.out, {**meta, "records": records})  # rewritten after every length: a long run keeps what it measured
     summary = {}
     for name in args.configs:
         if name == "dense":
@@ -217,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             "crossover_length": won[0] if won else None,  # the smallest *measured* length that beat dense
             "speedup_wall": {r["length"]: round(r["speedup_wall"], 3) for r in records if r["config"] == name and "speedup_wall" in r},
         }
-    with open(args.out, "w") as f:
-        json.dump({**meta, "summary": summary, "records": records}, f, indent=1)
-    print(json.dumps(summary, indent=1))
+    meta["machine"] = harness.finish_record(machine)
+    result = {**meta, "summary": summary, "records": records}
+    harness.write_json(args.out, result)
+    print(table(result))
     return 0
 
 

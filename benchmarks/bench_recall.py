@@ -6,21 +6,20 @@ the outer loop and configurations the inner one, so a run stopped by ``--max-sec
 samples for every configuration. Score: exact match of the first number in each answer.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_recall.py --samples 20 --budgets 256,512 --biases 0,0.25,1,4,16 \
-        --max-seconds 1800 --out benchmarks/results/recall.json   # the committed run (stopped after 15 samples)
+        --max-seconds 1800 --out results/recall.json   # as the committed run (stopped after 15 samples); writes results/recall.json
+    python benchmarks/bench_recall.py --table benchmarks/results/recall.json   # its README table
+
+The configurations of one sample run through :func:`kvtrim.harness.interleave` (one round, the
+full cache first: the others are scored against its answers), which times each.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _bench import machine_info, print_table_or_require_out  # noqa: E402
+from kvtrim import harness
 
 
 def configs(budgets: list[int], biases: list[float]) -> list[tuple[str, str, dict]]:
@@ -48,7 +47,7 @@ def table(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None)])
     ap.add_argument("--samples", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budgets", default="256", help="comma-separated max_tokens budgets")
@@ -58,10 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context-tokens", type=int, default=300)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--max-seconds", type=float, default=None)
-    ap.add_argument("--out", help="JSON output (required unless --table)")
-    ap.add_argument("--table", help="print the README table of an existing result JSON and exit")
     args = ap.parse_args(argv)
-    if print_table_or_require_out(ap, args, table):
+    if harness.start(ap, args, table=table):
         return 0
 
     from kvtrim.eval.recall import recall_sample, run_recall
@@ -72,13 +69,12 @@ def main(argv=None) -> int:
     lm = load_model(None)
     budgets = [int(b) for b in args.budgets.split(",")]
     cfgs = configs(budgets, [float(b) for b in args.biases.split(",")])
-    result = {"benchmark": "recall", "model": lm.source, "dtype": "float32", "info": machine_info(),
+    by_label = {c[0]: c for c in cfgs}
+    result = {"benchmark": "recall", "model": lm.source, "dtype": "float32", "info": harness.machine_record(),
               "task": {"n_facts": args.n_facts, "context_turns": args.context_turns, "context_tokens": args.context_tokens,
                        "max_new_tokens": args.max_new_tokens, "seed": args.seed, "metric": "exact match of the first number"},
               "budgets": budgets, "samples": [], "configs": {label: {"policy": create_policy(m, **kw).describe()}
                                                                 for label, m, kw in cfgs}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
 
     def save(final):
@@ -97,27 +93,31 @@ def main(argv=None) -> int:
         result["summary"] = summary
         result["complete"] = final
         result["wall_seconds"] = time.perf_counter() - t0
-        result["info"]["loadavg_end"] = list(os.getloadavg())
-        out.write_text(json.dumps(result, indent=1))
+        harness.finish_record(result["info"])
+        harness.write_json(args.out, result)
 
     for i in range(args.samples):
         seed = args.seed * 1000 + i
         smp = recall_sample(lm.tokenizer, n_facts=args.n_facts, context_turns=args.context_turns,
                             context_tokens=args.context_tokens, seed=seed)
         rec = {"seed": seed, "keys": smp.meta["keys"], "values": smp.meta["values"], "results": {}}
-        full_scores = None
-        for label, m, kw in cfgs:
+        full_scores: list = []
+
+        def one(label: str, rep: int) -> list[dict]:
+            _, m, kw = by_label[label]
             s = Session(lm.model, lm.tokenizer, create_policy(m, **kw))
-            t = time.perf_counter()
             rows = run_recall(s, smp, max_new_tokens=args.max_new_tokens)
-            if full_scores is None:
-                full_scores = [r["score"] for r in rows]
+            if not full_scores:  # the first configuration is the full cache
+                full_scores.extend(r["score"] for r in rows)
             for r, f in zip(rows, full_scores):
                 r["full_correct"] = bool(f)
-            rec["results"][label] = rows
-            rec.setdefault("seconds", {})[label] = time.perf_counter() - t
             rec["conversation_tokens"] = s.seen
             print(f"sample {i} {label}: {[r['score'] for r in rows]} {[r['reply'][:20] for r in rows]}", file=sys.stderr, flush=True)
+            return rows
+
+        got = harness.interleave(list(by_label), one, reps=1, how="fixed")
+        rec["results"] = {label: ss[0].value for label, ss in got.items()}
+        rec["seconds"] = {label: ss[0].seconds for label, ss in got.items()}
         result["samples"].append(rec)
         save(False)
         if args.max_seconds and time.perf_counter() - t0 > args.max_seconds:

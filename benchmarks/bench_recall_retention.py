@@ -5,22 +5,20 @@ generation), then measures, for each fact turn, the fraction of its tokens still
 over layers and KV heads. This isolates what the attention bias does to long-range retention, the
 mechanism behind the recall scores of ``bench_recall.py``.
 
-    nice -n 10 python benchmarks/bench_recall_retention.py --samples 10 --budget 512 --out benchmarks/results/recall_retention.json
+    nice -n 10 python benchmarks/bench_recall_retention.py --samples 10 --budget 512 --out results/recall_retention.json
+    # writes results/recall_retention.json (the committed one is benchmarks/results/recall_retention.json)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the script's folder is on the path when it runs (python benchmarks/bench_recall_retention.py)
+from bench_recall import configs
 
-from bench_recall import configs  # noqa: E402
-from _bench import machine_info  # noqa: E402
+from kvtrim import harness
 
 
 def fact_retention(session, sample) -> list[float]:
@@ -41,15 +39,15 @@ def fact_retention(session, sample) -> list[float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None)])
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--biases", default="0,0.25,1,4,16")
     ap.add_argument("--context-turns", type=int, default=2)
     ap.add_argument("--context-tokens", type=int, default=300)
-    ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    harness.start(ap, args)
 
     from kvtrim.eval.recall import recall_sample
     from kvtrim.models import load_model
@@ -58,7 +56,7 @@ def main(argv=None) -> int:
 
     lm = load_model(None)
     cfgs = [c for c in configs([args.budget], [float(b) for b in args.biases.split(",")]) if c[1] != "full"]
-    res = {"benchmark": "recall_retention", "model": lm.source, "info": machine_info(), "budget": args.budget,
+    res = {"benchmark": "recall_retention", "model": lm.source, "info": harness.machine_record(), "budget": args.budget,
            "task": {"n_facts": 3, "context_turns": args.context_turns, "context_tokens": args.context_tokens},
            "samples": []}
     t0 = time.perf_counter()
@@ -75,8 +73,8 @@ def main(argv=None) -> int:
         res["mean_retention"] = {label: sum(sum(s["retention"][label]) / len(s["retention"][label]) for s in res["samples"])
                                  / len(res["samples"]) for label, _, _ in cfgs}
         res["wall_seconds"] = time.perf_counter() - t0
-        res["info"]["loadavg_end"] = list(os.getloadavg())
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        harness.finish_record(res["info"])
+        harness.write_json(args.out, res)
     for label, v in res["mean_retention"].items():
         print(f"{label:<22} {v:.3f}")
     return 0

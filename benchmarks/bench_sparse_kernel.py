@@ -2,36 +2,34 @@
 
 One head configuration like the embedded model (SmolLM2-135M: 9 query heads, 3 KV heads,
 head_dim 64, batch 1), random inputs. For each T: dense ``scaled_dot_product_attention``
-(is_causal, enable_gqa) and, per pattern, the index estimation and the sparse attention, each
-the median of ``--reps`` runs after ``--warmup`` runs. Density = executed work / dense causal work
-(whole 64x64 blocks and 64-row columns, as the kernel runs them). Random q/k spread slashes and
-top-k blocks uniformly, so densities here are an upper bound for real prompts.
+(is_causal, enable_gqa) and, per pattern, the index estimation and the sparse attention; all these
+functions are interleaved by :mod:`kvtrim.harness` (``--warmup`` rounds, then ``--reps`` rounds,
+the order alternating), each reported as its median (min/max/all in the record). Density =
+executed work / dense causal work (whole 64x64 blocks and 64-row columns, as the kernel runs
+them). Random q/k spread slashes and top-k blocks uniformly, so densities here are an upper bound
+for real prompts.
 
 FLOP model: dense causal = 4 * Hq * D * T^2 / 2; a sparse path does ``density`` times that.
 
-Output: one JSON object per line (machine, versions, date in every record), then one ``summary``
-line per pattern with the crossover length: the smallest measured T at which sparse (estimation
-+ attention) beat dense. Examples::
+Output (``--out``, JSON lines): one record per timed function (the machine record in the first
+line), then one ``summary`` line per pattern with the crossover length: the smallest measured T at
+which sparse (estimation + attention) beat dense. Examples::
 
-    python benchmarks/bench_sparse_kernel.py --lengths 4096 8192
-    python benchmarks/bench_sparse_kernel.py --lengths 8192 --cpu-kernels native torch   # CPU paths side by side
-    python benchmarks/bench_sparse_kernel.py --device cuda --lengths 16384 32768 65536 --out gpu.jsonl
+    python benchmarks/bench_sparse_kernel.py --lengths 8192 --cpu-kernels native torch --out results/cpu_kernel.jsonl
+    python benchmarks/bench_sparse_kernel.py --table benchmarks/results/cpu_kernel.jsonl     # markdown table
+    python benchmarks/bench_sparse_kernel.py --device cuda --lengths 16384 32768 65536 --out results/gpu_kernel.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import statistics
 import sys
-import time
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kvtrim import harness
 from kvtrim.attention import AShape, BlockSparse, VerticalSlash, sparse_attention_cpu, sparse_prefill
 
 PATTERNS = {
@@ -43,26 +41,21 @@ PATTERNS = {
 }
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _median_time(fn: Callable[[], object], warmup: int, reps: int, device: str) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def table(records: list[dict]) -> str:
+    """Markdown table of a kernel result (JSON lines)."""
+    lines = ["| T | path | kernel | density | estimate s | attention s | attention speed-up | GFLOP/s (executed) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
+    for r in records:
+        if r.get("kind") == "dense_sdpa":
+            lines.append(f"| {r['T']} | dense SDPA | torch | 1.000 | | {r['seconds']:.3f} | 1.00x | {r['gflops_per_s']:.0f} |")
+        elif r.get("kind") not in (None, "summary"):
+            lines.append(f"| {r['T']} | {r['kind']} | {r['kernel']} | {r['density']:.3f} | {r['estimate_s']:.3f} | "
+                         f"{r['attention_s']:.3f} | {r['speedup_attention']:.2f}x | {r['gflops_per_s_effective']:.0f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=3, warmup=1, out_help="write the JSON lines here")])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -70,27 +63,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--q-heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-kernels", nargs="+", default=["native"], choices=["native", "torch"],
                    help="CPU paths to time side by side (default: native; add torch for the PyTorch fallback)")
-    p.add_argument("--out", default=None, help="write JSON lines here instead of stdout")
     args = p.parse_args(argv)
+    if harness.start(p, args, table=table):
+        return 0
+    open(args.out, "w").close()  # the lines are appended as they are measured (--force: replace the old file)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return 0
     backend = "triton" if args.device == "cuda" else "cpu"
     dtype = getattr(torch, args.dtype or ("float16" if args.device == "cuda" else "float32"))
+    machine = harness.machine_record()
     meta = {
-        "machine": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": machine["date"],
+        "threads": machine["torch_threads"],
         "device": args.device,
         "dtype": str(dtype).removeprefix("torch."),
         "batch": 1,
@@ -98,47 +88,65 @@ def main(argv: list[str] | None = None) -> int:
         "kv_heads": args.kv_heads,
         "head_dim": args.head_dim,
     }
-    out = open(args.out, "w") if args.out else sys.stdout
+
+    def sync() -> None:
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+
     results: dict[str, list[tuple[int, float, float]]] = {name: [] for name in args.patterns}
-    try:
-        for t in args.lengths:
-            g = torch.Generator(device=args.device).manual_seed(args.seed)
-            q = torch.randn(1, args.q_heads, t, args.head_dim, generator=g, device=args.device, dtype=dtype)
-            k = torch.randn(1, args.kv_heads, t, args.head_dim, generator=g, device=args.device, dtype=dtype)
-            v = torch.randn(1, args.kv_heads, t, args.head_dim, generator=g, device=args.device, dtype=dtype)
-            dense_s = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), args.warmup, args.reps, args.device)
-            flops = 4 * args.q_heads * args.head_dim * t * t / 2
-            rec = {**meta, "kind": "dense_sdpa", "T": t, "seconds": dense_s, "gflops_per_s": flops / dense_s / 1e9}
-            print(json.dumps(rec), file=out, flush=True)
-            for name in args.patterns:
-                pattern = PATTERNS[name]()
-                est_s = _median_time(lambda: pattern.layout(q, k), args.warmup, args.reps, args.device)
-                layout = pattern.layout(q, k)
-                density = layout.density()
-                kernels = args.cpu_kernels if args.device == "cpu" else ["triton"]
-                for kn in kernels:
-                    if kn == "triton":
-                        run = lambda: sparse_prefill(q, k, v, layout, backend=backend)  # noqa: E731
-                    else:
-                        run = lambda kn=kn: sparse_attention_cpu(q, k, v, layout, kernel=kn)  # noqa: E731
-                    attn_s = _median_time(run, args.warmup, args.reps, args.device)
-                    if kn == kernels[0]:
-                        results[name].append((t, est_s + attn_s, dense_s))
-                    rec = {
-                        **meta, "kind": name, "kernel": kn, "pattern": repr(pattern), "T": t, "density": round(density, 4),
-                        "estimate_s": est_s, "attention_s": attn_s, "total_s": est_s + attn_s, "dense_s": dense_s,
-                        "speedup_attention": dense_s / attn_s, "speedup_total": dense_s / (est_s + attn_s),
-                        "gflops_per_s_effective": density * flops / attn_s / 1e9,
-                    }
-                    print(json.dumps(rec), file=out, flush=True)
-        for name, rows in results.items():
-            wins = [t for t, sparse_s, dense_s in rows if sparse_s < dense_s]
-            rec = {**meta, "kind": "summary", "pattern": name, "crossover_T": min(wins) if wins else None,
-                   "measured_T": [t for t, _, _ in rows]}
-            print(json.dumps(rec), file=out, flush=True)
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    kernels = args.cpu_kernels if args.device == "cpu" else ["triton"]
+    first = True
+    for t in args.lengths:
+        g = torch.Generator(device=args.device).manual_seed(args.seed)
+        q = torch.randn(1, args.q_heads, t, args.head_dim, generator=g, device=args.device, dtype=dtype)
+        k = torch.randn(1, args.kv_heads, t, args.head_dim, generator=g, device=args.device, dtype=dtype)
+        v = torch.randn(1, args.kv_heads, t, args.head_dim, generator=g, device=args.device, dtype=dtype)
+        patterns = {name: PATTERNS[name]() for name in args.patterns}
+        layouts = {name: pat.layout(q, k) for name, pat in patterns.items()}
+        fns = {"dense": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)}
+        for name, pat in patterns.items():
+            fns[f"estimate:{name}"] = lambda pat=pat: pat.layout(q, k)
+            for kn in kernels:
+                if kn == "triton":
+                    fns[f"attention:{name}:{kn}"] = lambda lay=layouts[name]: sparse_prefill(q, k, v, lay, backend=backend)
+                else:
+                    fns[f"attention:{name}:{kn}"] = lambda lay=layouts[name], kn=kn: sparse_attention_cpu(q, k, v, lay, kernel=kn)
+
+        def timed(fn_name: str, rep: int) -> None:
+            fns[fn_name]()
+            sync()
+
+        sync()
+        st = {n: harness.stats(ss) for n, ss in harness.interleave(list(fns), timed, reps=args.reps, warmup=args.warmup).items()}
+        flops = 4 * args.q_heads * args.head_dim * t * t / 2
+        dense_s = st["dense"]["median"]
+        recs = [{**meta, "kind": "dense_sdpa", "T": t, "seconds": dense_s, "seconds_all": st["dense"]["all"],
+                 "gflops_per_s": flops / dense_s / 1e9}]
+        for name, pat in patterns.items():
+            est_s, density = st[f"estimate:{name}"]["median"], layouts[name].density()
+            for kn in kernels:
+                a = st[f"attention:{name}:{kn}"]
+                attn_s = a["median"]
+                if kn == kernels[0]:
+                    results[name].append((t, est_s + attn_s, dense_s))
+                recs.append({
+                    **meta, "kind": name, "kernel": kn, "pattern": repr(pat), "T": t, "density": round(density, 4),
+                    "estimate_s": est_s, "attention_s": attn_s, "attention_s_all": a["all"], "total_s": est_s + attn_s,
+                    "dense_s": dense_s, "speedup_attention": dense_s / attn_s, "speedup_total": dense_s / (est_s + attn_s),
+                    "gflops_per_s_effective": density * flops / attn_s / 1e9,
+                })
+        for rec in recs:
+            if first:
+                rec = {"machine": machine, **rec}
+                first = False
+            harness.append_jsonl(args.out, rec)
+            print(json.dumps(rec), file=sys.stderr, flush=True)
+    for name, rows in results.items():
+        wins = [t for t, sparse_s, dense_s in rows if sparse_s < dense_s]
+        rec = {**meta, "kind": "summary", "pattern": name, "crossover_T": min(wins) if wins else None,
+               "measured_T": [t for t, _, _ in rows], "loadavg_end": harness.finish_record(machine)["loadavg_end"]}
+        harness.append_jsonl(args.out, rec)
+    print(table(harness.read_result(args.out)))
     return 0
 
 

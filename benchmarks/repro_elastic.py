@@ -20,38 +20,50 @@ Speed-ups that do not change any number (checked by ``--selfcheck``, on by defau
   token equals the reference token the two runs are identical; at the first difference the
   cache is copied and generation continues from the copy.
 
-Results: one JSON line per (prompt, config) in ``benchmarks/results/elastic_repro/*.jsonl``;
-finished lines are skipped on a rerun. ``--report`` aggregates them into
-``benchmarks/results/elastic_repro_summary.json``, ``docs/elastic_repro.png`` and a markdown
-table. Run it in the background, e.g.::
+Why this is not ``kvtrim eval --tasks labelfree``: that task judges a method the way every eval
+task does (a fixed-length generated sample, the reference teacher-forced in *one* forward after the
+compressed prefill, (method, keep) configurations only). This protocol differs in three ways the
+eval API cannot express: the reference is teacher-forced *token by token* (the cache keeps
+compressing during the answer), the prompts are this script's 1-1.5k-token passages with the
+instructions in turn (the committed 100-prompt results are on them), and the ablations pass
+parameters other than ``keep``. What it shares with kvtrim eval is used from there: the recording
+and replay of the prompt (``kvtrim.eval.replay``), the instructions (``kvtrim.eval.longtext``) and
+ROUGE-L (``kvtrim.eval.metrics.rouge_l``); every forward goes through :mod:`kvtrim.decoding` (the
+cell is a decoding program); timing, machine record and output through :mod:`kvtrim.harness`.
 
-    nice -n 10 python benchmarks/repro_elastic.py --limit 100 --shard 0/2 &
-    nice -n 10 python benchmarks/repro_elastic.py --limit 100 --shard 1/2 &
-    python benchmarks/repro_elastic.py --report
+Results: one JSON line per (prompt, config) in ``DIR/shard{k}of{n}.jsonl`` under the folder ``--out
+DIR`` names; finished lines are skipped on a rerun (resumable). ``--report`` aggregates a results
+folder (``--results``, default the committed ``benchmarks/results/elastic_repro``) into the summary
+JSON named by ``--out`` (a PNG plot beside it) and prints the markdown table; ``--table FILE``
+prints the table of a summary. Run it in the background, e.g.::
+
+    nice -n 10 python benchmarks/repro_elastic.py --limit 100 --shard 0/2 --out results/elastic_repro &
+    nice -n 10 python benchmarks/repro_elastic.py --limit 100 --shard 1/2 --out results/elastic_repro &
+    python benchmarks/repro_elastic.py --report --results results/elastic_repro --out results/elastic_repro_summary.json
+    python benchmarks/repro_elastic.py --table benchmarks/results/elastic_repro_summary.json   # the committed table
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
-import os
-import platform
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "elastic_repro"
-SUMMARY = ROOT / "benchmarks" / "results" / "elastic_repro_summary.json"
-PLOT = ROOT / "docs" / "elastic_repro.png"
+from kvtrim import decoding, harness
+from kvtrim.decoding import Step
+# one list of instructions for both protocols
+from kvtrim.eval.longtext import LABELFREE_INSTRUCTIONS as INSTRUCTIONS
+from kvtrim.eval.replay import make_policy, record_prefill, replay
+from kvtrim.policies.elastic import Elastic
 
-from kvtrim.eval.longtext import LABELFREE_INSTRUCTIONS as INSTRUCTIONS  # noqa: E402 (one list for both protocols)
+#: the committed results folder (read by ``--report`` unless ``--results`` names another)
+COMMITTED = Path(__file__).resolve().parent / "results" / "elastic_repro"
 
 MAIN_METHODS = ("elastic", "h2o", "local", "snapkv")
 
@@ -103,51 +115,19 @@ def build_prompts(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[di
     return prompts
 
 
-# --- recording the prompt once and replaying it per configuration --------------------------------
-# (kvtrim.eval.replay: the forward pass does not depend on the method, so it runs once per prompt)
-from kvtrim.eval.replay import make_policy, record_prefill, replay  # noqa: E402
-from kvtrim.policies.elastic import Elastic as SharedElastic  # noqa: E402 (per-prompt scores: Policy.share_prefill_scores)
-
-
-def forward_step(model, cache, tok: int) -> torch.Tensor:
-    """One decode step of token ``tok`` through ``cache``; last-position logits ``[V]`` (float32)."""
-    from kvtrim.integrations.hf import cache_kwarg
-
-    kw = {cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 1}
-    if cache.position_policy != "true":
-        n = cache.compressed_layers[0].length
-        kw["position_ids"] = torch.tensor([[n]])
-    return model(input_ids=torch.tensor([[tok]]), **kw).logits[0, -1].float()
-
-
-def record_prompt(model, ids: list[int]):
-    """Full prefill with the recording policy: (cache, last logits, per-layer record)."""
-    rec = record_prefill(model, ids, keep_cache=True)
-    return rec.cache, rec.logits, rec.record
-
-
-def greedy_reference(model, cache, logits, n_new: int, eos: int | None) -> list[int]:
-    out = []
-    for step in range(n_new):
-        tok = int(logits.argmax())
-        out.append(tok)
-        if tok == eos or step == n_new - 1:
-            break
-        logits = forward_step(model, cache, tok)
-    return out
-
-
-def run_cell(model, cache, logits, ref: list[int], n_new: int, eos: int | None) -> dict:
-    """Teacher-force ``ref`` through ``cache`` and generate greedily, sharing the common prefix."""
+# --- one configuration on one prompt: a decoding program ------------------------------------------
+def cell_program(cache, logits, ref: list[int], n_new: int, eos: int | None) -> decoding.Program:
+    """Program: teacher-force ``ref`` token by token through ``cache`` and generate greedily, sharing
+    the common prefix (at the first difference the cache is copied and generation continues from the
+    copy with :func:`kvtrim.decoding.decode`); returns the cell's fields."""
     nll = 0.0
     gen: list[int] = []
-    fork = None  # (cache copy, logits) at the first divergence
+    fork = None  # cache copy at the first divergence
     steps = 0
     same = True
     for i, r in enumerate(ref):
-        lp = torch.log_softmax(logits, dim=-1)
-        nll -= float(lp[r])
-        g = int(logits.argmax())
+        nll -= float(torch.log_softmax(logits, dim=-1)[r])
+        g = decoding.GREEDY.choose(logits)
         if same:
             gen.append(g)
             if g != r:
@@ -156,90 +136,52 @@ def run_cell(model, cache, logits, ref: list[int], n_new: int, eos: int | None) 
                     fork = copy.deepcopy(cache)
         if i == len(ref) - 1:
             break
-        logits = forward_step(model, cache, r)
+        logits = yield Step(cache, [r])
         steps += 1
     stored_end = max(cache.stored_tokens())
     if fork is not None:
-        gcache = fork
-        glogits = forward_step(model, gcache, gen[-1])
+        glogits = yield Step(fork, [gen[-1]])
         steps += 1
-        while len(gen) < n_new:
-            g = int(glogits.argmax())
-            gen.append(g)
-            if g == eos or len(gen) == n_new:
-                break
-            glogits = forward_step(model, gcache, g)
-            steps += 1
+        more, s = yield from decoding.decode(fork, glogits, n_new - len(gen), stop_ids=() if eos is None else (eos,))
+        gen += more
+        steps += s
     return {"nll_sum": nll, "n_tokens": len(ref), "gen_ids": gen, "steps": steps, "stored_end": stored_end}
 
 
 # --- self-check: replay + sharing == the plain path -----------------------------------------------
 def selfcheck(model, ids: list[int], cfgs: dict, steps: int = 3) -> None:
     from kvtrim.cache import KVTrimCache
-    from kvtrim.integrations.hf import cache_kwarg
     from kvtrim.registry import create_policy
 
-    _, base_logits, record = record_prompt(model, ids)
+    rec = record_prefill(model, ids)
     memo: dict = {}
     for name, (method, params) in cfgs.items():
         real = KVTrimCache(model, create_policy(method, **params))
-        out = model(input_ids=torch.tensor([ids]), **{cache_kwarg(): real, "use_cache": True, "logits_to_keep": 1})
-        a_logits = out.logits[0, -1].float()
-        rep = replay(model, make_policy(method, params, memo), record)
-        b_logits = base_logits
+        a_logits = decoding.forward(model, real, ids)
+        rep = replay(model, make_policy(method, params, memo), rec)
+        b_logits = rec.logits
         for _ in range(steps):
             torch.testing.assert_close(b_logits, a_logits, atol=1e-4, rtol=1e-4)
-            tok = int(a_logits.argmax())
-            a_logits = forward_step(model, real, tok)
-            b_logits = forward_step(model, rep, tok)
+            tok = decoding.GREEDY.choose(a_logits)
+            a_logits = decoding.forward(model, real, [tok])
+            b_logits = decoding.forward(model, rep, [tok])
         torch.testing.assert_close(b_logits, a_logits, atol=1e-4, rtol=1e-4)
-        assert real.stored_tokens() == rep.stored_tokens(), name
-    print(f"selfcheck ok: {len(cfgs)} configs, replay + shared scores == plain path", flush=True)
+        if real.stored_tokens() != rep.stored_tokens():
+            raise RuntimeError(f"selfcheck: {name} stores {rep.stored_tokens()} after replay, {real.stored_tokens()} when run")
+    print(f"selfcheck ok: {len(cfgs)} configs, replay + shared scores == plain path", file=sys.stderr, flush=True)
 
 
 # --- main loop ------------------------------------------------------------------------------------
-def done_keys(folder: Path) -> set[tuple[int, str]]:
-    keys = set()
-    for f in folder.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                d = json.loads(line)
-                keys.add((d["prompt"], d["config"]))
-    return keys
-
-
-def load_refs(folder: Path) -> dict[int, dict]:
-    refs = {}
-    for f in folder.glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                d = json.loads(line)
-                if d["config"] == "full":
-                    refs[d["prompt"]] = d
-    return refs
-
-
-def machine_info() -> dict:
-    import transformers
-
-    return {
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": torch.get_num_threads(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "loadavg": os.getloadavg(),
-    }
+def read_rows(folder: Path) -> list[dict]:
+    """Every finished line of the results folder."""
+    return [d for f in sorted(folder.glob("*.jsonl")) for d in harness.read_result(f)]
 
 
 def run(args) -> None:
-    from rouge_score import rouge_scorer
     from tqdm import tqdm
 
     import kvtrim
+    from kvtrim.eval.metrics import rouge_l
     from kvtrim.models import load_model
 
     torch.set_num_threads(args.threads)
@@ -255,18 +197,18 @@ def run(args) -> None:
     k, n = (int(x) for x in args.shard.split("/"))
     prompts = [p for p in prompts if p["id"] % n == k]
     folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
     out_path = folder / f"shard{k}of{n}.jsonl"
-    meta = {"args": vars(args), "start": machine_info(), "configs": {c: [m, p] for c, (m, p) in cfgs.items()}}
-    stamp = meta["start"]["date"].replace("-", "").replace(":", "")
+    meta = {"args": {a: v for a, v in vars(args).items() if a not in ("table", "force")}, "start": harness.machine_record(),
+            "configs": {c: [m, p] for c, (m, p) in cfgs.items()}}
+    stamp = meta["start"]["date"][:19].replace("-", "").replace(":", "") + "Z"
     meta_path = folder / f"meta_shard{k}of{n}_{stamp}.json"  # one file per run (a resumed run adds one)
-    meta_path.write_text(json.dumps(meta, indent=1))
-    done = done_keys(folder)
-    refs = load_refs(folder)
-    scorer = rouge_scorer.RougeScorer(["rougeL"])
+    harness.write_json(meta_path, meta)
+    rows = read_rows(folder)
+    done = {(d["prompt"], d["config"]) for d in rows}
+    refs = {d["prompt"]: d for d in rows if d["config"] == "full"}
     todo = sum(1 for p in prompts for c in ["full", *cfgs] if (p["id"], c) not in done)
     bar = tqdm(total=todo, desc=f"elastic repro shard {k}/{n}", unit="cell")
-    with kvtrim.attach(model), torch.inference_mode(), out_path.open("a") as fh:
+    with kvtrim.attach(model), torch.inference_mode():
         if args.selfcheck:
             selfcheck(model, prompts[0]["ids"][-300:], cfgs)
         for p in prompts:
@@ -274,61 +216,63 @@ def run(args) -> None:
             missing = [c for c in cfgs if (pid, c) not in done]
             if (pid, "full") in done and not missing:
                 continue
-            t0 = time.perf_counter()
-            full_cache, logits0, record = record_prompt(model, p["ids"])
-            t_prefill = time.perf_counter() - t0
+            rec = record_prefill(model, p["ids"], keep_cache=True)
             if pid not in refs:
                 t0 = time.perf_counter()
-                ref_ids = greedy_reference(model, full_cache, logits0, args.max_new_tokens, eos)
+                ref_ids, _ = decoding.run(model, decoding.decode(rec.cache, rec.logits, args.max_new_tokens,
+                                                                 stop_ids=() if eos is None else (eos,)))
                 refs[pid] = {
                     "prompt": pid, "config": "full", "source": p["source"], "instruction": p["instruction"],
                     "prompt_tokens": len(p["ids"]), "ref_ids": ref_ids,
                     "answer": tok.decode(ref_ids, skip_special_tokens=True).strip(),
-                    "prefill_seconds": t_prefill, "seconds": time.perf_counter() - t0,
+                    "prefill_seconds": rec.seconds, "seconds": time.perf_counter() - t0,
                 }
-                fh.write(json.dumps(refs[pid]) + "\n")
-                fh.flush()
+                harness.append_jsonl(out_path, refs[pid])
                 bar.update(1)
-            del full_cache
+            rec.cache = None
             ref_ids = refs[pid]["ref_ids"]
             ref_text = refs[pid]["answer"]
             memo: dict = {}
-            for c in missing:
+
+            def cell(c: str, rep: int, rec=rec, memo=memo, ref_ids=ref_ids) -> dict:
                 method, params = cfgs[c]
-                t0 = time.perf_counter()
-                cache = replay(model, make_policy(method, params, memo), record)
-                res = run_cell(model, cache, logits0, ref_ids, args.max_new_tokens, eos)
-                text = tok.decode(res["gen_ids"], skip_special_tokens=True).strip()
-                rl = scorer.score(ref_text, text)["rougeL"].fmeasure if (ref_text or text) else 1.0
-                row = {"prompt": pid, "config": c, "method": method, "params": params, "prompt_tokens": len(p["ids"]),
-                       "rouge_l": rl, "answer": text, "seconds": time.perf_counter() - t0, **res}
-                fh.write(json.dumps(row) + "\n")
-                fh.flush()
+                cache = replay(model, make_policy(method, params, memo), rec)
+                return decoding.run(model, cell_program(cache, rec.logits, ref_ids, args.max_new_tokens, eos))
+
+            def write(s: harness.Sample, p=p, pid=pid, ref_text=ref_text) -> None:
+                method, params = cfgs[s.config]
+                text = tok.decode(s.value["gen_ids"], skip_special_tokens=True).strip()
+                rl = rouge_l(text, ref_text) if (ref_text or text) else 1.0
+                harness.append_jsonl(out_path, {"prompt": pid, "config": s.config, "method": method, "params": params,
+                                                "prompt_tokens": len(p["ids"]), "rouge_l": rl, "answer": text,
+                                                "seconds": s.seconds, **s.value})
                 bar.update(1)
-            del record, memo
+
+            harness.interleave(missing, cell, reps=1, how="fixed", on_sample=write)
+            del cell, write, rec, memo  # free this prompt's recording before the next one is made
     bar.close()
-    meta["end"] = machine_info()
-    meta_path.write_text(json.dumps(meta, indent=1))
+    meta["end"] = harness.finish_record(harness.machine_record())
+    harness.write_json(meta_path, meta)
 
 
 # --- where the anchors go ------------------------------------------------------------------------
 def anchor_stats(args) -> None:
     """Share of anchors in the first 10% of the prompt and share of the instruction tail kept, per importance."""
+    import kvtrim
     from kvtrim.models import load_model
 
     torch.set_num_threads(args.threads)
     lm = load_model(args.model)
     prompts = build_prompts(lm.tokenizer, args.anchor_stats, args.min_tokens, args.max_tokens, args.seed)
-    out = {"keep": 0.5, "tail_tokens": 32, "prompts": len(prompts), "by_importance": {}, "start": machine_info()}
-    import kvtrim
+    out = {"keep": 0.5, "tail_tokens": 32, "prompts": len(prompts), "by_importance": {}, "start": harness.machine_record()}
 
     acc: dict[str, dict[str, list[float]]] = {}
     with kvtrim.attach(lm.model), torch.inference_mode():
         for p in prompts:
-            _, _, record = record_prompt(lm.model, p["ids"])
+            record = record_prefill(lm.model, p["ids"]).record
             t = len(p["ids"])
             for how in ("sum", "mean", "ema"):
-                pol = SharedElastic(keep=0.5, importance=how)
+                pol = Elastic(keep=0.5, importance=how)
                 for i in sorted(record):
                     q, k, _, scaling = record[i]
                     a = pol.select_anchors(pol.layer_importance(None, q, k, scaling), pol.budget(t))[0]
@@ -337,17 +281,15 @@ def anchor_stats(args) -> None:
                     d["tail32_kept"].append(float((a >= t - 32).sum()) / 32)
     for how, d in acc.items():
         out["by_importance"][how] = {k: sum(v) / len(v) for k, v in d.items()}
-    path = ROOT / "benchmarks" / "results" / "elastic_anchor_stats.json"
-    path.write_text(json.dumps(out, indent=1))
-    print(json.dumps(out["by_importance"], indent=1))
+    harness.finish_record(out["start"])
+    harness.write_json(args.out, out)
+    print(out["by_importance"])
 
 
 # --- report ---------------------------------------------------------------------------------------
 def report(args) -> None:
-    rows = []
-    folder = Path(args.out)
-    for f in sorted(folder.glob("*.jsonl")):
-        rows += [json.loads(x) for x in f.read_text().splitlines() if x.strip()]
+    folder = Path(args.results)
+    rows = read_rows(folder)
     by: dict[str, dict[int, dict]] = {}
     for r in rows:
         by.setdefault(r["config"], {})[r["prompt"]] = r
@@ -386,10 +328,18 @@ def report(args) -> None:
                 "rouge_ties": sum(by[a][p]["rouge_l"] == by[o][p]["rouge_l"] for p in common) / len(common),
             }
     summary["all_finished"] = {c: len(by[c]) for c in by}
-    metas = [json.loads(f.read_text()) for f in sorted(folder.glob("meta_*.json"))]
-    summary["runs"] = metas
-    SUMMARY.write_text(json.dumps(summary, indent=1))
-    # table
+    summary["runs"] = [harness.read_result(f) for f in sorted(folder.glob("meta_*.json"))]
+    summary["budgets"] = budgets
+    harness.write_json(args.out, summary)
+    print(f"{len(common)} prompts finished for every config ({summary['answer_tokens']} reference tokens)")
+    print(table(summary))
+    plot(summary, budgets, len(common), Path(args.out).with_suffix(".png"))
+
+
+def table(summary: dict) -> str:
+    """The markdown tables of a summary: main methods per budget, ablations at 0.5, paired comparisons."""
+    budgets = summary.get("budgets") or sorted({float(c.rsplit("@", 1)[1]) for c in summary["configs"]
+                                                if c.split("@")[0] in MAIN_METHODS})
     lines = ["| budget | " + " | ".join(f"{m} PPL | {m} ROUGE-L" for m in MAIN_METHODS) + " |",
              "|---:|" + "---:|---:|" * len(MAIN_METHODS)]
     for b in budgets:
@@ -405,9 +355,10 @@ def report(args) -> None:
     lines += ["", "| paired, per prompt | first has lower NLL | first has higher ROUGE-L | ROUGE-L tie |", "|---|---:|---:|---:|"]
     for k2, v in summary["paired"].items():
         lines.append(f"| {k2} | {v['nll_wins']:.0%} | {v['rouge_wins']:.0%} | {v['rouge_ties']:.0%} |")
-    print(f"{len(common)} prompts finished for every config ({summary['answer_tokens']} reference tokens)")
-    print("\n".join(lines))
-    # plot
+    return "\n".join(lines)
+
+
+def plot(summary: dict, budgets: list[float], n_prompts: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -425,14 +376,17 @@ def report(args) -> None:
         ax.set_xlabel("KV budget (keep)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"SmolLM2-135M-Instruct, {len(common)} prompts, {summary['answer_tokens']} answer tokens")
+    fig.suptitle(f"SmolLM2-135M-Instruct, {n_prompts} prompts, {summary['answer_tokens']} answer tokens")
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=120)
-    print(f"wrote {SUMMARY} and {PLOT}")
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path.with_suffix('.json')} and {path}", file=sys.stderr)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 parents=[harness.options(reps=None, warmup=None, out_help=(
+                                     "run: the results folder (an existing one is continued); --report: the summary "
+                                     "JSON (a PNG plot beside it); --anchor-stats: the JSON"))])
     ap.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--limit", type=int, default=100, help="number of prompts (default 100)")
     ap.add_argument("--budgets", default="0.1,0.3,0.5,0.7,0.9", help="comma-separated keep ratios")
@@ -443,12 +397,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--shard", default="0/1", help="k/n: run prompts with id %% n == k")
-    ap.add_argument("--out", default=str(RESULTS), help="folder of the JSON-lines results")
     ap.add_argument("--no-selfcheck", dest="selfcheck", action="store_false")
-    ap.add_argument("--report", action="store_true", help="aggregate finished results (no model runs)")
+    ap.add_argument("--report", action="store_true", help="aggregate finished results (no model runs) into --out")
+    ap.add_argument("--results", default=str(COMMITTED), help="--report: the results folder to read (default: the committed one)")
     ap.add_argument("--anchor-stats", type=int, default=0, metavar="N",
-                    help="where the anchors go at keep 0.5 on the first N prompts, per importance (JSON)")
+                    help="where the anchors go at keep 0.5 on the first N prompts, per importance (JSON to --out)")
     args = ap.parse_args(argv)
+    if harness.start(ap, args, table=table, directory=not (args.report or args.anchor_stats)):
+        return 0
     if args.report:
         report(args)
     elif args.anchor_stats:

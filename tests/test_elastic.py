@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 import kvtrim
+from kvtrim import decoding
 from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_ids
@@ -316,15 +317,16 @@ def test_repro_cell_teacher_forcing_and_fork_equal_separate_runs(model, prompt):
     ref = generate_ids(model, None, ids, create_policy("full"), max_new_tokens=8, stop_at_eos=False).token_ids
     gen = generate_ids(model, None, ids, create_policy("elastic", **pol_kw), max_new_tokens=8, stop_at_eos=False).token_ids
     with kvtrim.attach(model), torch.inference_mode():
-        _, logits0, record = mod.record_prompt(model, ids)
-        cell = mod.run_cell(model, mod.replay(model, mod.make_policy("elastic", pol_kw, {}), record), logits0, ref, 8, None)
+        rec = mod.record_prefill(model, ids)
+        cache = mod.replay(model, mod.make_policy("elastic", pol_kw, {}), rec)
+        cell = decoding.run(model, mod.cell_program(cache, rec.logits, ref, 8, None))
         # teacher forcing by hand through a fresh compressed cache
-        cache = mod.replay(model, create_policy("elastic", **pol_kw), record)
-        logits, nll = logits0, 0.0
+        cache = mod.replay(model, create_policy("elastic", **pol_kw), rec)
+        logits, nll = rec.logits, 0.0
         for i, r in enumerate(ref):
             nll -= float(torch.log_softmax(logits, -1)[r])
             if i < len(ref) - 1:
-                logits = mod.forward_step(model, cache, r)
+                logits = decoding.forward(model, cache, [r])
     assert cell["gen_ids"] == gen
     assert cell["nll_sum"] == pytest.approx(nll, rel=1e-5)
     assert cell["n_tokens"] == len(ref)
