@@ -200,7 +200,7 @@ def _check_gguf_complete(path: Path) -> None:
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     except Exception as e:  # noqa: BLE001 - any parse failure of the header means a damaged file
         raise ModelLoadError(
-            f"GGUF file {str(path)!r} is damaged or truncated: its header cannot be read ({_one_line(e)})"
+            f"GGUF file {str(path)!r} is damaged or truncated: its header and tensor table cannot be read ({_one_line(e)})"
         ) from None
     size = path.stat().st_size
     if end > size:
@@ -376,10 +376,10 @@ def _check_config_json(path: Path, where: str) -> None:
     if not cfg_file.is_file():
         raise ModelLoadError(f"Model directory {where!r} has no config.json; it is not a Hugging Face model directory.")
     try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
+        cfg = json.loads(cfg_file.read_bytes())
+    except OSError as e:
         raise ModelLoadError(f"cannot read config.json in {where!r}: {_one_line(e)}") from None
-    except ValueError as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ModelLoadError(f"config.json in {where!r} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"config.json in {where!r} is not a JSON object (got {type(cfg).__name__})")
@@ -387,6 +387,15 @@ def _check_config_json(path: Path, where: str) -> None:
         raise ModelLoadError(
             f"config.json in {where!r} has no \"model_type\"; it is not a transformers model config "
             "(a model saved with save_pretrained has one)"
+        )
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if cfg["model_type"] not in CONFIG_MAPPING and "auto_map" not in cfg:  # auto_map: say so at load
+        import transformers
+
+        raise ModelLoadError(
+            f"config.json in {where!r} has model_type {cfg['model_type']!r}, which transformers "
+            f"{transformers.__version__} does not know"
         )
 
 
