@@ -419,3 +419,12 @@ def test_two_processes_convert_at_once(tmp_path):
     assert path_a == path_b and n_a + n_b == 1 and s_a == s_b  # one conversion, both loaded the same model
     assert _published(cache) == [Path(path_a).name]
     assert not list(cache.glob("*.tmp"))
+
+
+def test_unwritable_cache_is_one_clear_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("KVTRIM_CACHE_DIR", str(blocker / "kvtrim"))
+    g = write_tiny_gguf(tmp_path / "a.gguf")
+    with pytest.raises(ModelLoadError, match="cannot write the conversion cache .*set KVTRIM_CACHE_DIR"):
+        models.converted_dir(g, "tiny")

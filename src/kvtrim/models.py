@@ -278,24 +278,24 @@ def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
         return out
     try:
         root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+        with _exclusive(root / f".{out.name}.lock", str(gguf)):
+            if _is_converted(out):  # another process converted it while this one waited
+                return out
+            _remove_leftovers(root, out)
+            _check_gguf_complete(gguf)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
+            try:
+                with model_load_errors("convert the GGUF file", str(gguf)):
+                    convert_gguf(gguf, tmp)
+                os.rename(tmp, out)  # atomic; ``out`` does not exist (checked under the lock)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            _fsync_dir(root)
+    except OSError as e:  # the cache itself: not writable, full, ...
         raise ModelLoadError(
-            f"cannot create the conversion cache {str(root)!r} ({_one_line(e)}); set KVTRIM_CACHE_DIR to a writable directory"
+            f"cannot write the conversion cache {str(root)!r} ({_one_line(e)}); set KVTRIM_CACHE_DIR to a writable directory"
         ) from None
-    with _exclusive(root / f".{out.name}.lock", str(gguf)):
-        if _is_converted(out):  # another process converted it while this one waited
-            return out
-        _remove_leftovers(root, out)
-        _check_gguf_complete(gguf)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
-        try:
-            with model_load_errors("convert the GGUF file", str(gguf)):
-                convert_gguf(gguf, tmp)
-            os.rename(tmp, out)  # atomic; ``out`` does not exist (checked under the lock)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _fsync_dir(root)
     return out
 
 
