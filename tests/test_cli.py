@@ -63,3 +63,36 @@ def test_generate_json_contract(capsys, tmp_path, real):
     assert d["method"] == "snapkv" and d["prompt_tokens"] > 400 and 0 < d["new_tokens"] <= 12
     assert d["kv_bytes"] < 0.6 * d["kv_bytes_full"]
     assert "turquoise" in d["answer"].lower()
+
+
+@pytest.mark.parametrize("bad", ["fake_gguf", "hub_id", "bad_config"])
+@pytest.mark.parametrize("command", ["generate", "chat", "stream", "demo", "eval", "bench", "search-patterns"])
+def test_every_command_refuses_a_bad_model_in_one_line(command, bad, tmp_path, monkeypatch, capsys):
+    """A model that cannot load is one ``kvtrim: error:`` line and exit 2 in every command that takes --model."""
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("KVTRIM_CACHE_DIR", str(tmp_path / "kvcache"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # empty: nothing cached
+    (tmp_path / "fake.gguf").write_text("not a model")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{oops")
+    model, fragment = {
+        "fake_gguf": (str(tmp_path / "fake.gguf"), "is not a GGUF file"),
+        "hub_id": ("SomeOrg/not-downloaded", "kvtrim does not download models"),
+        "bad_config": (str(tmp_path / "m"), "is not valid JSON"),
+    }[bad]
+    (tmp_path / "text.txt").write_text("Some text to stream. " * 20)
+    rest = {
+        "generate": ["--question", "x"],
+        "chat": [],
+        "stream": ["--file", str(tmp_path / "text.txt")],
+        "demo": ["--methods", "full"],
+        "eval": ["passkey", "--methods", "full", "--length", "512", "--samples", "1", "--out", str(tmp_path / "ev")],
+        "bench": ["--methods", "full", "--lengths", "512", "--reps", "1", "--no-rss", "--quiet"],
+        "search-patterns": ["--out", str(tmp_path / "pc.json")],
+    }[command]
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hello\n"))
+    assert main([command, "--model", model, *rest]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if not ln.startswith("kvtrim demo: loading")]  # demo's progress line
+    assert len(lines) == 1 and lines[0].startswith("kvtrim: error:") and fragment in lines[0]

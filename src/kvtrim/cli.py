@@ -218,8 +218,22 @@ def cmd_search_patterns(args) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed distribution's version, else the source tree's ``kvtrim.__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvtrim")
+    except PackageNotFoundError:
+        from kvtrim import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvtrim", description="KV-cache compression for long-context inference.")
+    p.add_argument("--version", action="version", version=f"kvtrim {version()}")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = p.add_subparsers(dest="command", required=True)
 

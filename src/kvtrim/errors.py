@@ -1,5 +1,11 @@
-"""kvtrim's error type: a ``ValueError`` whose message says what was wrong and what is allowed."""
+"""kvtrim's error types: a ``ValueError`` whose message says what was wrong and what is allowed."""
 
 
 class KVTrimError(ValueError):
     """Bad input to kvtrim (unknown method, budget out of range, unsupported model, ...)."""
+
+
+class ModelLoadError(KVTrimError):
+    """A model that cannot be loaded: a missing path, a model id that is not in the local Hugging
+    Face cache, a damaged or fake GGUF, an invalid ``config.json``, missing tokenizer files,
+    truncated weights. The message is one line naming the path and what is wrong."""

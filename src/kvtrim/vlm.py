@@ -53,7 +53,7 @@ def base_tokenizer():
     from kvtrim.models import resolve_model
 
     path, _ = resolve_model(None)
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
 
 
 def _add_tokens(tok, tokens) -> None:
@@ -250,17 +250,24 @@ def load_vlm(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Loa
     """Load a vision-language model directory (LLaVA-style or Qwen2-VL-style) and its processor."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
+    from kvtrim.models import model_load_errors
+
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise KVTrimError(f"{str(path)!r} is not a Hugging Face model directory (no config.json)")
-    cfg = AutoConfig.from_pretrained(str(p))
+    with model_load_errors("load the model config", str(path)):
+        cfg = AutoConfig.from_pretrained(str(p), trust_remote_code=False)
     if not is_multimodal(cfg):
         raise KVTrimError(f"{str(path)!r} (model_type {cfg.model_type!r}) is a text-only model; --image needs a vision-language model")
-    model = AutoModelForImageTextToText.from_pretrained(str(p), dtype=dtype, attn_implementation="sdpa").eval()
-    try:
-        proc = AutoProcessor.from_pretrained(str(p), backend="pil")
-    except Exception:  # noqa: BLE001 - older/newer processor APIs; fall back to the default backend
-        proc = AutoProcessor.from_pretrained(str(p))
+    with model_load_errors("load the model", str(path)):
+        model = AutoModelForImageTextToText.from_pretrained(
+            str(p), dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
+        ).eval()
+    with model_load_errors("load the processor", str(path)):
+        try:
+            proc = AutoProcessor.from_pretrained(str(p), backend="pil", trust_remote_code=False)
+        except Exception:  # noqa: BLE001 - older/newer processor APIs; fall back to the default backend
+            proc = AutoProcessor.from_pretrained(str(p), trust_remote_code=False)
     return LoadedVLM(model, proc, p.name)
 
 
