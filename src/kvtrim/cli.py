@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from kvtrim.errors import KVTrimError
 
@@ -218,8 +219,16 @@ def cmd_search_patterns(args) -> int:
     return 0
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with kvtrim's error contract: one line ``kvtrim: error: ...`` and exit status 2
+    (argparse's own prints the usage first; sub-command parsers inherit this class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kvtrim: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvtrim", description="KV-cache compression for long-context inference.")
+    p = Parser(prog="kvtrim", description="KV-cache compression for long-context inference.")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -295,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVTrimError as e:
         print(f"kvtrim: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvtrim: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,7 @@ from pathlib import Path
 from kvtrim.errors import KVTrimError
 
 DEFAULT_BUDGET = 1024
+DEFAULT_METHOD = "inf_mllm"
 
 
 def _policy(args, streaming: bool):
@@ -57,9 +58,17 @@ def cmd_chat(args) -> int:
     from kvtrim.models import load_model
     from kvtrim.session import Session
 
+    if args.load:
+        given = [f"--{n.replace('_', '-')}" for n in ("method", "keep", "max_tokens", "position") if getattr(args, n) is not None]
+        if given:
+            raise KVTrimError(
+                f"--load continues a saved session with the method and budget it was saved with; {', '.join(given)} "
+                "cannot change them (start a new chat without --load to use another method)")
+        if not Path(args.load).is_dir():
+            raise KVTrimError(f"session directory {args.load!r} does not exist")
+    else:
+        args.method = args.method or DEFAULT_METHOD
     policy = None if args.load else _policy(args, streaming=False)
-    if args.load and not Path(args.load).is_dir():
-        raise KVTrimError(f"session directory {args.load!r} does not exist")
     if args.max_new_tokens < 1:
         raise KVTrimError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     lm = load_model(args.model)
@@ -80,17 +89,22 @@ def cmd_chat(args) -> int:
         if not line:
             break
         text = line.rstrip("\n")
-        if text.strip() in ("/quit", "/exit"):
+        command, _, rest = text.strip().partition(" ")
+        if command in ("/quit", "/exit") and not rest:
             break
-        if text.startswith("/save"):
-            target = text[5:].strip() or args.save
+        if command == "/save":
+            target = rest.strip() or args.save
             if not target:
                 print("kvtrim: error: /save needs a directory", file=sys.stderr)
                 continue
-            s.save(target)
+            try:
+                s.save(target)
+            except (KVTrimError, OSError) as e:  # the conversation goes on; nothing is lost
+                print(f"kvtrim: error: could not save to {target!r}: {e}", file=sys.stderr)
+                continue
             print(f"[saved to {target}]", file=sys.stderr)
             continue
-        if text.strip() == "/stats":
+        if command == "/stats" and not rest:
             print(stats(), file=sys.stderr)
             continue
         if not text.strip():
@@ -158,7 +172,7 @@ def add_session_commands(sub) -> None:
     """Add the ``chat`` and ``stream`` sub-commands to kvtrim's parser."""
     c = sub.add_parser("chat", help="interactive multi-turn chat over a bounded cache (one line per turn)")
     c.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
-    c.add_argument("--method", default="inf_mllm", help="KV method supporting turns (default inf_mllm)")
+    c.add_argument("--method", help=f"KV method supporting turns (default {DEFAULT_METHOD})")
     g = c.add_mutually_exclusive_group()
     g.add_argument("--max-tokens", type=int, help=f"KV budget per layer (default {DEFAULT_BUDGET})")
     g.add_argument("--keep", type=float, help="fraction of tokens to keep instead of a fixed budget")
