@@ -46,15 +46,9 @@ def cmd_methods(args) -> int:
 
 
 def _read_context(path: str | None) -> str:
-    if path is None:
-        return ""
-    p = Path(path)
-    if not p.is_file():
-        raise KVTrimError(f"context file {path!r} does not exist or is not a file")
-    text = p.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise KVTrimError(f"context file {path!r} is empty")
-    return text
+    from kvtrim.textio import read_text_file
+
+    return "" if path is None else read_text_file(path, "context file")
 
 
 def _parse_sizes(items: list[str] | None) -> dict:

@@ -48,6 +48,11 @@ def _policy(args, streaming: bool):
     return pol
 
 
+def _json(d: dict) -> str:
+    """Strict JSON: a value that is not a number (a perplexity with nothing scored) is null, not NaN."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}, allow_nan=False)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -127,15 +132,14 @@ def cmd_stream(args) -> int:
     from kvtrim.models import load_model
     from kvtrim.session import Session, peak_rss_bytes
 
+    from kvtrim.textio import read_text_file
+
     if args.chunk < 1:
         raise KVTrimError(f"--chunk must be a positive number of tokens, got {args.chunk}")
-    p = Path(args.file)
-    if not p.is_file():
-        raise KVTrimError(f"file {args.file!r} does not exist or is not a file")
+    if args.limit is not None and args.limit < 1:
+        raise KVTrimError(f"--limit must be a positive number of tokens, got {args.limit}")
+    text = read_text_file(args.file, "file")
     policy = _policy(args, streaming=True)
-    text = p.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise KVTrimError(f"file {args.file!r} is empty")
     lm = load_model(args.model)
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if args.limit is not None:
@@ -149,7 +153,7 @@ def cmd_stream(args) -> int:
         scored += st.scored
         seconds += st.seconds
         if args.json:
-            print(json.dumps(st.to_dict()), flush=True)
+            print(_json(st.to_dict()), flush=True)
         bar.update(st.tokens)
         bar.set_postfix(ppl=f"{st.ppl:.1f}", kv=_mib(st.kv_bytes), refresh=False)
     bar.close()
@@ -160,7 +164,7 @@ def cmd_stream(args) -> int:
     if args.save:
         s.save(args.save)
     if args.json:
-        print(json.dumps(summary))
+        print(_json(summary))
     else:
         print(f"{summary['tokens']} tokens in {summary['chunks']} chunks with {policy.name}: perplexity {summary['ppl']:.2f}, "
               f"KV {_mib(summary['kv_bytes'])} resident (uncompressed: {_mib(summary['kv_bytes_full'])}), "
