@@ -90,3 +90,10 @@ def test_context_check_refuses_a_non_streaming_method_past_the_context():
     with pytest.raises(KVTrimError, match="more than the model's context of 100"):
         decoding.check_context(create_policy("snapkv", keep=0.5), 150, 100)
     decoding.check_context(create_policy("streaming_llm", max_tokens=64, position="reassigned"), 150, 100)
+
+
+@pytest.mark.parametrize("bad, message", [([1, 2, 10**7], "token id 10000000 at index 2 is outside"),
+                                          ([1, -1], "token id -1 at index 1"), ([1, "a"], "not an integer token id")])
+def test_generate_ids_refuses_ids_outside_the_vocabulary(model, bad, message):
+    with pytest.raises(KVTrimError, match=message):
+        kvtrim.generate_ids(model, None, bad, create_policy("full"), max_new_tokens=2)

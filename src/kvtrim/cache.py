@@ -359,10 +359,12 @@ class KVTrimCache(Cache):
             if not isinstance(model, torch.nn.Module):
                 raise KVTrimError(f"position policy {self.position_policy!r} needs the model (its rotary embedding), not a config")
             if self.rotary is None:
+                has_rope = any(n.endswith("rotary_emb") for n, _ in model.named_modules())
+                why = ("this model's RoPE cannot be re-rotated exactly (multimodal or dynamic scaling, or a rotary "
+                       "layout kvtrim does not know)") if has_rope else "this model has no rotary position embedding to re-rotate"
                 raise KVTrimError(
-                    f"position policy {self.position_policy!r} re-rotates cached keys, and this model's RoPE cannot be "
-                    "re-rotated exactly (multimodal or dynamic scaling, or a rotary layout kvtrim does not know). "
-                    "Use position='true' (a method that keeps true positions)."
+                    f"position policy {self.position_policy!r} re-rotates cached RoPE keys, and {why}. "
+                    "Use position='true'."
                 )
         layer_types = getattr(text_cfg, "layer_types", None) or ["full_attention"] * self.num_layers
         layers: list = []

@@ -112,6 +112,20 @@ def max_context(model) -> int:
     return int(getattr(cfg, "max_position_embeddings", 0) or 0)
 
 
+def check_token_ids(model, ids, what: str = "the prompt") -> list[int]:
+    """``ids`` as a list of ints, refused with a clear error unless each is a token of ``model``'s vocabulary."""
+    vocab = model.get_input_embeddings().num_embeddings
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) and not (isinstance(t, torch.Tensor) and t.numel() == 1):
+            raise KVTrimError(f"{what}: token {i} is {t!r}, not an integer token id")
+        t = int(t)
+        if not 0 <= t < vocab:
+            raise KVTrimError(f"{what}: token id {t} at index {i} is outside the model's vocabulary of {vocab} tokens")
+        out.append(t)
+    return out
+
+
 def check_context(policy: "Policy", total: int, max_ctx: int, *, what: str = "the prompt",
                   hint: str = "Shorten the prompt, or use a streaming method with a fixed budget "
                               "(e.g. --method streaming_llm --max-tokens 2048).") -> None:
