@@ -361,7 +361,7 @@ class KVTrimCache(Cache):
             if self.rotary is None:
                 has_rope = any(n.endswith("rotary_emb") for n, _ in model.named_modules())
                 why = ("this model's RoPE cannot be re-rotated exactly (multimodal or dynamic scaling, or a rotary "
-                       "layout kvtrim does not know)") if has_rope else "this model has no rotary position embedding to re-rotate"
+                       "layout kvtrim does not know)") if has_rope else "kvtrim finds no rotary embedding (a rotary_emb module) in this model to re-rotate"
                 raise KVTrimError(
                     f"position policy {self.position_policy!r} re-rotates cached RoPE keys, and {why}. "
                     "Use position='true'."
