@@ -228,6 +228,8 @@ def test_chat_turns_hold_exactly_the_templated_conversation(real):
         (["chat", "--max-tokens", "16"], "smaller than the 32 tokens"),
         (["chat", "--method", "nope"], "unknown method 'nope'"),
         (["chat", "--load", "/nonexistent/session"], "does not exist"),
+        (["chat", "--load", "{f}", "--method", "h2o"], "--load continues a saved session"),
+        (["chat", "--load", "{f}", "--max-tokens", "64"], "--max-tokens cannot change them"),
     ],
 )
 def test_cli_bad_input(argv, message, tmp_path, capsys):
@@ -269,3 +271,20 @@ def test_cli_chat_streams_and_reports_memory(real, tmp_path, capsys, monkeypatch
     assert out.strip()  # the streamed reply
     assert "turn is empty" in err and "resident" in err and "tokens stored of" in err
     assert (tmp_path / "s" / "session.json").is_file()
+
+
+@pytest.mark.model
+def test_cli_chat_keeps_going_when_a_save_fails_and_parses_commands_exactly(real, tmp_path, capsys, monkeypatch):
+    import io
+
+    from kvtrim.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    # /save into a path under a regular file fails; "/savepoints ..." is a message, not /save
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"/save {blocker}/s\n/savepoints are useful\n/stats\n"))
+    assert main(["chat", "--max-tokens", "256", "--max-new-tokens", "6"]) == 0
+    out, err = capsys.readouterr()
+    assert "kvtrim: error: could not save" in err
+    assert out.strip()  # the reply to "/savepoints are useful"
+    assert "tokens stored of" in err and "[saved to" not in err

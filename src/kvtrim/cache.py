@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
-from kvtrim.rope import find_inv_freq, rotate
+from kvtrim.rope import Rotary, find_rotary
 
 if TYPE_CHECKING:
     from kvtrim.policies.base import Policy
@@ -190,7 +190,7 @@ class CompressedLayer(CacheLayerMixin):
             target = torch.arange(self.length, self.length + q, device=dev).unsqueeze(0)
             delta = target - applied
             if bool((delta != 0).any()):
-                key_states = rotate(key_states, delta.unsqueeze(1), self.cache.inv_freq)
+                key_states = self.cache.rotary.rotate(key_states, delta.unsqueeze(1))
                 self.q_delta = delta
         self._reserve(q)
         sl = slice(self.length, self.length + q)
@@ -315,7 +315,7 @@ class CompressedLayer(CacheLayerMixin):
                 target = torch.arange(k, device=idx.device).expand_as(idx)
                 delta = target - self._rot[:, :, :k]
                 if bool((delta != 0).any()):
-                    self._k[:, :, :k] = rotate(self._k[:, :, :k], delta, self.cache.inv_freq)
+                    self._k[:, :, :k] = self.cache.rotary.rotate(self._k[:, :, :k], delta)
                     self._rot[:, :, :k] = target
         self.length = k
 
@@ -479,17 +479,20 @@ class KVTrimCache(Cache):
         self.num_kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // self.num_heads)
         self.max_context = int(getattr(text_cfg, "max_position_embeddings", 0) or 0)
-        # rotary frequencies: needed by the reassigned/compressed policies; under "true" they are kept
-        # when available for policies that re-rotate keys themselves (Elastic Cache's aligned merge)
-        self.inv_freq: torch.Tensor | None = find_inv_freq(model) if isinstance(model, torch.nn.Module) else None
+        # the rotary embedding (verified against the model's own RoPE code): needed by the
+        # reassigned/compressed policies; under "true" kept when available for policies that
+        # re-rotate keys themselves (Elastic Cache's aligned merge)
+        self.rotary: Rotary | None = find_rotary(model) if isinstance(model, torch.nn.Module) else None
         if self.position_policy != "true":
             if not isinstance(model, torch.nn.Module):
                 raise KVTrimError(f"position policy {self.position_policy!r} needs the model (its rotary embedding), not a config")
-            self.inv_freq = find_inv_freq(model)
-            if self.inv_freq is None:
+            if self.rotary is None:
+                has_rope = any(n.endswith("rotary_emb") for n, _ in model.named_modules())
+                why = ("this model's RoPE cannot be re-rotated exactly (multimodal or dynamic scaling, or a rotary "
+                       "layout kvtrim does not know)") if has_rope else "kvtrim finds no rotary embedding (a rotary_emb module) in this model to re-rotate"
                 raise KVTrimError(
-                    f"position policy {self.position_policy!r} needs a plain rotary embedding; this model's RoPE "
-                    "(multimodal or dynamic scaling) cannot be re-rotated. Use position='true'."
+                    f"position policy {self.position_policy!r} re-rotates cached RoPE keys, and {why}. "
+                    "Use position='true'."
                 )
         layer_types = getattr(text_cfg, "layer_types", None) or ["full_attention"] * self.num_layers
         layers: list = []
@@ -506,6 +509,11 @@ class KVTrimCache(Cache):
         # found from the prompt's token ids for vision-language models when the prefill runs.
         self.spans = None
         self._raw_spans = spans
+
+    @property
+    def inv_freq(self) -> torch.Tensor | None:
+        """The rotary inverse frequencies (None when the model's RoPE cannot be re-rotated)."""
+        return None if self.rotary is None else self.rotary.inv_freq
 
     def set_spans(self, spans, n_tokens: int | None = None) -> None:
         """Tag prompt positions with modalities (a ``SpanSet`` or ``(start, end, modality)`` items)."""

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from kvtrim.errors import KVTrimError
 
@@ -45,15 +46,9 @@ def cmd_methods(args) -> int:
 
 
 def _read_context(path: str | None) -> str:
-    if path is None:
-        return ""
-    p = Path(path)
-    if not p.is_file():
-        raise KVTrimError(f"context file {path!r} does not exist or is not a file")
-    text = p.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise KVTrimError(f"context file {path!r} is empty")
-    return text
+    from kvtrim.textio import read_text_file
+
+    return "" if path is None else read_text_file(path, "context file")
 
 
 def _parse_sizes(items: list[str] | None) -> dict:
@@ -231,8 +226,16 @@ def version() -> str:
         return __version__
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with kvtrim's error contract: one line ``kvtrim: error: ...`` and exit status 2
+    (argparse's own prints the usage first; sub-command parsers inherit this class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"kvtrim: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvtrim", description="KV-cache compression for long-context inference.")
+    p = Parser(prog="kvtrim", description="KV-cache compression for long-context inference.")
     p.add_argument("--version", action="version", version=f"kvtrim {version()}")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = p.add_subparsers(dest="command", required=True)
@@ -309,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVTrimError as e:
         print(f"kvtrim: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvtrim: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,6 +19,7 @@ from pathlib import Path
 from kvtrim.errors import KVTrimError
 
 DEFAULT_BUDGET = 1024
+DEFAULT_METHOD = "inf_mllm"
 
 
 def _policy(args, streaming: bool):
@@ -47,6 +48,11 @@ def _policy(args, streaming: bool):
     return pol
 
 
+def _json(d: dict) -> str:
+    """Strict JSON: a value that is not a number (a perplexity with nothing scored) is null, not NaN."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}, allow_nan=False)
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -57,9 +63,17 @@ def cmd_chat(args) -> int:
     from kvtrim.models import load_model
     from kvtrim.session import Session
 
+    if args.load:
+        given = [f"--{n.replace('_', '-')}" for n in ("method", "keep", "max_tokens", "position") if getattr(args, n) is not None]
+        if given:
+            raise KVTrimError(
+                f"--load continues a saved session with the method and budget it was saved with; {', '.join(given)} "
+                "cannot change them (start a new chat without --load to use another method)")
+        if not Path(args.load).is_dir():
+            raise KVTrimError(f"session directory {args.load!r} does not exist")
+    else:
+        args.method = args.method or DEFAULT_METHOD
     policy = None if args.load else _policy(args, streaming=False)
-    if args.load and not Path(args.load).is_dir():
-        raise KVTrimError(f"session directory {args.load!r} does not exist")
     if args.max_new_tokens < 1:
         raise KVTrimError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     lm = load_model(args.model)
@@ -80,17 +94,22 @@ def cmd_chat(args) -> int:
         if not line:
             break
         text = line.rstrip("\n")
-        if text.strip() in ("/quit", "/exit"):
+        command, _, rest = text.strip().partition(" ")
+        if command in ("/quit", "/exit") and not rest:
             break
-        if text.startswith("/save"):
-            target = text[5:].strip() or args.save
+        if command == "/save":
+            target = rest.strip() or args.save
             if not target:
                 print("kvtrim: error: /save needs a directory", file=sys.stderr)
                 continue
-            s.save(target)
+            try:
+                s.save(target)
+            except (KVTrimError, OSError) as e:  # the conversation goes on; nothing is lost
+                print(f"kvtrim: error: could not save to {target!r}: {e}", file=sys.stderr)
+                continue
             print(f"[saved to {target}]", file=sys.stderr)
             continue
-        if text.strip() == "/stats":
+        if command == "/stats" and not rest:
             print(stats(), file=sys.stderr)
             continue
         if not text.strip():
@@ -113,15 +132,14 @@ def cmd_stream(args) -> int:
     from kvtrim.models import load_model
     from kvtrim.session import Session, peak_rss_bytes
 
+    from kvtrim.textio import read_text_file
+
     if args.chunk < 1:
         raise KVTrimError(f"--chunk must be a positive number of tokens, got {args.chunk}")
-    p = Path(args.file)
-    if not p.is_file():
-        raise KVTrimError(f"file {args.file!r} does not exist or is not a file")
+    if args.limit is not None and args.limit < 1:
+        raise KVTrimError(f"--limit must be a positive number of tokens, got {args.limit}")
+    text = read_text_file(args.file, "file")
     policy = _policy(args, streaming=True)
-    text = p.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise KVTrimError(f"file {args.file!r} is empty")
     lm = load_model(args.model)
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if args.limit is not None:
@@ -135,7 +153,7 @@ def cmd_stream(args) -> int:
         scored += st.scored
         seconds += st.seconds
         if args.json:
-            print(json.dumps(st.to_dict()), flush=True)
+            print(_json(st.to_dict()), flush=True)
         bar.update(st.tokens)
         bar.set_postfix(ppl=f"{st.ppl:.1f}", kv=_mib(st.kv_bytes), refresh=False)
     bar.close()
@@ -146,7 +164,7 @@ def cmd_stream(args) -> int:
     if args.save:
         s.save(args.save)
     if args.json:
-        print(json.dumps(summary))
+        print(_json(summary))
     else:
         print(f"{summary['tokens']} tokens in {summary['chunks']} chunks with {policy.name}: perplexity {summary['ppl']:.2f}, "
               f"KV {_mib(summary['kv_bytes'])} resident (uncompressed: {_mib(summary['kv_bytes_full'])}), "
@@ -158,7 +176,7 @@ def add_session_commands(sub) -> None:
     """Add the ``chat`` and ``stream`` sub-commands to kvtrim's parser."""
     c = sub.add_parser("chat", help="interactive multi-turn chat over a bounded cache (one line per turn)")
     c.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
-    c.add_argument("--method", default="inf_mllm", help="KV method supporting turns (default inf_mllm)")
+    c.add_argument("--method", help=f"KV method supporting turns (default {DEFAULT_METHOD})")
     g = c.add_mutually_exclusive_group()
     g.add_argument("--max-tokens", type=int, help=f"KV budget per layer (default {DEFAULT_BUDGET})")
     g.add_argument("--keep", type=float, help="fraction of tokens to keep instead of a fixed budget")

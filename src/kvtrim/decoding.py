@@ -34,8 +34,9 @@ if TYPE_CHECKING:
     from kvtrim.cache import KVTrimCache
     from kvtrim.policies.base import Policy
 
-#: The largest chunk the chunk rule hands out when a prompt must be split to fit the context.
+#: The largest and smallest chunks the chunk rule hands out when a prompt must be split to fit the context.
 MAX_AUTO_CHUNK = 1024
+MIN_AUTO_CHUNK = 64
 
 
 @dataclass
@@ -111,6 +112,20 @@ def max_context(model) -> int:
     return int(getattr(cfg, "max_position_embeddings", 0) or 0)
 
 
+def check_token_ids(model, ids, what: str = "the prompt") -> list[int]:
+    """``ids`` as a list of ints, refused with a clear error unless each is a token of ``model``'s vocabulary."""
+    vocab = model.get_input_embeddings().num_embeddings
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) and not (isinstance(t, torch.Tensor) and t.numel() == 1):
+            raise KVTrimError(f"{what}: token {i} is {t!r}, not an integer token id")
+        t = int(t)
+        if not 0 <= t < vocab:
+            raise KVTrimError(f"{what}: token id {t} at index {i} is outside the model's vocabulary of {vocab} tokens")
+        out.append(t)
+    return out
+
+
 def check_context(policy: "Policy", total: int, max_ctx: int, *, what: str = "the prompt",
                   hint: str = "Shorten the prompt, or use a streaming method with a fixed budget "
                               "(e.g. --method streaming_llm --max-tokens 2048).") -> None:
@@ -126,15 +141,27 @@ def chunk_size(policy: "Policy", *, held: int, seen: int, n: int, extra: int, ma
     """The chunk rule: the size of the pieces ``n`` new tokens are fed in, or None for one piece.
 
     ``held`` tokens are stored in the cache already and ``seen`` were fed so far; ``extra`` more
-    will be decoded after them. While they fit the model's context the tokens go in one forward;
-    otherwise (a streaming policy past the context) in pieces small enough that the policy's
-    budget, its decode allowance and the new tokens fit the context's positions.
+    will be decoded after them. While they fit the model's context the tokens go in one forward.
+    A policy that streams past the context evicts while it decodes, so its new tokens need no room
+    beyond its decode allowance; when its prompt does not fit, it is fed in pieces small enough
+    that the budget, the decode allowance and one piece fit the context's positions. Pieces are
+    never smaller than ``MIN_AUTO_CHUNK`` tokens (one token per forward would make a long prompt
+    many times slower): a budget that leaves less room than that is refused.
     """
-    if not max_ctx or held + n + extra <= max_ctx:
+    streams = policy.can_stream()
+    if not max_ctx or held + n + (0 if streams else extra) <= max_ctx:
         return None
     budget = policy.budget(seen + n)
     cap = int(getattr(policy, "decode_cap", 0) or 0)
-    return max(1, min(MAX_AUTO_CHUNK, (max_ctx - budget - cap - extra) // 2))
+    room = max_ctx - budget - cap - (0 if streams else extra)
+    if room // 2 < MIN_AUTO_CHUNK:
+        raise KVTrimError(
+            f"a budget of {budget} tokens (+{cap} decode allowance{'' if streams else f', +{extra} to generate'}) leaves "
+            f"{max(room, 0)} of the model's {max_ctx} positions to feed the prompt in; pieces of at least "
+            f"{MIN_AUTO_CHUNK} tokens need {2 * MIN_AUTO_CHUNK}. Use a smaller budget (max_tokens <= "
+            f"{max_ctx - cap - 2 * MIN_AUTO_CHUNK - (0 if streams else extra)})."
+        )
+    return min(MAX_AUTO_CHUNK, room // 2)
 
 
 def next_positions(cache: "KVTrimCache", n: int, device=None) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ import torch
 
 from kvtrim import decoding
 from kvtrim.cache import KVTrimCache
-from kvtrim.decoding import Sampler, check_context, chunk_size, max_context, run
+from kvtrim.decoding import Sampler, check_context, check_token_ids, chunk_size, max_context, run
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.hf import attach
 from kvtrim.policies.base import Policy
@@ -90,6 +90,7 @@ def generate_ids(
     """
     max_ctx = max_context(model)
     check_prompt(policy, len(prompt_ids), max_new_tokens, max_ctx)
+    prompt_ids = check_token_ids(model, prompt_ids)
     cache = cache if cache is not None else KVTrimCache(model, policy)
     if model_inputs and prefill_chunk:
         raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")

@@ -2,17 +2,25 @@
 
 RoPE is a rotation per frequency pair, so a vector rotated at position ``p`` is moved to position
 ``p + delta`` by one more rotation by ``delta``. kvtrim uses this for the ``reassigned`` and
-``compressed`` position policies (docs/methods-spec.md): keys are cached after RoPE by the model, and
-kvtrim re-rotates them to in-cache positions. Angles are computed in float64 so that large
+``compressed`` position policies (docs/methods-spec.md): keys are cached after RoPE by the model,
+and kvtrim re-rotates them to in-cache positions. Angles are computed in float64 so that large
 position values do not lose phase precision.
 
-Layout conventions follow transformers' ``rotate_half`` (the two halves of the rotary dims hold
-the cos and sin partners).
+Two layouts of the rotary pairs exist in transformers' models: ``half`` (``rotate_half``: dim ``i``
+pairs with dim ``i + rot_dim/2``; Llama, Qwen, Mistral, Phi, Gemma ...) and ``interleaved``
+(dims ``2i`` and ``2i+1`` pair; Cohere, GPT-J-style). :func:`find_rotary` tells which one a
+model uses by running the model's own rotary code on a probe vector and checking that kvtrim's
+re-rotation reproduces it; a model whose RoPE matches neither is refused rather than corrupted.
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+
 import torch
+
+LAYOUTS = ("half", "interleaved")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -20,29 +28,98 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The interleaved layout's partner: ``(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)``."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, layout: str = "half") -> torch.Tensor:
     """Rotate ``x [..., S, D]`` by ``delta [..., S]`` positions (broadcast over leading dims).
 
     Only the first ``2 * len(inv_freq)`` dims are rotary (partial rotary models keep the rest).
+    ``layout`` is ``half`` (``rotate_half`` pairs) or ``interleaved`` (adjacent pairs).
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown rotary layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    expand = (lambda a: torch.cat((a, a), dim=-1)) if layout == "half" else (lambda a: a.repeat_interleave(2, dim=-1))
+    partner = rotate_half if layout == "half" else rotate_pairs
     rot_dim = 2 * inv_freq.shape[-1]
     freq = inv_freq.to(device=x.device, dtype=torch.float64)
     if delta.numel() > 64 and not delta.is_floating_point():
         # a cache's deltas take few distinct values (an eviction shifts every later key by the same
         # amount): the float64 cos/sin are computed once per distinct delta, then indexed
         uniq, inverse = torch.unique(delta.reshape(-1), return_inverse=True)
-        ang = uniq.to(torch.float64).unsqueeze(-1) * freq
-        ang = torch.cat((ang, ang), dim=-1)
+        ang = expand(uniq.to(torch.float64).unsqueeze(-1) * freq)
         cos = ang.cos().to(x.dtype).index_select(0, inverse).view(*delta.shape, rot_dim)
         sin = ang.sin().to(x.dtype).index_select(0, inverse).view(*delta.shape, rot_dim)
     else:
-        ang = delta.to(torch.float64).unsqueeze(-1) * freq
-        ang = torch.cat((ang, ang), dim=-1)
+        ang = expand(delta.to(torch.float64).unsqueeze(-1) * freq)
         cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     if rot_dim == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + partner(x) * sin
     xr, xp = x[..., :rot_dim], x[..., rot_dim:]
-    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+    return torch.cat((xr * cos + partner(xr) * sin, xp), dim=-1)
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A model's rotary embedding as kvtrim re-rotates it: inverse frequencies and pair layout."""
+
+    inv_freq: torch.Tensor
+    layout: str = "half"
+
+    def rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return rotate(x, delta, self.inv_freq, self.layout)
+
+
+def find_rotary(model: torch.nn.Module) -> Rotary | None:
+    """The model's rotary embedding, verified against the model's own rotary code; None when
+    kvtrim cannot re-rotate its keys exactly (no plain RoPE, or a layout kvtrim does not know).
+
+    The check feeds a random head vector through the model's ``rotary_emb`` and its modeling
+    module's ``apply_rotary_pos_emb`` at positions ``p`` and ``p + d``, and accepts the layout
+    under which kvtrim's rotation by ``d`` maps the first onto the second.
+    """
+    inv_freq = find_inv_freq(model)
+    if inv_freq is None:
+        return None
+    probe = _rotary_probe(model)
+    if probe is None:
+        return None
+    at_p, at_pd, delta = probe
+    for layout in LAYOUTS:
+        got = rotate(at_p.double(), delta, inv_freq.double(), layout)
+        if torch.allclose(got, at_pd.double(), rtol=1e-4, atol=1e-4 * float(at_pd.abs().max())):
+            return Rotary(inv_freq, layout)
+    return None
+
+
+def _rotary_probe(model: torch.nn.Module):
+    """``(x rotated at p, x rotated at p + d, d)`` from the model's own rotary code, or None."""
+    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
+    apply = None
+    for m in model.modules():
+        apply = getattr(sys.modules.get(type(m).__module__), "apply_rotary_pos_emb", None)
+        if apply is not None:
+            break
+    if rotary is None or apply is None:
+        return None
+    p, d = 7, 45
+    param = next(model.parameters())
+    pos = torch.tensor([[p, p + d]], device=param.device)
+    try:
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1, device=param.device), pos)
+            # the rotary part only (partial-rotary models split it off before applying RoPE)
+            rot_dim = cos.shape[-1]
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(1, 1, 1, rot_dim, generator=g).to(param.device).expand(1, 1, 2, rot_dim).contiguous()
+            out, _ = apply(x, x, cos.float(), sin.float())
+    except Exception:  # a rotary interface kvtrim does not know: treat as not re-rotatable
+        return None
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        return None
+    return out[:, :, :1].float().cpu(), out[:, :, 1:].float().cpu(), torch.tensor([[[d]]])
 
 
 def find_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:

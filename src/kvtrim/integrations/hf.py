@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -26,31 +28,48 @@ import torch
 
 from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache
 from kvtrim.errors import KVTrimError
-from kvtrim.rope import rotate
+
+logger = logging.getLogger(__name__)
 
 ATTN_NAME = "kvtrim"
 _lock = threading.Lock()
 _users = 0
-# The base attention function each attached model wraps, keyed by id(config).
-_BASE: dict[int, object] = {}
+# The name of the base attention each attached model wraps ("sdpa" or "eager"), keyed by id(config).
+_BASE: dict[int, str] = {}
 # Optional prefill attention override (sparse prefill), keyed by id(config): fn(module, q, k, v, mask, scaling, **kw)
 _PREFILL: dict[int, object] = {}
 
 
-def _base_fn(name: str):
+def _base_fn(name: str, module=None):
+    """The attention function kvtrim wraps for ``module``: SDPA, or the model's own eager function
+    (its modeling module's ``eager_attention_forward``: Gemma2's soft-capping, for one, lives there)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if name == "eager":
-        from transformers.models.llama.modeling_llama import eager_attention_forward
-
-        return eager_attention_forward
+        own = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None) if module is not None else None
+        if own is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as own
+        return functools.partial(_eager, own)
     return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _eager(fn, module, query, key, value, attention_mask, **kwargs):
+    """Run an eager attention function on the boolean (or absent) mask that kvtrim's SDPA-style mask
+    function produces: eager code adds the mask to the scores, so it needs an additive float mask."""
+    n, m = query.shape[-2], key.shape[-2]
+    if attention_mask is None and n > 1:
+        attention_mask = causal_mask(n, m, query.device)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    return fn(module, query, key, value, attention_mask, **kwargs)
 
 
 def kvtrim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers attention function: base attention, then the cache's policy hook, for every
     cache layer the published binding names."""
-    base = _BASE.get(id(module.config)) or _base_fn("sdpa")
+    name = _BASE.get(id(module.config), "sdpa")
+    base = _base_fn(name, module) if name == "eager" else _base_fn(name)
     binding = ACTIVE.get()
 
     def attend_one(one, q, k, v, mask):
@@ -68,7 +87,7 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
     ACTIVE.set(None)
     layer = binding.layer
     if layer.q_delta is not None:
-        query = rotate(query, layer.q_delta.unsqueeze(1), binding.cache.inv_freq)
+        query = binding.cache.rotary.rotate(query, layer.q_delta.unsqueeze(1))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     prefill = _PREFILL.get(id(module.config))
     res = None
@@ -149,13 +168,16 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
     original = getattr(cfg, "_attn_implementation", None) or "sdpa"
     if original == ATTN_NAME:
         raise KVTrimError("this model is already attached to kvtrim; attach each model once")
-    # flash/flex kernels need other mask formats; kvtrim wraps SDPA (or eager) only.
+    # flash/flex kernels need other mask formats; kvtrim wraps SDPA (or eager) only, and says so.
     base = original if original in ("sdpa", "eager") else "sdpa"
+    if base != original:
+        logger.warning("kvtrim computes attention with SDPA while attached (the model asked for %r, whose mask "
+                       "format kvtrim's cache does not produce); results are the same within rounding", original)
     with _lock:
         if _users == 0:
             _register()
         _users += 1
-    _BASE[id(cfg)] = _base_fn(base)
+    _BASE[id(cfg)] = base
     if prefill_attention is not None:
         _PREFILL[id(cfg)] = prefill_attention
     try:

@@ -67,7 +67,6 @@ from kvtrim import validate
 from kvtrim.cache import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.rope import rotate
 from kvtrim.scores import causal_prob_chunks
 
 COMBINE = ("merge", "drop")
@@ -218,9 +217,9 @@ class Elastic(Policy):
         else:
             new_k = torch.stack([keys[i].index_select(1, anchors[i]) for i in range(b)])
             new_v = torch.stack([values[i].index_select(1, anchors[i]) for i in range(b)])
-        inv_freq = layer.cache.inv_freq
-        if self.align and inv_freq is None:
-            raise KVTrimError("elastic: align=True needs a model with a plain rotary embedding (rotary_emb.inv_freq)")
+        rotary = layer.cache.rotary
+        if self.align and rotary is None:
+            raise KVTrimError("elastic: align=True needs a model whose RoPE kvtrim can re-rotate exactly (a plain rotary embedding)")
         last = layer.length - self.n_last  # slots >= last are protected
         # tokens each slot stands for: 1 each for a plain (unweighted) merge
         if self.proportional:
@@ -243,7 +242,7 @@ class Elastic(Policy):
             km, vm = keys[i].index_select(1, members).float(), values[i].index_select(1, members).float()
             if self.align:  # re-rotate each member key to its anchor's rotation before averaging
                 rot = layer.rotations[i, 0]
-                km = rotate(km, (rot[a[tgt]] - rot[members]).view(1, -1), inv_freq)
+                km = rotary.rotate(km, (rot[a[tgt]] - rot[members]).view(1, -1))
             w_a, w_m = sizes[i, a].view(1, k, 1), sizes[i, members].view(1, -1, 1)
             count = w_a.clone().index_add_(1, tgt, w_m)
             sk = (new_k[i].float() * w_a).index_add_(1, tgt, km * w_m)
