@@ -35,6 +35,7 @@ from kvtrim.rope import find_inv_freq, rotate
 
 if TYPE_CHECKING:
     from kvtrim.policies.base import Policy
+    from kvtrim.spans import SpanSet
 
 
 @dataclass
@@ -102,7 +103,7 @@ class CompressedLayer(CacheLayerMixin):
 
     # --- views -----------------------------------------------------------------------------
     @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
         return None if self._k is None else self._k[:, :, : self.length]
 
     @keys.setter
@@ -111,7 +112,7 @@ class CompressedLayer(CacheLayerMixin):
             raise AttributeError("CompressedLayer.keys is read-only; use keep_indices()")
 
     @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
         return None if self._v is None else self._v[:, :, : self.length]
 
     @values.setter
@@ -156,6 +157,7 @@ class CompressedLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        assert self._k is not None and self._v is not None and self._pos is not None
         q = key_states.shape[-2]
         dev = key_states.device
         n_seen = q
@@ -177,6 +179,7 @@ class CompressedLayer(CacheLayerMixin):
             target = torch.arange(self.length, self.length + q, device=dev).unsqueeze(0)
             delta = target - applied
             if bool((delta != 0).any()):
+                assert self.cache.inv_freq is not None  # found whenever keys are re-rotated (_rot exists)
                 key_states = rotate(key_states, delta.unsqueeze(1), self.cache.inv_freq)
                 self.q_delta = delta
         self._reserve(q)
@@ -223,6 +226,7 @@ class CompressedLayer(CacheLayerMixin):
             new[:, :, : self.length] = t[:, :, : self.length]
             return new
 
+        assert self._k is not None and self._v is not None and self._pos is not None
         self._k, self._v, self._pos = grow(self._k), grow(self._v), grow(self._pos)
         if self._rot is not None:
             self._rot = grow(self._rot)
@@ -235,6 +239,7 @@ class CompressedLayer(CacheLayerMixin):
     def new_token_state(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Create (or return) a per-token state aligned with the stored tokens: ``[B, H, capacity]``."""
         if name not in self.token_state:
+            assert self._k is not None, "per-token state is created after the first update()"
             b, h = self._k.shape[:2]
             self.token_state[name] = torch.zeros(b, h, self.capacity, dtype=dtype, device=self._k.device)
         return self.token_state[name]
@@ -280,6 +285,7 @@ class CompressedLayer(CacheLayerMixin):
             new[:, :, :k] = got
             return new
 
+        assert self._k is not None and self._v is not None and self._pos is not None
         self._k = take(self._k)
         self._v = take(self._v)
         self._pos = take(self._pos)
@@ -291,6 +297,7 @@ class CompressedLayer(CacheLayerMixin):
                 target = torch.arange(k, device=idx.device).expand_as(idx)
                 delta = target - self._rot[:, :, :k]
                 if bool((delta != 0).any()):
+                    assert self.cache.inv_freq is not None  # found whenever keys are re-rotated (_rot exists)
                     self._k[:, :, :k] = rotate(self._k[:, :, :k], delta, self.cache.inv_freq)
                     self._rot[:, :, :k] = target
         self.length = k
@@ -298,12 +305,13 @@ class CompressedLayer(CacheLayerMixin):
     def replace(self, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> None:
         """Keep slots ``idx`` but overwrite their keys and values (merging methods)."""
         self.keep_indices(idx)
+        assert self._k is not None and self._v is not None
         self._k[:, :, : self.length] = keys
         self._v[:, :, : self.length] = values
 
     def nbytes(self) -> int:
         """Resident bytes of this layer's key and value buffers (allocated capacity)."""
-        if self._k is None:
+        if self._k is None or self._v is None:
             return 0
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
@@ -334,6 +342,9 @@ class KVTrimCache(Cache):
     Use it inside ``kvtrim.attach(model)`` (or ``kvtrim.compress``), which installs the attention
     function that scores and evicts; the cache refuses to run without it.
     """
+
+    # narrower than Cache.layers' element type: __init__ builds only these two kinds of layer
+    layers: list[CompressedLayer | DynamicSlidingWindowLayer]  # type: ignore[assignment]
 
     def __init__(self, model, policy: "Policy | str" = "full", *, spans=None, **policy_kwargs):
         from kvtrim.registry import create_policy
@@ -376,7 +387,7 @@ class KVTrimCache(Cache):
         self._last_layer: CompressedLayer | None = None
         # Modality spans of the prompt (kvtrim.spans.SpanSet): given here, set with set_spans(), or
         # found from the prompt's token ids for vision-language models when the prefill runs.
-        self.spans = None
+        self.spans: SpanSet | None = None
         self._raw_spans = spans
 
     def set_spans(self, spans, n_tokens: int | None = None) -> None:
@@ -436,7 +447,7 @@ class KVTrimCache(Cache):
         per_tok = 2 * self.num_kv_heads * self.head_dim
         total = 0
         for layer, n in zip(self.layers, self.stored_tokens()):
-            el = layer.keys.element_size() if getattr(layer, "keys", None) is not None else 0
+            el = layer.keys.element_size() if layer.keys is not None else 0
             total += n * per_tok * el
         return total
 
@@ -450,7 +461,7 @@ class KVTrimCache(Cache):
         per_tok = 2 * self.num_kv_heads * self.head_dim
         total = 0
         for layer in self.layers:
-            if getattr(layer, "keys", None) is None:
+            if layer.keys is None:
                 continue
             el = layer.keys.element_size()
             n = min(seen, layer.sliding_window - 1) if isinstance(layer, DynamicSlidingWindowLayer) else seen

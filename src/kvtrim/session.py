@@ -34,6 +34,7 @@ import resource
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -191,7 +192,7 @@ class Session:
         self._last_logits = logits[-1].clone()
         return logits
 
-    def _run(self, program) -> object:
+    def _run(self, program) -> Any:
         """Run a stepper program through this session's cache (each forward via ``_forward``)."""
         def serve(step: decoding.Step) -> torch.Tensor:
             logits = self._forward(step.ids, step.all_logits)
@@ -265,6 +266,7 @@ class Session:
         with self._attached():
             self._prefill(list(ids), extra=max_new_tokens)
             t1 = time.perf_counter()
+            assert self._last_logits is not None  # set by the prefill
             out, _ = self._run(decoding.decode(self.cache, self._last_logits, max_new_tokens, sampler=sampler,
                                                generator=self._gen, stop_ids=stops, on_token=on_token))
         if streamer is not None:
@@ -373,7 +375,7 @@ class Session:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         tensors: dict[str, torch.Tensor] = {}
-        layers = []
+        layers: list[dict | None] = []
         for i, layer in enumerate(self.cache.layers):
             if not isinstance(layer, CompressedLayer):
                 if getattr(layer, "keys", None) is not None:
@@ -387,6 +389,7 @@ class Session:
             except TypeError:
                 raise KVTrimError(f"policy {self.policy.name!r} keeps per-layer state that cannot be saved as JSON") from None
             if layer.is_initialized:
+                assert layer.keys is not None and layer.values is not None
                 tensors[f"layers.{i}.keys"] = layer.keys.contiguous()
                 tensors[f"layers.{i}.values"] = layer.values.contiguous()
                 tensors[f"layers.{i}.positions"] = layer.positions.contiguous()
@@ -432,7 +435,9 @@ class Session:
         for i, meta in enumerate(info["layers"]):
             if meta is None:
                 continue
-            _restore_layer(s.cache.layers[i], meta, tensors, f"layers.{i}.")
+            layer = s.cache.layers[i]
+            assert isinstance(layer, CompressedLayer)  # save() writes None for every other kind of layer
+            _restore_layer(layer, meta, tensors, f"layers.{i}.")
         s.messages, s.turns, s.chunks_fed = info["messages"], info["turns"], info["chunks_fed"]
         s._pending_ids, s._pending_text = list(info["pending_ids"]), info["pending_text"]
         s._last_logits = tensors.get("last_logits")
