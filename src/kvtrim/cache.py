@@ -24,6 +24,7 @@ hands each layer to kvtrim's registered attention function through a context var
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -208,7 +209,7 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.cache, self.layer_idx)  # type: ignore[misc]
+        self.__init__(self.cache, self.layer_idx)  # type: ignore[misc]  # reset = re-run __init__: every field back to its start
 
     def offload(self):  # pragma: no cover - CPU/GPU offloading is not supported
         raise KVTrimError("KVTrimCache does not support offloading")
@@ -345,6 +346,7 @@ class KVTrimCache(Cache):
 
     # narrower than Cache.layers' element type: __init__ builds only these two kinds of layer
     layers: list[CompressedLayer | DynamicSlidingWindowLayer]  # type: ignore[assignment]
+    prefill_stats: Callable[[], dict]  # set by kvtrim.compress(prefill=...): the sparse prefill's counters
 
     def __init__(self, model, policy: "Policy | str" = "full", *, spans=None, **policy_kwargs):
         from kvtrim.registry import create_policy

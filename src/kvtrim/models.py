@@ -17,10 +17,14 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtrim.errors import KVTrimError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +38,8 @@ _CONVERTED_MARKER = "kvtrim-converted.json"
 class LoadedModel:
     """A causal LM, its tokenizer and where it came from."""
 
-    model: torch.nn.Module
-    tokenizer: object
+    model: PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer
     source: str
 
     @property

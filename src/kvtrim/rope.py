@@ -12,7 +12,12 @@ the cos and sin partners).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +57,7 @@ def find_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:
     that changes with length) cannot be re-rotated exactly; callers refuse position re-assignment
     for them.
     """
-    cfg = model.config.get_text_config(decoder=True)
+    cfg = cast("PretrainedConfig", model.config).get_text_config(decoder=True)
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if isinstance(rope, dict):
         rtype = rope.get("rope_type", rope.get("type", "default"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers.cache_utils import Cache
@@ -42,7 +43,7 @@ class MultiCache(Cache):
     def __init__(self, caches: list[KVTrimCache]):
         if not caches:
             raise KVTrimError("MultiCache needs at least one cache")
-        super().__init__(layers=caches[0].layers)
+        super().__init__(layers=list(caches[0].layers))
         self.caches = caches
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -56,7 +57,9 @@ class MultiCache(Cache):
             if pos is not None:
                 kw["position_ids"] = pos[b:b + 1]
             k, v = cache.update(key_states[b:b + 1], value_states[b:b + 1], layer_idx, kwargs=kw)
-            rows.append((ACTIVE.get(), k, v))
+            bound = ACTIVE.get()
+            assert not isinstance(bound, RowBindings)  # a row's update() binds its own layer or nothing
+            rows.append((bound, k, v))
             ACTIVE.set(None)
         ACTIVE.set(RowBindings(rows))
         return key_states, value_states
@@ -114,6 +117,7 @@ class Wait:
 
 
 Program = Generator["Step | Wait", object, dict]
+_Key = TypeVar("_Key", bound=Hashable)
 
 
 @dataclass
@@ -124,8 +128,8 @@ class _Pending:
     result: object = None
 
 
-def drive(model, programs: dict[Hashable, Program], *, batch: bool = True, max_rows: int = 64,
-          on_done: Callable[[Hashable, object], None] | None = None) -> dict:
+def drive(model, programs: dict[_Key, Program], *, batch: bool = True, max_rows: int = 64,
+          on_done: Callable[[_Key, object], None] | None = None) -> dict:
     """Run generator ``programs`` to completion, batching their steps; returns ``{key: result}``.
 
     With ``batch=False`` every step runs alone (batch 1), in program order: the reference behaviour.
@@ -152,7 +156,7 @@ def drive(model, programs: dict[Hashable, Program], *, batch: bool = True, max_r
     while any(not p.done for p in state.values()):
         live = [k for k, p in state.items() if not p.done]
         if not _serve(model, state, results, advance, live, max_rows=max_rows if batch else 1):
-            missing = {state[k].request.key for k in live if isinstance(state[k].request, Wait)}
+            missing = {r.key for r in (state[k].request for k in live) if isinstance(r, Wait)}
             raise KVTrimError(f"eval programs wait for results that never come: {sorted(map(str, missing))}")
     return results
 

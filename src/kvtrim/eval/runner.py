@@ -45,7 +45,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -368,7 +368,7 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
                 feed = ([] if not out or out[-1] == eos else [out[-1]]) + _turn_tail(tokenizer, turn.question)
                 logits = yield Step(cache, feed, False, clock)
                 steps += 1
-            done = (lambda ids, t=turn: answer_complete(tokenizer, sample.metric, ids, t.answers, eos))
+            done = _finished(tokenizer, sample.metric, turn.answers, eos)
             out, s = yield from _greedy(cache, logits, max_new, eos, done, clock)
             steps += s
             text = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
@@ -378,7 +378,7 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
         answer = answers[0]
         extra = {"answers": answers, "turn_scores": scores}
     else:
-        done = (lambda ids: answer_complete(tokenizer, sample.metric, ids, sample.answers, eos))
+        done = _finished(tokenizer, sample.metric, sample.answers, eos)
         out, steps = yield from _greedy(cache, logits, max_new, eos, done, clock)
         answer = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
         value = score_text(sample, answer)
@@ -418,6 +418,11 @@ def answer_complete(tokenizer, metric: str, ids: list[int], answers: Sequence[st
     extended -- "14314" + "5" -- which the metrics' word-boundary check would then reject.)"""
     text = tokenizer.decode([t for t in ids if t != eos], skip_special_tokens=True)
     return bool(text) and not text[-1].isalnum() and METRICS[metric](text, answers) >= 1.0
+
+
+def _finished(tokenizer, metric: str, answers: Sequence[str], eos) -> Callable[[list[int]], bool]:
+    """The decoder's ``finished(ids)`` test for one set of answers (see :func:`answer_complete`)."""
+    return lambda ids: answer_complete(tokenizer, metric, ids, answers, eos)
 
 
 def score_text_one(tokenizer, metric: str, ids: list[int], answers: Sequence[str], eos) -> float:

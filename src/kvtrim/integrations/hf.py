@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ _users = 0
 # The base attention function each attached model wraps, keyed by id(config).
 _BASE: dict[int, object] = {}
 # Optional prefill attention override (sparse prefill), keyed by id(config): fn(module, q, k, v, mask, scaling, **kw)
-_PREFILL: dict[int, object] = {}
+_PREFILL: dict[int, Callable[..., Any]] = {}
 
 
 def _base_fn(name: str):
