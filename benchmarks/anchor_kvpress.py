@@ -398,11 +398,10 @@ def worker(args) -> None:
     import copy
     import importlib.metadata as md
 
+    import kvpress
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, DynamicCache
-
-    import kvpress
 
     torch.set_num_threads(1)
     machine = {
@@ -492,7 +491,7 @@ def worker(args) -> None:
                         break
                     diff = max(diff, (a.keys - b.keys).abs().max().item(), (a.values - b.values).abs().max().item())
                 check["max_abs_diff"][name] = diff
-            except Exception as e:  # report, do not hide
+            except Exception as e:  # noqa: BLE001 - report, do not hide
                 check["max_abs_diff"][name] = f"error: {type(e).__name__}: {e}"
             log(f"replay check {name}: {check['max_abs_diff'][name]}")
         rc_path.write_text(json.dumps(check, indent=1) + "\n")

@@ -66,7 +66,7 @@ def run(model, ids, name, kw, steps, warmup) -> dict:
         "budget_at_end": budget,
         "kv_bytes_end": cache.kv_bytes(),
         "kv_bytes_full_end": cache.kv_bytes_full(),
-        "restored_per_layer_head": (sum(l.state.get("hae_restored", 0) for l in cache.compressed_layers) / n_layers / cache.num_kv_heads),
+        "restored_per_layer_head": (sum(layer.state.get("hae_restored", 0) for layer in cache.compressed_layers) / n_layers / cache.num_kv_heads),
     }
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from repro_elastic import machine_info, record_prompt  # noqa: E402
+from repro_elastic import machine_info, record_prompt
 
 OUT = Path(__file__).resolve().parent / "results" / "elastic_overhead.json"
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import machine_info, print_table_or_require_out  # noqa: E402
+from _bench import machine_info, print_table_or_require_out
 
 
 def configs(budgets: list[int], biases: list[float]) -> list[tuple[str, str, dict]]:

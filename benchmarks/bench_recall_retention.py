@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_recall import configs  # noqa: E402
-from _bench import machine_info  # noqa: E402
+from _bench import machine_info
+from bench_recall import configs
 
 
 def fact_retention(session, sample) -> list[float]:

@@ -27,7 +27,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_heads": args.kv_heads,
         "head_dim": args.head_dim,
     }
-    out = open(args.out, "w") if args.out else sys.stdout
+    out = open(args.out, "w") if args.out else sys.stdout  # noqa: SIM115 - closed in the finally below
     results: dict[str, list[tuple[int, float, float]]] = {name: [] for name in args.patterns}
     try:
         for t in args.lengths:
@@ -106,21 +106,21 @@ def main(argv: list[str] | None = None) -> int:
             q = torch.randn(1, args.q_heads, t, args.head_dim, generator=g, device=args.device, dtype=dtype)
             k = torch.randn(1, args.kv_heads, t, args.head_dim, generator=g, device=args.device, dtype=dtype)
             v = torch.randn(1, args.kv_heads, t, args.head_dim, generator=g, device=args.device, dtype=dtype)
-            dense_s = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), args.warmup, args.reps, args.device)
+            dense_s = _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), args.warmup, args.reps, args.device)  # noqa: B023 - timed in this iteration
             flops = 4 * args.q_heads * args.head_dim * t * t / 2
             rec = {**meta, "kind": "dense_sdpa", "T": t, "seconds": dense_s, "gflops_per_s": flops / dense_s / 1e9}
             print(json.dumps(rec), file=out, flush=True)
             for name in args.patterns:
                 pattern = PATTERNS[name]()
-                est_s = _median_time(lambda: pattern.layout(q, k), args.warmup, args.reps, args.device)
+                est_s = _median_time(lambda: pattern.layout(q, k), args.warmup, args.reps, args.device)  # noqa: B023 - timed now
                 layout = pattern.layout(q, k)
                 density = layout.density()
                 kernels = args.cpu_kernels if args.device == "cpu" else ["triton"]
                 for kn in kernels:
                     if kn == "triton":
-                        run = lambda: sparse_prefill(q, k, v, layout, backend=backend)  # noqa: E731
+                        run = lambda: sparse_prefill(q, k, v, layout, backend=backend)  # noqa: E731, B023 - timed in this iteration
                     else:
-                        run = lambda kn=kn: sparse_attention_cpu(q, k, v, layout, kernel=kn)  # noqa: E731
+                        run = lambda kn=kn: sparse_attention_cpu(q, k, v, layout, kernel=kn)  # noqa: E731, B023 - timed in this iteration
                     attn_s = _median_time(run, args.warmup, args.reps, args.device)
                     if kn == kernels[0]:
                         results[name].append((t, est_s + attn_s, dense_s))

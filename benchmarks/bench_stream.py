@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import machine_info, print_table_or_require_out  # noqa: E402
+from _bench import machine_info, print_table_or_require_out
 
 
 def stream_ids(tokenizer, args) -> tuple[list[int], dict]:

@@ -18,12 +18,11 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import machine_info, print_table_or_require_out  # noqa: E402
+from _bench import machine_info, print_table_or_require_out
 
 
 def table(r: dict) -> str:

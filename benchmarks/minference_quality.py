@@ -22,14 +22,13 @@ import math
 import os
 import platform
 import sys
-import time
 
 import torch
 from tqdm import tqdm
 
 from kvtrim.attention.prefill import SparsePrefill, make_prefill
 from kvtrim.cache import KVTrimCache
-from kvtrim.data import essays_text, pydoc_text
+from kvtrim.data import pydoc_text
 from kvtrim.eval.tasks import passkey
 from kvtrim.generation import generate_ids
 from kvtrim.integrations.hf import attach, cache_kwarg

@@ -41,7 +41,6 @@ import platform
 import random
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch

@@ -63,7 +63,7 @@ def qa_table() -> str:
         if not k.startswith("r="):
             continue
         c = v["compared_samples"]
-        cmp = (lambda m: f"{v[m]}/{c}") if c else (lambda m: "-")
+        cmp = (lambda m, v=v, c=c: f"{v[m]}/{c}") if c else (lambda m: "-")
         out.append(
             f"| {k} | {v['mean_doc_kept_fraction']:.1%} | {v['mean_prompt_kept_fraction']:.1%} | {v['hae_prune']}/{n} | "
             f"{cmp('hae_kv')} | {cmp('fastv')} | {cmp('snapkv')} | {c} |"

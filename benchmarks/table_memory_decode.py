@@ -10,7 +10,8 @@ import sys
 
 
 def main(path: str = "benchmarks/results/memory_decode.json") -> None:
-    d = json.load(open(path))
+    with open(path) as f:
+        d = json.load(f)
     print(f"{d['model']}, {d['dtype']}, torch {d['versions']['torch']}, transformers {d['versions']['transformers']}, "
           f"{d['machine']['threads']} threads, {d['date'][:10]}; median of {d['args']['steps']} decode steps after "
           f"{d['args']['warmup']} warm-up steps.\n")

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from kvtrim.errors import KVTrimError
-from kvtrim.eval.replay import make_policy, record_prefill, replay
 from kvtrim.eval.batched import Clock, Step, Wait, drive
+from kvtrim.eval.replay import make_policy, record_prefill, replay
 from kvtrim.eval.runner import _greedy, make_plan, read_lines
 from kvtrim.generation import generate_ids
 from kvtrim.integrations.hf import attach
@@ -28,7 +27,7 @@ def test_replay_equals_plain_generation(model, prompt, method):
     memo: dict = {}
     cache = replay(model, make_policy(method, params, memo), rec)
     with attach(model):
-        out, steps = drive(model, {0: _greedy(cache, rec.logits, 12, None)}, batch=False)[0]
+        out, _steps = drive(model, {0: _greedy(cache, rec.logits, 12, None)}, batch=False)[0]
     assert out == plain.token_ids
     assert cache.kv_bytes() == plain.kv_bytes
     assert max(cache.stored_tokens()) == plain.stored_tokens
@@ -214,7 +213,7 @@ def test_sweep_refuses_bad_output_and_lengths(tiny_lm, tmp_path):
     blocker.write_text("x")
     with pytest.raises(KVTrimError, match="cannot write to the output directory"):
         check_out_dir(blocker / "sub")
-    with pytest.raises(KVTrimError, match="context of 1024.*cannot stream"):
+    with pytest.raises(KVTrimError, match=r"context of 1024.*cannot stream"):
         run_eval(tiny_lm, _plan(lengths="2048"), tmp_path / "long", progress=False)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"model": "another-model"}))

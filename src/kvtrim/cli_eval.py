@@ -38,7 +38,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from kvtrim.eval.report import render, summarize, load_dirs, write_report
+    from kvtrim.eval.report import load_dirs, render, summarize, write_report
 
     if args.json:
         print(json.dumps(summarize(load_dirs(args.dirs)), indent=1))

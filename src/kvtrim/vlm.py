@@ -224,7 +224,7 @@ def load_image(path: str | os.PathLike):
 def image_placeholder(processor) -> str:
     """The text a processor expands into one image's tokens."""
     tok = processor.image_token
-    if "<|image_pad|>" == tok:
+    if tok == "<|image_pad|>":
         return "<|vision_start|><|image_pad|><|vision_end|>"
     return tok
 
