@@ -239,4 +239,4 @@ def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT
         "machine": platform.machine(),
         "model_tags": list(model_tags or []),
     }
-    return PatternConfig(model=ident, layers=[r for r in hook.rows if r is not None], search=search)  # none is None (checked above)
+    return PatternConfig(model=ident, layers=[r for r in hook.rows if r is not None], search=search)  # every row is set (checked above)
