@@ -506,7 +506,7 @@ def worker(args) -> None:
                         break
                     diff = max(diff, (a.keys - b.keys).abs().max().item(), (a.values - b.values).abs().max().item())
                 check["max_abs_diff"][name] = diff
-            except Exception as e:  # report, do not hide
+            except Exception as e:  # noqa: BLE001 - report, do not hide
                 check["max_abs_diff"][name] = f"error: {type(e).__name__}: {e}"
             log(f"replay check {name}: {check['max_abs_diff'][name]}")
         rc_path.write_text(json.dumps(check, indent=1) + "\n")

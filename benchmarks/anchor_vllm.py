@@ -283,7 +283,7 @@ class VLLMWorker:
             env["LD_PRELOAD"] = ":".join(vllm_preload() + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else vllm_preload())
         cmd = [str(VPY), str(Path(__file__).resolve()), "--vllm-worker", "--model-dir", model_dir, "--dtype", dtype,
                "--threads", str(threads), "--kv-space-gib", str(kv_space_gib)]
-        self.log = open(log, "a")
+        self.log = open(log, "a")  # noqa: SIM115 - the worker's stderr for its whole life
         self.log.write(f"\n=== {' '.join(cmd)}\n")
         self.log.flush()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
@@ -538,11 +538,11 @@ def table(res: dict) -> str:
         kv = r.get("kv_bytes")
         kvs = f"{kv / 2**20:.1f}" + ("*" if r.get("kv_bytes_source", "").startswith("computed") else "") if kv else "-"
 
-        def ratio(k):
+        def ratio(k, r=r):
             v = r.get(f"{k}_vs_kvtrim_full")
             return f"{v:.2f}x" if v is not None else "-"
 
-        def num(k, fmt):
+        def num(k, fmt, r=r):
             return format(r[k], fmt) if r.get(k) is not None else "-"
 
         lines.append(

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                    "full": {"correct": key in full.answer, "answer": full.answer}}
             for point in args.points.split(","):
                 r, alpha = (float(x) for x in point.split(":"))
-                res, cache, st = run(lm, ids, spans, create_policy("hae", r=r, alpha=alpha, targets=("document",)))
+                res, _cache, st = run(lm, ids, spans, create_policy("hae", r=r, alpha=alpha, targets=("document",)))
                 doc_kept = st.get("targets_kept", n_doc) / max(1, st.get("targets", n_doc))
                 prompt_frac = (len(st["kept_stream"]) if "kept_stream" in st else len(ids)) / len(ids)
                 cell = {"doc_kept_fraction": doc_kept, "prompt_kept_fraction": prompt_frac,

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     # it is installed: set this before transformers so kernels run on CPU (tests/test_sparse_attention.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def tiny_llama(n_kv: int = 2, groups: int = 3, layers: int = 3, head_dim: int = 16, seed: int = 0, **extra):

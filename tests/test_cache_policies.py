@@ -291,9 +291,8 @@ def test_batch_above_one_is_refused(model):
 
 
 def test_cache_without_attach_is_refused(model, prompt):
-    with pytest.raises(KVTrimError, match="kvtrim.attach"):
-        with torch.no_grad():
-            model(input_ids=prompt, past_key_values=KVTrimCache(model, "snapkv", keep=0.5), use_cache=True)
+    with pytest.raises(KVTrimError, match=r"kvtrim\.attach"), torch.no_grad():
+        model(input_ids=prompt, past_key_values=KVTrimCache(model, "snapkv", keep=0.5), use_cache=True)
 
 
 @pytest.mark.parametrize("q,past,chunk", [(37, 0, 8), (37, 11, 8), (20, 5, 64), (16, 0, 16)])

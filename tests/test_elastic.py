@@ -231,7 +231,7 @@ def test_frequency_eviction_removes_the_least_important_entry(model, prompt):
         for _ in range(4):
             out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     assert seen_state
-    for layer_idx, acc, pos, slot in seen_state:
+    for _layer_idx, acc, pos, slot in seen_state:
         # the argmin over slots 1..stored-2 (first token and newest token protected)
         assert slot == 1 + int(torch.argmin(acc[1:-1]))
         assert 0 < slot < pos.numel() - 1

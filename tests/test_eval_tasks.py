@@ -216,7 +216,7 @@ def test_metric_functions():
 
 
 def test_unknown_task(tok):
-    with pytest.raises(KVTrimError, match="unknown task 'nope'.*passkey"):
+    with pytest.raises(KVTrimError, match=r"unknown task 'nope'.*passkey"):
         make_samples("nope", tok, 1000)
     assert issubclass(KVTrimError, ValueError)
 
@@ -235,7 +235,7 @@ def test_bad_length_and_depth(tok, task):
 
 
 def test_length_too_small_for_fixed_text(tok):
-    with pytest.raises(KVTrimError, match="too small.*at least"):
+    with pytest.raises(KVTrimError, match=r"too small.*at least"):
         make_samples("niah_multiquery", tok, 140, n_keys=8)
     with pytest.raises(KVTrimError, match="too small"):
         make_samples("cwe", tok, 200)

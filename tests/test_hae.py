@@ -9,12 +9,12 @@ import torch
 
 pytest.importorskip("skimage")
 
-import kvtrim  # noqa: E402
-from kvtrim import vlm  # noqa: E402
-from kvtrim.cache import KVTrimCache  # noqa: E402
-from kvtrim.errors import KVTrimError  # noqa: E402
-from kvtrim.policies.hae import HAE, dap_keep  # noqa: E402
-from kvtrim.registry import create_policy  # noqa: E402
+import kvtrim
+from kvtrim import vlm
+from kvtrim.cache import KVTrimCache
+from kvtrim.errors import KVTrimError
+from kvtrim.policies.hae import HAE, dap_keep
+from kvtrim.registry import create_policy
 
 
 @pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
@@ -103,7 +103,7 @@ def test_prune_mode_skips_dropped_tokens_in_later_layers(llava):
 
     hooks = [layer.register_forward_hook(record(i)) for i, layer in enumerate(layers)]
     try:
-        cache, _ = prefill(v, ids, extra, HAE(r=0.5, alpha=1.0))  # drops every visual token
+        prefill(v, ids, extra, HAE(r=0.5, alpha=1.0))  # drops every visual token
     finally:
         for h in hooks:
             h.remove()
@@ -260,7 +260,7 @@ def test_hidden_state_pruning_outside_attach_is_refused(model):
     from kvtrim.integrations.pruning import prune_after
 
     cache = KVTrimCache(model, "fastv")
-    with pytest.raises(KVTrimError, match="kvtrim.attach"):
+    with pytest.raises(KVTrimError, match=r"kvtrim\.attach"):
         prune_after(cache, 0, torch.arange(3))
 
 

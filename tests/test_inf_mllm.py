@@ -17,7 +17,7 @@ from kvtrim.session import Session
 
 def reference_scores(query, key, scaling, window):
     """Plain loops in float64: causal softmax rows of the window, averaged per key over the rows that see it."""
-    b, hq, q, d = query.shape
+    b, hq, q = query.shape[:3]
     hkv, s = key.shape[1], key.shape[2]
     g = hq // hkv
     w = min(window, q)
@@ -133,7 +133,7 @@ def test_memory_bounded_over_many_turns_past_the_context(model):
     s = Session(model, None, "inf_mllm", max_tokens=budget, decode_cap=cap, window=8)
     lengths = _record_lengths(s.cache)
     g = torch.Generator().manual_seed(3)
-    for turn in range(10):
+    for _ in range(10):
         n = int(torch.randint(1, 70, (1,), generator=g))
         ids = torch.randint(3, 128, (n,), generator=g).tolist()
         s.send_ids(ids, max_new_tokens=int(torch.randint(1, 30, (1,), generator=g)), stop_ids=())

@@ -8,10 +8,10 @@ from transformers import DynamicCache
 
 import kvtrim
 from kvtrim.cache import KVTrimCache
+from kvtrim.eval.tasks import passkey
 from kvtrim.generation import generate_ids
 from kvtrim.models import build_prompt_ids
 from kvtrim.registry import create_policy, method_names
-from kvtrim.eval.tasks import passkey
 
 pytestmark = pytest.mark.model
 

@@ -28,7 +28,7 @@ def test_span_outside_the_prompt_is_refused():
 
 
 def test_unknown_modality_is_refused():
-    with pytest.raises(KVTrimError, match="unknown modality 'audio'.*allowed: system, text, image, video, document"):
+    with pytest.raises(KVTrimError, match=r"unknown modality 'audio'.*allowed: system, text, image, video, document"):
         Span(0, 4, "audio")
     with pytest.raises(KVTrimError, match="unknown modality 'pixels'"):
         SpanSet([], 5).mask(torch.arange(5), ["pixels"])

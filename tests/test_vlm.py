@@ -9,12 +9,12 @@ from transformers import DynamicCache
 
 pytest.importorskip("skimage")
 
-import kvtrim  # noqa: E402
-from kvtrim import vlm  # noqa: E402
-from kvtrim.cache import KVTrimCache  # noqa: E402
-from kvtrim.errors import KVTrimError  # noqa: E402
-from kvtrim.generation import generate_ids  # noqa: E402
-from kvtrim.registry import create_policy, get_policy_class, method_names  # noqa: E402
+import kvtrim
+from kvtrim import vlm
+from kvtrim.cache import KVTrimCache
+from kvtrim.errors import KVTrimError
+from kvtrim.generation import generate_ids
+from kvtrim.registry import create_policy, get_policy_class, method_names
 
 BUILDERS = {"llava": vlm.tiny_llava, "qwen2_vl": vlm.tiny_qwen2_vl}
 

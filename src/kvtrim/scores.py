@@ -60,10 +60,10 @@ def causal_prob_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, c
 
 def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, chunk: int = 256) -> torch.Tensor:
     """Sum over all ``q`` queries of their causal softmax rows: ``[B, Hkv, G, S]`` (see ``causal_prob_chunks``)."""
-    b, hq, q, d = query.shape
+    b, hq = query.shape[:2]
     n_kv, s = key.shape[1], key.shape[-2]
     out = torch.zeros(b, n_kv, hq // n_kv, s, dtype=torch.float32, device=key.device)
-    for start, stop, probs in causal_prob_chunks(query, key, scaling, chunk):
+    for _, _, probs in causal_prob_chunks(query, key, scaling, chunk):
         out[..., :probs.shape[-1]] += probs.sum(dim=-2)
     return out
 

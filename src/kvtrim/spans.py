@@ -19,6 +19,7 @@ anything else is refused.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -69,7 +70,7 @@ class SpanSet:
                     f"span [{s.start}, {s.end}) ({s.modality}) lies outside the prompt of {n_tokens} tokens; "
                     f"positions must be in [0, {n_tokens})"
                 )
-        for a, b in zip(items, items[1:]):
+        for a, b in itertools.pairwise(items):
             if b.start < a.end:
                 raise KVTrimError(f"spans overlap: [{a.start}, {a.end}) ({a.modality}) and [{b.start}, {b.end}) ({b.modality})")
         self.spans: tuple[Span, ...] = tuple(items)

@@ -25,6 +25,7 @@ import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 @dataclass
 class LoadedVLM:
     model: torch.nn.Module
-    processor: object
+    processor: Any  # a transformers processor (its tokenizer plus the image processor)
     source: str
 
     @property
@@ -127,7 +128,7 @@ def tiny_llava(layers: int = 3, image_size: int = 56, seed: int = 0) -> LoadedVL
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=image_size,
         patch_size=14, projection_dim=32,
     )
-    cfg = LlavaConfig(
+    cfg = LlavaConfig(  # type: ignore[call-arg]  # pad_token_id: transformers' configs take extra keys at run time
         vision_config=vision, text_config=text, image_token_index=proc.image_token_id, vision_feature_layer=-1,
         vision_feature_select_strategy="default", pad_token_id=tok.pad_token_id,
     )
@@ -146,7 +147,7 @@ def tiny_qwen2_vl(layers: int = 3, seed: int = 0, min_pixels: int = 56 * 56, max
     tok = proc.tokenizer
     text = _text_kwargs(len(tok), layers, seed)
     text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
-    cfg = Qwen2VLConfig(
+    cfg = Qwen2VLConfig(  # type: ignore[call-arg]  # token ids: transformers' configs take extra keys at run time
         text_config=text,
         vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
                            spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
@@ -223,7 +224,7 @@ def load_image(path: str | os.PathLike):
 def image_placeholder(processor) -> str:
     """The text a processor expands into one image's tokens."""
     tok = processor.image_token
-    if "<|image_pad|>" == tok:
+    if tok == "<|image_pad|>":
         return "<|vision_start|><|image_pad|><|vision_end|>"
     return tok
 

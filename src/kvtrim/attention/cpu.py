@@ -147,15 +147,15 @@ def sparse_attention_heads(
         window = [lay.n_init is not None and lay.n_local is not None for lay in layouts]
         n_init = [lay.n_init if w else -1 for lay, w in zip(layouts, window)]
         n_local = [lay.n_local if w else -1 for lay, w in zip(layouts, window)]
-        direct = out is not None and writable_in_place(out, q, k, v)
+        direct = out if out is not None and writable_in_place(out, q, k, v) else None
         res = native_sparse_attention(
             q[0], k[0], v[0], idx, idx // g,
             stack("block_idx", mb), torch.stack([lay.block_cnt[0, 0] for lay in layouts]),
             stack("col_idx", mc), torch.stack([lay.col_cnt[0, 0] for lay in layouts]), n_init, n_local, scale,
-            out=out[0] if direct else None,
+            out=None if direct is None else direct[0],
         )
-        if direct:
-            return out
+        if direct is not None:
+            return direct
     if out is None:
         return res.to(q.dtype)
     out[0, idx] = res.to(out.dtype)
@@ -207,7 +207,6 @@ def sparse_attention_cpu(
                                    out=out[bi : bi + 1])
         return out
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    window = layout.n_init is not None and layout.n_local is not None
     out = torch.empty_like(q)
     n = layout.n_blocks
     ar = torch.arange(bs, device=q.device)
@@ -254,7 +253,7 @@ def sparse_attention_cpu(
                 s[:, :, :bs].masked_fill_(~tril, float("-inf"))
                 if mc:
                     s[:, :, bs + mb * bs :].masked_fill_(cols[:, None, :] > diag[:, :, None], float("-inf"))
-                if window:
+                if layout.n_init is not None and layout.n_local is not None:
                     _window_mask(s, blocks, cols, diag, bs, mb, layout.n_init, layout.n_local)
                 o = torch.bmm(torch.softmax(s, dim=-1), vg).nan_to_num_(0.0)  # empty rows -> 0
                 out[bi, h, r0:r1] = o.view(-1, d)[: r1 - r0].to(q.dtype)

@@ -256,7 +256,7 @@ class VerticalSlash:
     def _top(score: torch.Tensor, n: int, n_forced: int) -> torch.Tensor:
         """Indices ``0..min(n_forced, n)-1`` plus the top remaining scores, ``n`` in all, sorted."""
         f = min(n_forced, n)
-        b, h, t = score.shape
+        b, h, _ = score.shape
         forced = torch.arange(f, device=score.device).expand(b, h, f)
         rest = score[..., f:].topk(n - f, dim=-1).indices + f
         return torch.cat([forced, rest], dim=-1).sort(dim=-1).values

@@ -23,6 +23,7 @@ import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvtrim import validate
 from kvtrim.data import essays_text, prose_haystack, pydoc_text
@@ -247,8 +248,11 @@ def insert_needles(hay: str, needles: Sequence[tuple[float, str]]) -> tuple[str,
 # ----------------------------------------------------------------------------- fitting
 
 
-def fit(task: str, tokenizer, length: int, build: Callable[[int], tuple[str, object]], n0: int,
-        units_per_token: float, max_units: int | None = None) -> tuple[object, int]:
+_Payload = TypeVar("_Payload")
+
+
+def fit(task: str, tokenizer, length: int, build: Callable[[int], tuple[str, _Payload]], n0: int,
+        units_per_token: float, max_units: int | None = None) -> tuple[_Payload, int]:
     """Find a size ``n`` (characters, words, ...) whose prompt ``build(n)[0]`` has ``length`` tokens.
 
     ``build`` should grow with ``n``. Stops within a few tokens of ``length``; raises
@@ -256,7 +260,7 @@ def fit(task: str, tokenizer, length: int, build: Callable[[int], tuple[str, obj
     (``build(n)[1]`` for the best n, its token count).
     """
     good = max(2, int(length * 0.002))
-    best = None
+    best: tuple[_Payload, int] | None = None
     lo = hi = None  # nearest sizes seen below / above the target
     seen: set[int] = set()
     n = max(1, n0)
@@ -283,6 +287,7 @@ def fit(task: str, tokenizer, length: int, build: Callable[[int], tuple[str, obj
                 break  # the size cannot get closer (the text grows in jumps here)
             if not lo < n < hi or n in seen:
                 n = (lo + hi) // 2  # bisect where the secant step misbehaves
+    assert best is not None  # the first size is always tried
     payload, m = best
     if abs(m - length) > LENGTH_TOLERANCE * length:
         why = "the source text is too short" if m < length else "its fixed text is too long"

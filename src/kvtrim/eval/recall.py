@@ -100,6 +100,7 @@ def run_recall(session, sample: RecallSample, max_new_tokens: int = 24) -> list[
             session.add_turn(t.user, t.reply)
             continue
         reply = session.send(t.user, max_new_tokens=max_new_tokens)
+        assert t.answer is not None  # every question turn carries its answer
         out.append({"answer": t.answer, "reply": reply, "score": score_reply(reply, t.answer),
                     "stored": session.stored(), "seen": session.seen, "kv_bytes": session.cache.kv_bytes()})
     return out

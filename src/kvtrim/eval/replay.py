@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.cache import KVTrimCache
+from kvtrim.cache import CompressedLayer, KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 
@@ -112,5 +112,6 @@ def replay(model, policy: Policy, recording: "Recording | dict") -> KVTrimCache:
         for i, layer in enumerate(cache.layers):
             q, k, v, scaling = record[i]
             layer.update(k.clone(), v.clone())
-            cache.after_attention(layer, q, k, scaling)
+            if isinstance(layer, CompressedLayer):  # as live: sliding-window layers are not scored
+                cache.after_attention(layer, q, k, scaling)
     return cache

@@ -22,7 +22,8 @@ import functools
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ _users = 0
 # The name of the base attention each attached model wraps ("sdpa" or "eager"), keyed by id(config).
 _BASE: dict[int, str] = {}
 # Optional prefill attention override (sparse prefill), keyed by id(config): fn(module, q, k, v, mask, scaling, **kw)
-_PREFILL: dict[int, object] = {}
+_PREFILL: dict[int, Callable[..., Any]] = {}
 
 
 def _base_fn(name: str, module=None):

@@ -107,6 +107,8 @@ class PatternConfig:
         name = entry.get("pattern")
         if name == "dense":  # a head the search found no sparse pattern good enough for
             return None
+        if not isinstance(name, str):
+            raise KVTrimError(f"pattern config, layer {li} head {hi}: 'pattern' must be a pattern name, got {name!r}")
         sizes = {k: int(entry[k]) for k in SIZE_KEYS.get(name, ()) if k in entry}
         try:
             return make_pattern(name, **sizes)
@@ -165,7 +167,7 @@ def shipped_config(model) -> PatternConfig | None:
     root = resources.files("kvtrim.attention") / "configs"  # package data, beside the kernels
     if not root.is_dir():
         return None
-    for f in sorted(root.iterdir()):
+    for f in sorted(root.iterdir(), key=lambda f: f.name):
         if not f.name.endswith(".json"):
             continue
         d = json.loads(f.read_text())
@@ -226,7 +228,7 @@ class SparsePrefill:
         self.layers_dense = 0
         self.fallback: str | None = None
         self.kernel: str | None = None
-        self._mask_checked = None
+        self._mask_checked: tuple[weakref.ref[torch.Tensor], int | None, bool] | None = None
 
     def stats(self) -> dict:
         return {
@@ -247,7 +249,10 @@ class SparsePrefill:
 
     # -- the hook ---------------------------------------------------------------------------
     def pattern_for(self, layer_idx: int, head: int):
-        return self.single if self.single is not None else self.config.pattern(layer_idx, head)
+        if self.single is not None:
+            return self.single
+        assert self.config is not None  # a sparse prefill runs one pattern or a config
+        return self.config.pattern(layer_idx, head)
 
     def _fallback_reason(self, query, key, attention_mask) -> str | None:
         t = query.shape[-2]
@@ -269,8 +274,8 @@ class SparsePrefill:
             if seen is None or seen[0]() is not attention_mask or seen[1] != version:
                 allowed = m if m.dtype == torch.bool else m == 0
                 ok = torch.equal(allowed, torch.ones(t, t, dtype=torch.bool, device=m.device).tril_())
-                self._mask_checked = (weakref.ref(attention_mask), version, ok)
-            if not self._mask_checked[2]:
+                seen = self._mask_checked = (weakref.ref(attention_mask), version, ok)
+            if not seen[2]:
                 return "attention mask is not plain causal (padding)"
         return None
 
@@ -365,8 +370,8 @@ class SparsePrefill:
             )
             self._work += dense_work / query.shape[1] * len(hs)
         sparse = [h for h, lay in enumerate(layouts) if lay is not None]
-        for h in sparse:
-            lay = layouts[h]
+        sparse_layouts = [lay for lay in layouts if lay is not None]
+        for lay in sparse_layouts:
             self._work += lay.density() * (lay.n_blocks * (lay.n_blocks + 1) / 2 * lay.block_size**2)
         backend = self._backend(query)
         if sparse:
@@ -377,7 +382,7 @@ class SparsePrefill:
         if sparse and backend == "cpu" and query.shape[0] == 1:
             # All sparse heads of the layer in one call: the native kernel shares the layer's work out,
             # reads q/k/v through their strides and writes into `out` (no copies of T-long tensors).
-            sparse_attention_heads(query, key, value, sparse, [layouts[h] for h in sparse], scale, out=out)
+            sparse_attention_heads(query, key, value, sparse, sparse_layouts, scale, out=out)
         else:
             for h in sparse:
                 kv = h // g

@@ -267,10 +267,12 @@ class Elastic(Policy):
         if layer.length > budget or need_imp:
             imp = self.layer_importance(layer, query, key, scaling)
         if layer.length > budget:
+            assert imp is not None
             anchors = self.select_anchors(imp, budget)
             self.merge(layer, anchors)
             imp = torch.gather(imp, 1, anchors)
         if need_imp:
+            assert imp is not None
             acc = layer.new_token_state("elastic_importance")
             acc[:, :, : layer.length] = imp.unsqueeze(1)
         layer.state["elastic_P"] = max(1, layer.length - self.distance)

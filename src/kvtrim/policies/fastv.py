@@ -94,9 +94,8 @@ class PrefillTokenPruning(Policy):
                 if self.slice_decision_layers:
                     for li in range(layer.layer_idx + 1):
                         self._slice(cache.layers[li])
-        elif layer.layer_idx > self.decision_layer and first is not None and "kept_stream" in first.state:
-            if self.mode == "kv":
-                self._slice(layer)
+        elif self.mode == "kv" and layer.layer_idx > self.decision_layer and first is not None and "kept_stream" in first.state:
+            self._slice(layer)
         self.after_token_pruning(layer, query, key, scaling)
 
     def take_hidden_state_keep(self, cache) -> "tuple[int, torch.Tensor] | None":

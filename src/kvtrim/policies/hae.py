@@ -125,7 +125,7 @@ class HAE(PrefillTokenPruning):
     def after_token_pruning(self, layer, query, key, scaling) -> None:
         if not self.compresses:
             return
-        hist = layer.new_token_state("hae_hist")
+        layer.new_token_state("hae_hist")
         layer.new_token_state("hae_bin", torch.bool)
         w = min(self.window, query.shape[-2])
         probs = group_reduce(window_probs(query, key, scaling, w).mean(dim=-2), "mean")  # [B, Hkv, S_key]

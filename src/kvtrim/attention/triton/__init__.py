@@ -43,19 +43,25 @@ def _check_kind(layout: SparseLayout, want_window: bool, want_cols: bool | None,
         raise ValueError(f"{name} got a layout of another pattern (window={has_window}, columns={layout.col_idx.shape[-1] > 0})")
 
 
-def vertical_slash_attention_triton(q, k, v, layout, scaling=None):  # type: ignore[no-untyped-def]
+def vertical_slash_attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, scaling: float | None = None
+) -> torch.Tensor:
     """Vertical-slash prefill: slash blocks + vertical columns (layout from ``VerticalSlash.layout``)."""
     _check_kind(layout, want_window=False, want_cols=None, name="vertical_slash_attention_triton")
     return sparse_attention_triton(q, k, v, layout, scaling)
 
 
-def block_sparse_attention_triton(q, k, v, layout, scaling=None):  # type: ignore[no-untyped-def]
+def block_sparse_attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, scaling: float | None = None
+) -> torch.Tensor:
     """Block-sparse prefill (layout from ``BlockSparse.layout``)."""
     _check_kind(layout, want_window=False, want_cols=False, name="block_sparse_attention_triton")
     return sparse_attention_triton(q, k, v, layout, scaling)
 
 
-def a_shape_attention_triton(q, k, v, layout, scaling=None):  # type: ignore[no-untyped-def]
+def a_shape_attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, scaling: float | None = None
+) -> torch.Tensor:
     """A-shape prefill: sink + local blocks with the element-wise window (``AShape.layout``)."""
     _check_kind(layout, want_window=True, want_cols=False, name="a_shape_attention_triton")
     return sparse_attention_triton(q, k, v, layout, scaling)

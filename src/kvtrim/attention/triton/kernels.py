@@ -43,7 +43,7 @@ def _tile_update(q, k, v, mask, qk_scale, m_i, l_i, acc):
 
 @triton.jit
 def _sparse_prefill_fwd(
-    Q, K, V, O, BIDX, BCNT, CIDX, CCNT,
+    Q, K, V, O, BIDX, BCNT, CIDX, CCNT,  # noqa: E741 - O is the output, as in the attention equations
     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_oh, s_ot,
     s_bib, s_bih, s_bin, s_bcb, s_bch, s_cib, s_cih, s_cin, s_ccb, s_cch,
     T, H, G, qk_scale, n_init, n_local,
