@@ -334,9 +334,9 @@ def run(args) -> dict:
 
     import kvtrim
     from kvtrim import harness
-    from kvtrim.integrations.prefill import make_prefill
     from kvtrim.eval import make_samples
     from kvtrim.generation import generate_ids
+    from kvtrim.integrations.prefill import make_prefill
     from kvtrim.models import build_prompt_ids, load_model, resolve_model
     from kvtrim.registry import create_policy
 

@@ -43,10 +43,10 @@ import time
 import torch
 
 from kvtrim import decoding, harness
-from kvtrim.integrations.prefill import SIZE_KEYS, SparsePrefill, make_prefill
 from kvtrim.cache import KVTrimCache
 from kvtrim.data import essays_text
 from kvtrim.integrations.hf import attach
+from kvtrim.integrations.prefill import SIZE_KEYS, SparsePrefill, make_prefill
 from kvtrim.machine import load_average
 from kvtrim.models import load_model
 

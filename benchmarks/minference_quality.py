@@ -25,12 +25,12 @@ import torch
 from tqdm import tqdm
 
 from kvtrim import decoding, harness
-from kvtrim.integrations.prefill import SparsePrefill, make_prefill
 from kvtrim.cache import KVTrimCache
 from kvtrim.data import pydoc_text
 from kvtrim.eval.tasks import passkey
 from kvtrim.generation import generate_ids
 from kvtrim.integrations.hf import attach
+from kvtrim.integrations.prefill import SparsePrefill, make_prefill
 from kvtrim.models import build_prompt_ids, load_model
 from kvtrim.policies.full import Full
 

@@ -57,6 +57,7 @@ import torch
 
 from kvtrim import decoding, harness
 from kvtrim.decoding import Step
+
 # one list of instructions for both protocols
 from kvtrim.eval.longtext import LABELFREE_INSTRUCTIONS as INSTRUCTIONS
 from kvtrim.eval.replay import make_policy, record_prefill, replay

@@ -108,5 +108,5 @@ def test_a_rope_kvtrim_cannot_rerotate_is_refused_by_name():
     torch.manual_seed(0)
     cfg = AutoConfig.for_model("gptj", vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256)
     model = AutoModelForCausalLM.from_config(cfg).eval()
-    with pytest.raises(KVTrimError, match="finds no rotary embedding|cannot be re-rotated exactly"):
+    with pytest.raises(KVTrimError, match=r"finds no rotary embedding|cannot be re-rotated exactly"):
         kvtrim.KVTrimCache(model, "streaming_llm", max_tokens=32)

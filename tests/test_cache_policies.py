@@ -443,7 +443,7 @@ def test_cache_load_refuses_wrong_layers(model, prompt):
     fresh = KVTrimCache(model, "h2o", keep=0.5, position="reassigned")
     with pytest.raises(KVTrimError, match="saved state has 2 layers, the model has 3"):
         fresh.load_state_dict(tensors, meta[:2])
-    with pytest.raises(KVTrimError, match="unexpected tensor 'layers.9.keys'"):
+    with pytest.raises(KVTrimError, match=r"unexpected tensor 'layers\.9\.keys'"):
         fresh.load_state_dict({**tensors, "layers.9.keys": tensors["layers.0.keys"]}, meta)
     with pytest.raises(KVTrimError, match="unexpected tensor 'rng_state'"):
         fresh.load_state_dict({**tensors, "rng_state": torch.zeros(3)}, meta)

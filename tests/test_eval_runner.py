@@ -33,7 +33,7 @@ def test_replay_equals_plain_generation(model, prompt, method):
     cache = replay(model, make_policy(method, params, memo), rec)
     with attach(model):
         out, steps = drive(model, {0: decode(cache, rec.logits, 12)}, batch=False)[0]
-    assert out == plain.token_ids
+    assert out == plain.token_ids and steps == plain.decode_steps
     assert cache.kv_bytes() == plain.kv_bytes
     assert max(cache.stored_tokens()) == plain.stored_tokens
     # a second budget sharing the memo still equals its own plain run
@@ -254,7 +254,7 @@ def test_sweep_refuses_bad_output_and_lengths(tiny_lm, tmp_path):
     blocker.write_text("x")
     with pytest.raises(KVTrimError, match="cannot write to the output directory"):
         check_out_dir(blocker / "sub")
-    with pytest.raises(KVTrimError, match="context of 1024.*cannot stream"):
+    with pytest.raises(KVTrimError, match=r"context of 1024.*cannot stream"):
         run_eval(tiny_lm, _plan(lengths="2048"), tmp_path / "long", progress=False)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"model": "another-model"}))

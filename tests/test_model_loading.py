@@ -89,7 +89,8 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
 
 def save_tiny_tokenizer(d: Path) -> None:
     """A word-level tokenizer over 64 words, saved as tokenizer.json + tokenizer_config.json."""
-    from tokenizers import Tokenizer, models as tmodels, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tmodels
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(61)}
@@ -324,7 +325,7 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models, "convert_gguf", broken)
     g = write_tiny_gguf(tmp_path / "a.gguf")
-    with pytest.raises(ModelLoadError, match="could not convert the GGUF file .*RuntimeError: disk on fire"):
+    with pytest.raises(ModelLoadError, match=r"could not convert the GGUF file .*RuntimeError: disk on fire"):
         models.converted_dir(g, "tiny")
     cache = tmp_path / "kvcache"
     assert _published(cache) == [] and not list(cache.glob("*.tmp"))
@@ -426,5 +427,5 @@ def test_unwritable_cache_is_one_clear_error(tmp_path, monkeypatch):
     blocker.write_text("x")
     monkeypatch.setenv("KVTRIM_CACHE_DIR", str(blocker / "kvtrim"))
     g = write_tiny_gguf(tmp_path / "a.gguf")
-    with pytest.raises(ModelLoadError, match="cannot write the conversion cache .*set KVTRIM_CACHE_DIR"):
+    with pytest.raises(ModelLoadError, match=r"cannot write the conversion cache .*set KVTRIM_CACHE_DIR"):
         models.converted_dir(g, "tiny")

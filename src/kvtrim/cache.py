@@ -37,6 +37,7 @@ from kvtrim.rope import Rotary, find_rotary
 
 if TYPE_CHECKING:
     from kvtrim.policies.base import Policy
+    from kvtrim.spans import SpanSet
 
 
 class AttentionBinding(Protocol):
@@ -115,7 +116,7 @@ class CompressedLayer(CacheLayerMixin):
 
     # --- views -----------------------------------------------------------------------------
     @property
-    def keys(self) -> torch.Tensor | None:  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
         return None if self._k is None else self._k[:, :, : self.length]
 
     @keys.setter
@@ -124,7 +125,7 @@ class CompressedLayer(CacheLayerMixin):
             raise AttributeError("CompressedLayer.keys is read-only; use keep_indices()")
 
     @property
-    def values(self) -> torch.Tensor | None:  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
         return None if self._v is None else self._v[:, :, : self.length]
 
     @values.setter
@@ -169,6 +170,7 @@ class CompressedLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        assert self._k is not None and self._v is not None and self._pos is not None
         q = key_states.shape[-2]
         dev = key_states.device
         n_seen = q
@@ -190,6 +192,7 @@ class CompressedLayer(CacheLayerMixin):
             target = torch.arange(self.length, self.length + q, device=dev).unsqueeze(0)
             delta = target - applied
             if bool((delta != 0).any()):
+                assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
                 key_states = self.cache.rotary.rotate(key_states, delta.unsqueeze(1))
                 self.q_delta = delta
         self._reserve(q)
@@ -229,7 +232,7 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.cache, self.layer_idx)  # type: ignore[misc]
+        self.__init__(self.cache, self.layer_idx)  # type: ignore[misc]  # reset = re-run __init__: every field back to its start
 
     def offload(self):  # pragma: no cover - CPU/GPU offloading is not supported
         raise KVTrimError("KVTrimCache does not support offloading")
@@ -247,6 +250,7 @@ class CompressedLayer(CacheLayerMixin):
             new[:, :, : self.length] = t[:, :, : self.length]
             return new
 
+        assert self._k is not None and self._v is not None and self._pos is not None
         self._k, self._v, self._pos = grow(self._k), grow(self._v), grow(self._pos)
         if self._rot is not None:
             self._rot = grow(self._rot)
@@ -259,6 +263,7 @@ class CompressedLayer(CacheLayerMixin):
     def new_token_state(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Create (or return) a per-token state aligned with the stored tokens: ``[B, H, capacity]``."""
         if name not in self.token_state:
+            assert self._k is not None, "per-token state is created after the first update()"
             b, h = self._k.shape[:2]
             self.token_state[name] = torch.zeros(b, h, self.capacity, dtype=dtype, device=self._k.device)
         return self.token_state[name]
@@ -304,6 +309,7 @@ class CompressedLayer(CacheLayerMixin):
             new[:, :, :k] = got
             return new
 
+        assert self._k is not None and self._v is not None and self._pos is not None
         self._k = take(self._k)
         self._v = take(self._v)
         self._pos = take(self._pos)
@@ -315,6 +321,7 @@ class CompressedLayer(CacheLayerMixin):
                 target = torch.arange(k, device=idx.device).expand_as(idx)
                 delta = target - self._rot[:, :, :k]
                 if bool((delta != 0).any()):
+                    assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
                     self._k[:, :, :k] = self.cache.rotary.rotate(self._k[:, :, :k], delta)
                     self._rot[:, :, :k] = target
         self.length = k
@@ -322,12 +329,13 @@ class CompressedLayer(CacheLayerMixin):
     def replace(self, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> None:
         """Keep slots ``idx`` but overwrite their keys and values (merging methods)."""
         self.keep_indices(idx)
+        assert self._k is not None and self._v is not None
         self._k[:, :, : self.length] = keys
         self._v[:, :, : self.length] = values
 
     def nbytes(self) -> int:
         """Resident bytes of this layer's key and value buffers (allocated capacity)."""
-        if self._k is None:
+        if self._k is None or self._v is None:
             return 0
         return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
 
@@ -463,6 +471,10 @@ class KVTrimCache(Cache):
     function that scores and evicts; the cache refuses to run without it.
     """
 
+    # narrower than Cache.layers' element type: __init__ builds only these two kinds of layer
+    layers: list[CompressedLayer | DynamicSlidingWindowLayer]  # type: ignore[assignment]
+    prefill_stats: Callable[[], dict]  # set by kvtrim.compress(prefill=...): the sparse prefill's counters
+
     def __init__(self, model, policy: "Policy | str" = "full", *, spans=None, **policy_kwargs):
         from kvtrim.registry import create_policy
 
@@ -507,7 +519,7 @@ class KVTrimCache(Cache):
         self._last_layer: CompressedLayer | None = None
         # Modality spans of the prompt (kvtrim.spans.SpanSet): given here, set with set_spans(), or
         # found from the prompt's token ids for vision-language models when the prefill runs.
-        self.spans = None
+        self.spans: SpanSet | None = None
         self._raw_spans = spans
 
     @property
@@ -612,7 +624,7 @@ class KVTrimCache(Cache):
         per_tok = 2 * self.num_kv_heads * self.head_dim
         total = 0
         for layer, n in zip(self.layers, self.stored_tokens()):
-            el = layer.keys.element_size() if getattr(layer, "keys", None) is not None else 0
+            el = layer.keys.element_size() if layer.keys is not None else 0
             total += n * per_tok * el
         return total
 
@@ -626,7 +638,7 @@ class KVTrimCache(Cache):
         per_tok = 2 * self.num_kv_heads * self.head_dim
         total = 0
         for layer in self.layers:
-            if getattr(layer, "keys", None) is None:
+            if layer.keys is None:
                 continue
             el = layer.keys.element_size()
             n = min(seen, layer.sliding_window - 1) if isinstance(layer, DynamicSlidingWindowLayer) else seen

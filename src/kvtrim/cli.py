@@ -180,8 +180,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_search_patterns(args) -> int:
-    from kvtrim.tools.search_patterns import search_patterns
     from kvtrim.models import load_model
+    from kvtrim.tools.search_patterns import search_patterns
 
     try:
         levels = sorted(float(x) for x in args.density.split(","))

@@ -134,7 +134,6 @@ def cmd_stream(args) -> int:
 
     from kvtrim.models import load_model
     from kvtrim.session import Session, peak_rss_bytes
-
     from kvtrim.textio import read_text_file
 
     if args.chunk < 1:

@@ -117,7 +117,7 @@ def check_token_ids(model, ids, what: str = "the prompt") -> list[int]:
     vocab = model.get_input_embeddings().num_embeddings
     out = []
     for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) and not (isinstance(t, torch.Tensor) and t.numel() == 1):
+        if isinstance(t, bool) or (not isinstance(t, int) and not (isinstance(t, torch.Tensor) and t.numel() == 1)):
             raise KVTrimError(f"{what}: token {i} is {t!r}, not an integer token id")
         t = int(t)
         if not 0 <= t < vocab:

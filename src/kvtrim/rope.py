@@ -115,7 +115,7 @@ def _rotary_probe(model: torch.nn.Module):
             g = torch.Generator().manual_seed(0)
             x = torch.randn(1, 1, 1, rot_dim, generator=g).to(param.device).expand(1, 1, 2, rot_dim).contiguous()
             out, _ = apply(x, x, cos.float(), sin.float())
-    except Exception:  # a rotary interface kvtrim does not know: treat as not re-rotatable
+    except Exception:  # noqa: BLE001 - any failure means a rotary interface kvtrim does not know: not re-rotatable
         return None
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
         return None
@@ -129,7 +129,7 @@ def find_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:
     that changes with length) cannot be re-rotated exactly; callers refuse position re-assignment
     for them.
     """
-    cfg = model.config.get_text_config(decoder=True)
+    cfg = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]  # a transformers model's config
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if isinstance(rope, dict):
         rtype = rope.get("rope_type", rope.get("type", "default"))

@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -186,7 +187,7 @@ class Session:
         self._last_logits = logits[-1].clone()
         return logits
 
-    def _run(self, program) -> object:
+    def _run(self, program) -> Any:
         """Run a stepper program through this session's cache (each forward via ``_forward``)."""
         def serve(step: decoding.Step) -> torch.Tensor:
             logits = self._forward(step.ids, step.all_logits)
@@ -259,6 +260,7 @@ class Session:
         with self._attached():
             self._prefill(list(ids), extra=max_new_tokens)
             t1 = time.perf_counter()
+            assert self._last_logits is not None  # set by the prefill
             out, _ = self._run(decoding.decode(self.cache, self._last_logits, max_new_tokens, sampler=sampler,
                                                generator=self._gen, stop_ids=stops, on_token=on_token))
         if streamer is not None:

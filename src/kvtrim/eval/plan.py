@@ -60,8 +60,8 @@ class EvalPlan:
 def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, prefill: str = "dense",
               haystack: str | None = None) -> EvalPlan:
     """Validate a sweep (names, ranges) before any model loads; raises ``KVTrimError`` naming the problem."""
-    from kvtrim.integrations.prefill import PREFILL_MODES
     from kvtrim.eval.common import MIN_LENGTH
+    from kvtrim.integrations.prefill import PREFILL_MODES
     from kvtrim.registry import get_policy_class, method_names
 
     task_list = comma_list(tasks, "--tasks")

@@ -219,10 +219,10 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
         for ax, key in ((axes[1], "prefill_s"), (axes[2], "decode_ms")):
             pts = []
             for n in lengths:
-                cs = [c[key] for c in sel if c["method"] == m and c["length"] == n and c.get(key) is not None
+                ys = [c[key] for c in sel if c["method"] == m and c["length"] == n and c.get(key) is not None
                       and (m == REFERENCE or c["keep"] == pick)]
-                if cs:
-                    pts.append((n, statistics.median(cs)))
+                if ys:
+                    pts.append((n, statistics.median(ys)))
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=colors.get(m, "black"), label=m if m == REFERENCE else f"{m} @{pick:g}")
     axes[0].set(xlabel="keep", ylabel="KV MB", title="resident KV bytes vs budget")

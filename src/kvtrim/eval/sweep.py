@@ -87,11 +87,9 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     bar = tqdm(total=n_cfg, desc="kvtrim eval", unit="run", disable=not progress, dynamic_ncols=True)
     if skipped:
         bar.write(f"kvtrim eval: {skipped} runs already in {out_path} are skipped")
-    started = 0
-    for task, length, i, need in todo:
+    for started, (task, length, i, need) in enumerate(todo):
         if stop_after is not None and started >= stop_after:
             break
-        started += 1
         sample = build_sample(plan, lm.tokenizer, task, length, i)
         ids = prompt_ids(lm.tokenizer, sample)
         bar.set_postfix_str(f"{task}@{length} #{i}")

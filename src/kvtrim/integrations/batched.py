@@ -100,7 +100,7 @@ class MultiCache(Cache):
                     f"method {policy.name!r} changes the forward pass (hidden-state pruning), so its cache "
                     "cannot share a batch with others; run it at batch 1"
                 )
-        super().__init__(layers=caches[0].layers)
+        super().__init__(layers=list(caches[0].layers))
         self.caches = caches
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -31,16 +31,19 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtrim.errors import KVTrimError
 
+if TYPE_CHECKING:
+    from kvtrim.cache import KVTrimCache
+
 
 @dataclass
 class _Forward:
-    cache: Any  # the KVTrimCache of this forward
+    cache: KVTrimCache  # the cache of this forward
     n_new: int
     keep: torch.Tensor | None = None  # indices into this forward's tokens, ascending
     start_layer: int = 0
@@ -202,6 +205,7 @@ def prune_after(cache, layer_idx: int, keep: torch.Tensor) -> None:
     if keep.numel() == 0 or int(keep[-1]) != st.n_new - 1:
         raise KVTrimError("hidden-state pruning must keep the last token of the prompt (its logits are the next token's)")
     st.keep, st.start_layer = keep, layer_idx + 1
-    base = cache.layers[layer_idx].seen - st.n_new
-    for layer in cache.layers[layer_idx + 1 :]:
+    layers = cache.compressed_layers  # all of cache.layers (checked above)
+    base = layers[layer_idx].seen - st.n_new
+    for layer in layers[layer_idx + 1 :]:
         layer.expect_positions(base + keep, st.n_new)

@@ -81,7 +81,7 @@ class HAE(PrefillTokenPruning):
     description = "HAE: first-layer dual-attention pruning of visual tokens (broadcast) + recycle-bin decode eviction"
     takes_budget = True
 
-    def __post_init__(self, dap_mode: str | None = None) -> None:
+    def __post_init__(self, dap_mode: str | None) -> None:  # the InitVar dap_mode
         if dap_mode is not None:
             if self.mode is not None and self.mode != dap_mode:
                 raise KVTrimError(

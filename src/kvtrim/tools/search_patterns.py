@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtrim.attention.cpu import sparse_attention_cpu
-from kvtrim.attention.patterns import AShape, BlockSparse, VerticalSlash
+from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.prefill import PatternConfig, model_identity
 
@@ -66,7 +66,7 @@ def _bisect_int(lo: int, hi: int, cost, target: float) -> int:
     return lo
 
 
-def head_candidates(q: torch.Tensor, k: torch.Tensor, scale: float, target_density: float) -> list[tuple[str, dict, object]]:
+def head_candidates(q: torch.Tensor, k: torch.Tensor, scale: float, target_density: float) -> list[tuple[str, dict, SparseLayout]]:
     """Candidates ``(pattern, sizes, layout)`` for one head (``q`` ``[1,1,T,D]``, ``k`` ``[1,1,T,D]``), each at ~the target cost."""
     t = q.shape[2]
     target = target_density  # densities are relative to dense causal, blocked
@@ -82,7 +82,7 @@ def head_candidates(q: torch.Tensor, k: torch.Tensor, scale: float, target_densi
         lay = AShape(sink, n_local).layout(q, k)
         if lay.density() <= target * OVER:
             out.append(("a_shape", {"n_init": sink, "n_local": n_local}, lay))
-    vs_cache: dict[tuple[int, int], object] = {}
+    vs_cache: dict[tuple[int, int], SparseLayout] = {}
     seen_vs: set[tuple[int, int]] = set()
     for rv, rs in VS_RATIOS:
 
@@ -244,4 +244,4 @@ def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT
         "machine": platform.machine(),
         "model_tags": list(model_tags or []),
     }
-    return PatternConfig(model=ident, layers=hook.rows, search=search)
+    return PatternConfig(model=ident, layers=[r for r in hook.rows if r is not None], search=search)  # every row is set (checked above)
