@@ -146,6 +146,8 @@ TRANSFORMERS_ALLOWED = {
         "loading a model and its tokenizer is this module's job (AutoConfig, AutoModelForCausalLM, AutoTokenizer)",
     ("kvtrim.models", "transformers.models.auto.modeling_auto"):
         "tells a causal LM from a masked LM before loading, by transformers' own architecture tables",
+    ("kvtrim.models", "transformers.models.auto.configuration_auto"):
+        "refuses a config.json whose model_type transformers does not know, before loading anything",
     ("kvtrim.vlm", "transformers"):
         "loading vision-language models and their processors, and building the tiny test ones from configs",
     ("kvtrim.vlm", "transformers.models.clip.image_processing_pil_clip"):

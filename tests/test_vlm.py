@@ -43,19 +43,20 @@ def run_loop(model, ids, extra, cache, steps=4):
     return logits
 
 
+# Parameters of the span methods that keep everything / compress (their own knobs beside keep).
+KEEP_ALL = {"fastv": {"ratio": 1.0}, "hae": {"keep": 1.0, "r": 0.0, "alpha": 0.0}}
+COMPRESS = {"fastv": {}, "hae": {"keep": 0.6, "r": 0.1, "alpha": 1.0}}
+
+
 def keep_all_kwargs(name):
-    if name == "fastv":
-        return {"ratio": 1.0}
-    if name == "hae":
-        return {"keep": 1.0, "r": 0.0, "alpha": 0.0}
+    if name in KEEP_ALL:
+        return KEEP_ALL[name]
     return {"keep": 1.0} if get_policy_class(name).takes_budget or name == "full" else {}
 
 
 def compress_kwargs(name):
-    if name == "hae":
-        return {"keep": 0.6, "r": 0.1, "alpha": 1.0}
-    if name == "fastv":
-        return {}
+    if name in COMPRESS:
+        return COMPRESS[name]
     return {"keep": 0.5} if get_policy_class(name).takes_budget else {}
 
 
