@@ -90,15 +90,13 @@ def run(model, ids: list[int], name: str, kw: dict, steps: int, warmup: int) -> 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 parents=[harness.options(reps=2, warmup=4, warmup_help="decode steps dropped at the start of each run")])
+                                 parents=[harness.options(reps=2, warmup=4, warmup_help="decode steps dropped at the start of each run", threads=2)])
     ap.add_argument("--length", type=int, default=1024)
     ap.add_argument("--keep", type=float, default=0.2)
     ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if harness.start(ap, args, table=table):
         return 0
-    torch.set_num_threads(args.threads)
     machine = harness.machine_record()
     lm = load_model(None)
     ids = lm.tokenizer(prose_haystack()[:100000], add_special_tokens=False)["input_ids"][: args.length]

@@ -31,13 +31,11 @@ def main(argv=None) -> int:
     from kvtrim.policies.elastic import Elastic
     from kvtrim.registry import create_policy
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=3, warmup=0)])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=3, warmup=0, threads=2)])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--keep", type=float, default=0.5)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     harness.start(ap, args)
-    torch.set_num_threads(args.threads)
     info = harness.machine_record()
     lm = load_model(None)
     model, tok = lm.model, lm.tokenizer

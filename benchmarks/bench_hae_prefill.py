@@ -87,16 +87,14 @@ def prefill(model, ids: list[int], extra: dict, name: str, kw: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=1)])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=1, threads=2)])
     ap.add_argument("--images", default="1,5", help="images per prompt (576 visual tokens each)")
     ap.add_argument("--reps", default="2,1", help="repetitions per image count (the --warmup rounds run before the first count only)")
     ap.add_argument("--skip-at-5", default="fastv_kv", help="configs left out at 5 images to bound the run time on 2 shared cores")
     ap.add_argument("--alpha", type=float, default=1.0, help="DAP alpha of the matched pair (1.0: the local test never protects)")
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if harness.start(ap, args, table=table):
         return 0
-    torch.set_num_threads(args.threads)
     machine = harness.machine_record()
     lm = load_model(None)
     v = llava_from_text_model(lm)

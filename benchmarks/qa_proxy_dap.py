@@ -28,8 +28,6 @@ import argparse
 import json
 import sys
 
-import torch
-
 from kvtrim import harness
 from kvtrim.cache import KVTrimCache
 from kvtrim.eval.tasks import passkey
@@ -80,17 +78,15 @@ def run(lm, ids, spans, policy, max_new=16):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None)])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None, threads=2)])
     ap.add_argument("--length", type=int, default=1500)
     ap.add_argument("--depths", default="0.2,0.5,0.8")
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--points", default="0.0015:0.0005,0.0015:0.01,0.005:0.05",
                     help="DAP operating points r:alpha (the first is the default pair)")
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     if harness.start(ap, args, table=table):
         return 0
-    torch.set_num_threads(args.threads)
     machine = harness.machine_record()
     lm = load_model(None)
     tok = lm.tokenizer

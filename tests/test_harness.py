@@ -171,3 +171,18 @@ def test_isolated_runs_a_fresh_process_and_reads_its_result(tmp_path):
     bad.write_text("raise SystemExit(3)\n")
     with pytest.raises(KVTrimError, match="exit code 3"):
         harness.isolated(bad, [], env=env)
+
+
+def test_threads_option_sets_torch_threads_and_refuses_zero(tmp_path, capsys):
+    import torch
+
+    ap = argparse.ArgumentParser(parents=[harness.options(threads=2)])
+    before = torch.get_num_threads()
+    try:
+        args = ap.parse_args(["--out", str(tmp_path / "r.json"), "--threads", "1"])
+        assert harness.start(ap, args) is False and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SystemExit):
+        harness.start(ap, ap.parse_args(["--out", str(tmp_path / "s.json"), "--threads", "0"]))
+    assert "--threads must be >= 1" in capsys.readouterr().err

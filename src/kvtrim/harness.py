@@ -56,13 +56,13 @@ CHILD_TAG = "@@kvtrim-harness "
 
 
 def options(*, reps: int | None = 3, warmup: int | None = 1, out_help: str = "write the JSON result here",
-            warmup_help: str = "warm-up rounds, discarded") -> argparse.ArgumentParser:
+            warmup_help: str = "warm-up rounds, discarded", threads: int | None = None) -> argparse.ArgumentParser:
     """The standard options, as a parent parser: ``ArgumentParser(parents=[harness.options()])``.
 
     ``--out PATH`` (required unless ``--table``), ``--force`` (replace an existing ``--out``),
     ``--table FILE`` (render a committed result as the markdown table, run nothing); ``--reps`` and
     ``--warmup`` with the script's defaults (``None`` leaves the option out, for a script that has
-    no repetitions).
+    no repetitions); ``--threads`` (torch threads, set by :func:`start`) when ``threads`` is given.
     """
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("harness")
@@ -74,6 +74,8 @@ def options(*, reps: int | None = 3, warmup: int | None = 1, out_help: str = "wr
         g.add_argument("--reps", type=int, default=reps, help=f"measured repetitions (default {reps})")
     if warmup is not None:
         g.add_argument("--warmup", type=int, default=warmup, help=f"{warmup_help} (default {warmup})")
+    if threads is not None:
+        g.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
     return p
 
 
@@ -130,10 +132,14 @@ def start(parser: argparse.ArgumentParser, args: argparse.Namespace, *, table: C
         args.out = str(check_out(args.out, force=getattr(args, "force", False), directory=directory))
     except KVTrimError as e:
         parser.error(str(e))
-    for name, least in (("reps", 1), ("warmup", 0)):
+    for name, least in (("reps", 1), ("warmup", 0), ("threads", 1)):
         value = getattr(args, name, None)
         if isinstance(value, int) and value < least:
             parser.error(f"--{name} must be >= {least}, got {value}")
+    if getattr(args, "threads", None) is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     return False
 
 
