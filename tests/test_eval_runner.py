@@ -386,3 +386,19 @@ def test_early_stop_waits_for_a_boundary(tiny_lm):
     assert not done("The pass key is 1431.")
     assert not done("a 12, b", ("12", "13"), "recall")
     assert done("a 12, b 13,", ("12", "13"), "recall")
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: p.write_text("{}"), "exists; name a new file"),
+])
+def test_bench_out_is_checked_before_the_run(make, message, tmp_path, capsys, monkeypatch):
+    """A bad --out is refused before anything is measured (measurements are never thrown away)."""
+    import kvtrim.eval.bench as bench
+    from kvtrim.cli import main
+
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the run started before --out was checked"))
+    out = tmp_path / "res.json"
+    make(out)
+    assert main(["bench", "--methods", "full", "--lengths", "256", "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err

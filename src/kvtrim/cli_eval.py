@@ -54,15 +54,19 @@ def cmd_report(args) -> int:
 def cmd_bench(args) -> int:
     from kvtrim.eval.bench import make_bench_plan, run_bench, table
 
-    plan = make_bench_plan(args.methods, args.keep, args.lengths, args.reps, args.new_tokens, args.prefill, args.threads)
-    result = run_bench(args.model, plan, rss=not args.no_rss, progress=not args.quiet)
-    if args.out:
-        from pathlib import Path
+    from kvtrim import harness
 
+    plan = make_bench_plan(args.methods, args.keep, args.lengths, args.reps, args.new_tokens, args.prefill, args.threads)
+    out = harness.check_out(args.out, force=args.force) if args.out else None  # before any work: nothing measured is lost
+    result = run_bench(args.model, plan, rss=not args.no_rss, progress=not args.quiet)
+    if out is not None:
         try:
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+            harness.write_json(out, result)
         except OSError as e:
-            raise KVTrimError(f"cannot write --out {args.out!r}: {e.strerror or e}") from None
+            raise KVTrimError(f"cannot write --out {args.out!r}: {e.strerror or e}; the table follows") from None
+        finally:
+            print(table(result))
+        return 0
     print(table(result))
     return 0
 
@@ -109,5 +113,6 @@ def add_eval_commands(sub) -> None:
     b.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     b.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs (one subprocess per configuration)")
     b.add_argument("--quiet", action="store_true")
-    b.add_argument("--out", help="write the JSON result here")
+    b.add_argument("--out", help="write the JSON result here (checked before the run; an existing file is refused)")
+    b.add_argument("--force", action="store_true", help="replace an existing --out")
     b.set_defaults(func=cmd_bench)

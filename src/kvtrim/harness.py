@@ -87,16 +87,19 @@ def check_out(path: str | os.PathLike, *, force: bool = False, directory: bool =
     which is how resumable scripts continue).
     """
     p = Path(path)
-    if directory:
-        if p.exists() and not p.is_dir():
-            raise KVTrimError(f"--out {p} exists and is not a directory; name a directory for the results")
-        p.mkdir(parents=True, exist_ok=True)
-        return p
-    if p.is_dir():
-        raise KVTrimError(f"--out {p} is a directory; name a file (e.g. {p / 'result.json'})")
-    if p.exists() and not force:
-        raise KVTrimError(f"--out {p} exists; name a new file, or pass --force to replace it")
-    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if directory:
+            if p.exists() and not p.is_dir():
+                raise KVTrimError(f"--out {p} exists and is not a directory; name a directory for the results")
+            p.mkdir(parents=True, exist_ok=True)
+            return p
+        if p.is_dir():
+            raise KVTrimError(f"--out {p} is a directory; name a file (e.g. {p / 'result.json'})")
+        if p.exists() and not force:
+            raise KVTrimError(f"--out {p} exists; name a new file, or pass --force to replace it")
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KVTrimError(f"--out {p}: cannot create it ({e.strerror or e})") from None
     if not os.access(p.parent, os.W_OK):
         raise KVTrimError(f"--out {p}: cannot write into {p.parent}")
     return p

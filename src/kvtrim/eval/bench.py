@@ -22,7 +22,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from kvtrim import validate
+from kvtrim import harness, validate
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.plan import REFERENCE
 from kvtrim.validate import comma_list
@@ -117,14 +117,16 @@ def run_bench(model: str | None, plan: BenchPlan, rss: bool = True, progress: bo
     bar = tqdm(total=total, desc="kvtrim bench", unit="run", disable=not progress)
     for n in plan.lengths:
         ids = _prompt(lm, n)
-        runs: dict[str, list[dict]] = {m: [] for m in plan.methods}
-        for rep in range(plan.reps + 1):  # rep 0 is the warm-up
-            for m in plan.methods:
-                bar.set_postfix_str(f"{m}@{n} rep {rep}")
-                r = _one_run(lm, ids, m, plan, hook)
-                if rep:
-                    runs[m].append(r)
-                bar.update(1)
+
+        def one(m: str, rep: int, ids=ids, n=n) -> dict:
+            bar.set_postfix_str(f"{m}@{n} " + ("warm-up" if rep < 0 else f"rep {rep + 1}"))
+            r = _one_run(lm, ids, m, plan, hook)
+            bar.update(1)
+            return r
+
+        # one warm-up round, then plan.reps rounds with the methods' order alternating (kvtrim.harness)
+        samples = harness.interleave(plan.methods, one, reps=plan.reps, warmup=1)
+        runs = {m: [smp.value for smp in samples[m]] for m in plan.methods}
         for m in plan.methods:
             rs = runs[m]
             row = {"method": m, "keep": plan.keep if _policy(m, plan.keep).takes_budget else None, "length": n,
