@@ -52,9 +52,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from kvtrim.eval.bench import make_bench_plan, run_bench, table
-
     from kvtrim import harness
+    from kvtrim.eval.bench import make_bench_plan, run_bench, table
 
     plan = make_bench_plan(args.methods, args.keep, args.lengths, args.reps, args.new_tokens, args.prefill, args.threads)
     out = harness.check_out(args.out, force=args.force) if args.out else None  # before any work: nothing measured is lost
