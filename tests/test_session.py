@@ -53,9 +53,9 @@ def test_saved_and_restored_session_continues_identically(model, tmp_path, metho
     assert saved["policy"]["name"] == method and not list((tmp_path / "s").glob("*.pkl"))
 
 
-def test_saved_file_layout_is_the_format_v1_layout(model, tmp_path):
+def test_saved_file_layout_keeps_the_format_v1_names(model, tmp_path):
     """The cache's state_dict/state_meta write exactly the names sessions of format v1 hold, so sessions
-    saved before them still load."""
+    saved before them still load (format v2 adds manifest.json and two ids; tests/test_session_files.py)."""
     from safetensors.torch import load_file
 
     a = Session(model, None, "h2o", max_tokens=40, position="reassigned")
@@ -66,7 +66,7 @@ def test_saved_file_layout_is_the_format_v1_layout(model, tmp_path):
     n = len(a.cache.layers)
     want = {"last_logits", "rng_state"} | {f"layers.{i}.{k}" for i in range(n)
                                            for k in ("keys", "values", "positions", "rotations", "state.h2o_acc")}
-    assert set(tensors) == want and info["version"] == 1
+    assert set(tensors) == want and info["version"] == 2 and (tmp_path / "s" / "manifest.json").is_file()
     assert [list(m) for m in info["layers"]] == [["initialized", "seen", "length", "phase", "n_new", "token_state", "state"]] * n
     assert info["policy"]["params"] == {"keep": None, "max_tokens": 40, "position": "reassigned", "per_head": True,
                                         "recent_ratio": 0.5}

@@ -61,8 +61,10 @@ def cmd_chat(args) -> int:
     from transformers import TextStreamer
 
     from kvtrim.models import load_model
-    from kvtrim.session import Session
+    from kvtrim.session import Session, check_save_target
 
+    if args.save:
+        check_save_target(args.save)  # before the model loads and the conversation starts
     if args.load:
         given = [f"--{n.replace('_', '-')}" for n in ("method", "keep", "max_tokens", "position") if getattr(args, n) is not None]
         if given:
@@ -106,7 +108,7 @@ def cmd_chat(args) -> int:
                 print("kvtrim: error: /save needs a directory", file=sys.stderr)
                 continue
             try:
-                s.save(target)
+                s.save(target)  # atomic; SessionError for a target it refuses or cannot write
             except (KVTrimError, OSError) as e:  # the conversation goes on; nothing is lost
                 print(f"kvtrim: error: could not save to {target!r}: {e}", file=sys.stderr)
                 continue
@@ -133,9 +135,11 @@ def cmd_stream(args) -> int:
     from tqdm import tqdm
 
     from kvtrim.models import load_model
-    from kvtrim.session import Session, peak_rss_bytes
+    from kvtrim.session import Session, check_save_target, peak_rss_bytes
     from kvtrim.textio import read_text_file
 
+    if args.save:
+        check_save_target(args.save)  # before the model loads and the file is streamed
     if args.chunk < 1:
         raise KVTrimError(f"--chunk must be a positive number of tokens, got {args.chunk}")
     if args.limit is not None and args.limit < 1:

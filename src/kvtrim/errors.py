@@ -9,3 +9,9 @@ class ModelLoadError(KVTrimError):
     """A model that cannot be loaded: a missing path, a model id that is not in the local Hugging
     Face cache, a damaged or fake GGUF, an invalid ``config.json``, missing tokenizer files,
     truncated weights. The message is one line naming the path and what is wrong."""
+
+
+class SessionError(KVTrimError):
+    """A saved session that cannot be written or loaded: a damaged, truncated, edited or mismatched
+    file, a session of another model, dtype or method, a symbolic link in the way, a target that is
+    not a session directory. The message is one line naming the directory and what differs."""
