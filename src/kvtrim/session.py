@@ -709,6 +709,8 @@ def _check_header(info: dict, where: str, version: int) -> None:
 
 def _check_model(saved: Any, model, where: str) -> None:
     now = _fingerprint(model)
+    if saved is None:
+        raise SessionError(f"{where}: the model fingerprint ('model') is missing")
     if not isinstance(saved, dict):
         raise SessionError(f"{where}: the model fingerprint must be an object, got {type(saved).__name__}")
     diff = [f"{k} {saved.get(k)!r} (this model: {now[k]!r})" for k in now if saved.get(k) != now[k]]
@@ -768,7 +770,7 @@ def _check_info(info: dict, model, where: str) -> None:
     vocab = _vocab_size(model)
     pend = info.get("pending_ids")
     need("pending_ids", isinstance(pend, list) and all(is_int(t) for t in pend), "a list of token ids")
-    bad = [t for t in pend if t >= vocab]
+    bad = [t for t in info["pending_ids"] if t >= vocab]
     if bad:
         raise SessionError(f"{where}: {SESSION_FILE}: pending token id {bad[0]} is outside the model's vocabulary "
                            f"of {vocab}")
