@@ -551,7 +551,8 @@ def _weights_digest(model) -> str:
             flat = p.detach().reshape(-1)
             if flat.numel() == 0 or flat.device.type == "meta":
                 continue
-            idx = torch.linspace(0, flat.numel() - 1, min(_WEIGHT_SAMPLES, flat.numel())).round().long()
+            n, k = flat.numel(), min(_WEIGHT_SAMPLES, flat.numel())
+            idx = torch.arange(k, dtype=torch.int64) * (n - 1) // max(k - 1, 1)  # exact in int64
             sample = flat[idx.to(flat.device)].cpu().contiguous()
             h.update(sample.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
