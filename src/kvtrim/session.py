@@ -5,10 +5,12 @@ conversation. ``send(text) -> reply`` adds a user turn (the tokenizer's chat tem
 per turn, continuing the conversation) and generates the assistant's reply; ``add_turn(user,
 assistant)`` feeds a scripted exchange without generating; ``feed(text)`` streams raw text
 through the cache chunk by chunk and reports each chunk's perplexity, resident KV bytes, process
-RSS and speed. ``save(dir)`` writes the cache tensors to ``cache.safetensors`` and everything else
-(history, policy parameters, counters, pending text) to ``session.json`` - no pickle;
-``Session.load(dir, model, tokenizer)`` restores it, and the restored session continues exactly as
-the original would have (tested token for token).
+RSS and speed. ``save(dir)`` writes the cache tensors to ``cache.safetensors``, everything else
+(history, policy parameters, counters, pending text) to ``session.json`` and a ``manifest.json``
+(model fingerprint with dtype and weight digest, method, SHA-256 of both files) - no pickle,
+atomically, 0600; ``Session.load(dir, model, tokenizer)`` verifies and restores it
+(:class:`~kvtrim.errors.SessionError` for any mismatch), and the restored session continues exactly
+as the original would have (tested token for token). Format and guarantees: docs/sessions.md.
 
 Continuing a chat template per turn: the cache already holds the conversation up to the last
 token it was fed. A new turn feeds (1) what the template puts after the last reply (for SmolLM2,
