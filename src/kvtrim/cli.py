@@ -294,8 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_session_commands(sub)  # chat, stream
     from kvtrim.cli_eval import add_eval_commands
+    from kvtrim.cli_models import add_model_commands
 
     add_eval_commands(sub)  # eval, report, bench
+    add_model_commands(sub)  # models
     return p
 
 

@@ -151,7 +151,7 @@ def file_digest(path: str | os.PathLike) -> str:
 
 
 @contextmanager
-def _exclusive(lock_path: Path, what: str):
+def exclusive_lock(lock_path: Path, what: str):
     """Hold an exclusive ``flock`` on ``lock_path`` (created if needed, never deleted: deleting a
     lock file lets two processes lock two different files)."""
     with open(lock_path, "a") as f:
@@ -161,7 +161,7 @@ def _exclusive(lock_path: Path, what: str):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            logger.info("waiting for another process that is converting %s", what)
+            logger.info("waiting for another process that is working on %s", what)
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -282,7 +282,7 @@ def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
         return out
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with _exclusive(root / f".{out.name}.lock", str(gguf)):
+        with exclusive_lock(root / f".{out.name}.lock", str(gguf)):
             if _is_converted(out):  # another process converted it while this one waited
                 return out
             _remove_leftovers(root, out)
@@ -418,15 +418,25 @@ def _check_model_files(path: Path, where: str) -> None:
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
     """Return a transformers directory for ``model`` (converting a GGUF if needed) and a label.
 
-    ``model`` is a model directory, a ``.gguf`` file, a Hugging Face model id found in the local
-    Hugging Face cache, or ``None`` for the embedded default. Raises ``ModelLoadError``.
+    ``model`` is a model directory, a ``.gguf`` file, a reference model's short name
+    (``smollm2``, ``qwen2.5-0.5b``: :mod:`kvtrim.reference_models`), a Hugging Face model id found
+    in the local Hugging Face cache, or ``None`` for the embedded default. Raises ``ModelLoadError``.
     """
+    from kvtrim import reference_models
+
     if model is None:
         return converted_dir(embedded_gguf_path(), DEFAULT_NAME), DEFAULT_NAME
     text = os.fspath(model)
     if not str(text).strip():
         raise ModelLoadError("the model is empty; pass a Hugging Face model directory, a .gguf file or a cached model id")
     path = Path(text).expanduser()
+    ref = reference_models.lookup(str(text)) if not path.exists() else None
+    if ref is not None:
+        if ref.embedded:
+            return converted_dir(embedded_gguf_path(), DEFAULT_NAME), DEFAULT_NAME
+        gguf = reference_models.gguf_for(ref.key)
+        assert gguf is not None
+        return converted_dir(gguf, ref.name), ref.name
     if not path.exists():
         snapshot = _hub_snapshot(str(text))
         if snapshot is not None:
