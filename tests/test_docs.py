@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,10 @@ def test_readme_python_snippet_runs(real, capsys):
     block = README.read_text().split("## Python: one line", 1)[1]
     code = re.search(r"```python\n(.*?)```", block, flags=re.S).group(1)
     env: dict = {}
-    exec(compile(code, "README.md", "exec"), env)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the documented path warns on no supported transformers
+        warnings.simplefilter("error", DeprecationWarning)
+        exec(compile(code, "README.md", "exec"), env)
     cache = env["cache"]
     assert cache.kv_bytes() < cache.kv_bytes_full()
     assert capsys.readouterr().out.strip()
@@ -56,3 +60,19 @@ def test_readme_results_block_is_generated_by_kvtrim_report():
     block = README.read_text().split(START, 1)[1].split(END, 1)[0]
     expected = render(summarize(load_dirs([str(results)])), "docs/eval")
     assert block.strip() == expected.strip(), "regenerate: kvtrim report benchmarks/results/eval_baseline --out docs/eval --readme README.md --image-prefix docs/eval"
+
+
+
+def test_cache_kwargs_generate_and_forward_without_deprecation_warning(model, prompt):
+    """The documented form (`**cache.kwargs()`) warns neither in `generate` nor in a hand-written forward."""
+    import kvtrim
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        with kvtrim.compress(model, "snapkv", keep=0.5) as cache:
+            out = model.generate(prompt, **cache.kwargs(), max_new_tokens=3, do_sample=False, min_new_tokens=3)
+        with kvtrim.compress(model, "h2o", keep=0.5) as cache:
+            model(input_ids=prompt, **cache.kwargs(), use_cache=True)
+    assert out.shape[1] == prompt.shape[1] + 3
+    assert cache.get_seq_length() == prompt.shape[1]
