@@ -136,11 +136,11 @@ def score_table(cells: list[dict], length: int, prefill: str = "dense") -> str:
 
 
 def cost_table(cells: list[dict], prefill: str = "dense") -> str:
-    """Markdown: rows = method @ keep, columns per length: KV MB (fraction of full), prefill s, decode ms/token."""
+    """Markdown: rows = method @ keep, columns per length: KV MiB (fraction of full), prefill s, decode ms/token."""
     sel = [c for c in cells if c["prefill"] == prefill]
     lengths = sorted({c["length"] for c in sel})
     rows = list(dict.fromkeys((c["method"], c["keep"]) for c in sel))
-    head = "| method @ keep | " + " | ".join(f"KV MB @{n} | prefill s @{n} | decode ms/tok @{n}" for n in lengths) + " |"
+    head = "| method @ keep | " + " | ".join(f"KV MiB @{n} | prefill s @{n} | decode ms/tok @{n}" for n in lengths) + " |"
     out = [head, "|---|" + "---:|" * (3 * len(lengths))]
     for m, k in rows:
         parts = []
@@ -149,14 +149,14 @@ def cost_table(cells: list[dict], prefill: str = "dense") -> str:
             if not cs:
                 parts += ["—"] * 3
                 continue
-            kv = statistics.fmean(c["kv_bytes"] for c in cs) / 1e6
+            kv = statistics.fmean(c["kv_bytes"] for c in cs) / 2**20
             frac = [c["kv_frac"] for c in cs if c.get("kv_frac") is not None]
             pre = statistics.median(c["prefill_s"] for c in cs)
             dec = [c["decode_ms"] for c in cs if c.get("decode_ms") is not None]
             parts += [f"{kv:.1f} ({statistics.fmean(frac):.0%})" if frac else f"{kv:.1f}", f"{pre:.2f}",
                       f"{statistics.median(dec):.1f}" if dec else "—"]
         out.append(f"| {_label(m, k)} | " + " | ".join(parts) + " |")
-    return "\n".join(out) + ("\n\nKV MB: mean resident key/value bytes at the end of a sample (10^6 bytes), in brackets the "
+    return "\n".join(out) + ("\n\nKV MiB: mean resident key/value bytes at the end of a sample (1 MiB = 2^20 bytes), in brackets the "
                              "fraction of the full cache's; times: medians over the cells' samples (all tasks); decode ms/tok only "
                              "from samples decoded alone (— where every sample was decoded as a batch row, see docs/eval.md; "
                              "`kvtrim bench` measures decode speed).")
@@ -209,7 +209,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
             cs = [c for c in sel if c["method"] == m and c["length"] == n]
             by_keep = defaultdict(list)
             for c in cs:
-                by_keep[c["keep"] if c["keep"] is not None else 1.0].append(c["kv_bytes"] / 1e6)
+                by_keep[c["keep"] if c["keep"] is not None else 1.0].append(c["kv_bytes"] / 2**20)
             pts = sorted((k, statistics.fmean(v)) for k, v in by_keep.items())
             if pts:
                 axes[0].plot(*zip(*pts), marker="o", color=colors.get(m, "black"),
@@ -225,7 +225,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
                     pts.append((n, statistics.median(ys)))
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=colors.get(m, "black"), label=m if m == REFERENCE else f"{m} @{pick:g}")
-    axes[0].set(xlabel="keep", ylabel="KV MB", title="resident KV bytes vs budget")
+    axes[0].set(xlabel="keep", ylabel="KV MiB", title="resident KV bytes vs budget")
     axes[1].set(xlabel="prompt tokens", ylabel="s", title="prefill time (median)")
     axes[2].set(xlabel="prompt tokens", ylabel="ms / token", title="decode ms/token (median, lines decoded alone)")
     for ax in axes:
