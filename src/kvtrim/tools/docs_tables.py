@@ -153,7 +153,7 @@ def guide(root: Path) -> str:
         f"| unbounded stream | `streaming_llm` or `inf_mllm` with `--max-tokens` | stream results: 1,000,000 tokens with "
         f"`inf_mllm` at {sl['max_tokens']} tokens, KV flat, RSS +{_rss_growth(sl):.2%} after 100k; at the same budget "
         f"`streaming_llm` streams {tps('streaming_llm'):.0f} tok/s, `inf_mllm` {tps('inf_mllm'):.0f}, `h2o` {tps('h2o'):.0f} "
-        f"(pooled perplexity after the budget fills: {pp[0]:.1f} / {pp[1]:.1f} / {pp[2]:.1f}) |",
+        f"(pooled perplexity once the budget is full: {pp[1]:.1f}, {pp[0]:.1f}, {pp[2]:.1f}) |",
         f"| images or video | `hae` (prune mode) or `fastv` | HAE prefill benchmark, {big[0]['visual_tokens']:,} visual "
         f"tokens: prefill {f(spd['hae_prune(matched)'])}x faster with DAP pruning, {f(spd['fastv_prune'])}x with FastV; "
         "both act on image/video tokens only (refused on text), and on text with a document span both lose a pass key "
@@ -163,6 +163,51 @@ def guide(root: Path) -> str:
         "`--prefill-min-length` keeps shorter prompts dense) |",
     ]
     return "\n".join(lines) + "\n"
+
+
+def eval_summary(root: Path) -> str:
+    """The README's bullets on the evaluation sweep, from its committed result lines."""
+    from kvtrim.eval.report import MIN_FULL_SCORE, eligible_tasks, row_summary
+
+    cells = _eval_cells(root)
+    methods = ["streaming_llm", "snapkv", "h2o", "inf_mllm", "elastic"]
+    keeps = (0.1, 0.25, 0.5)
+
+    def sc(task, n, m, k=None):
+        return _cell(cells, task, n, m, k)["score"]
+
+    f = "{:.2f}".format
+    pk = {n: " / ".join(f(sc("passkey", n, "snapkv", k)) for k in keeps) for n in (2048, 4096)}
+    out = [
+        "- Every compressing method loses most needle retrieval at keep 0.1. `snapkv` keeps the pass key best: "
+        f"{pk[2048]} at keep 0.1 / 0.25 / 0.5 at 2k tokens (full cache {f(sc('passkey', 2048, 'full'))}), {pk[4096]} "
+        f"at 4k (full cache {f(sc('passkey', 4096, 'full'))}).",
+        f"- Mean score over the tasks the full cache solves (score at least {MIN_FULL_SCORE:g}: "
+        + "; ".join(f"{n // 1024}k: {', '.join(eligible_tasks(cells, n))}" for n in (2048, 4096))
+        + "), and in brackets its ratio to the full cache's on the same samples:",
+        "",
+        "  | length | keep | full | " + " | ".join(f"`{m}`" for m in methods) + " |",
+        "  |---|---:|---:|" + "---:|" * len(methods),
+    ]
+    for n in (2048, 4096):
+        full_mean, _ = row_summary(cells, n, "full", None)
+        for k in (0.5, 0.25):
+            vals = []
+            for m in methods:
+                mean, rel = row_summary(cells, n, m, k)
+                vals.append("—" if mean is None else f"{mean:.2f} ({rel:.0%})")
+            out.append(f"  | {n // 1024}k | {k:g} | {f(full_mean)} | " + " | ".join(vals) + " |")
+    ppl = {k: [sc("ppl", 2048, m, k) for m in methods if m != "elastic"] for k in (0.5, 0.25)}
+    out += [
+        "",
+        f"- Perplexity moves least. At 2k it goes from {sc('ppl', 2048, 'full'):.1f} (full) to "
+        f"{min(ppl[0.5]):.1f}-{max(ppl[0.5]):.1f} at keep 0.5 and {min(ppl[0.25]):.1f}-{max(ppl[0.25]):.1f} at keep 0.25. "
+        f"`elastic` is the exception: {sc('ppl', 2048, 'elastic', 0.5):.1f} and {sc('ppl', 2048, 'elastic', 0.25):.1f}.",
+    ]
+    mt = [sc("multiturn", 2048, m, 0.5) for m in methods if m != "elastic"]
+    out.append(f"- Multi-turn questions (full cache {f(sc('multiturn', 2048, 'full'))} at 2k) drop to "
+               f"{f(min(mt))}-{f(max(mt))} at keep 0.5, and to {f(sc('multiturn', 2048, 'elastic', 0.5))} for `elastic`.")
+    return "\n".join(out) + "\n"
 
 
 def _rss_growth(sl: dict) -> float:
@@ -184,7 +229,7 @@ def vllm(root: Path) -> str:
     return mod.comparison(_load(root, "benchmarks/results/anchor_vllm.json"))
 
 
-GENERATORS: dict[str, Callable[[Path], str]] = {"guide": guide, "vllm": vllm}
+GENERATORS: dict[str, Callable[[Path], str]] = {"guide": guide, "vllm": vllm, "eval_summary": eval_summary}
 
 
 # ----------------------------------------------------------------------------- the eval report
