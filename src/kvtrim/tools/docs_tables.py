@@ -229,7 +229,14 @@ def vllm(root: Path) -> str:
     return mod.comparison(_load(root, "benchmarks/results/anchor_vllm.json"))
 
 
-GENERATORS: dict[str, Callable[[Path], str]] = {"guide": guide, "vllm": vllm, "eval_summary": eval_summary}
+def bench_cli(root: Path) -> str:
+    """`kvtrim bench`'s table of its committed run (benchmarks/results/bench_cli.json)."""
+    from kvtrim.eval.bench import table
+
+    return table(_load(root, "benchmarks/results/bench_cli.json")) + "\n"
+
+
+GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary}
 
 
 # ----------------------------------------------------------------------------- the eval report
