@@ -109,7 +109,7 @@ def test_command_exists_and_accepts_its_flags(where, line, cmd):
     if not is_synopsis(words) and not bare and prog not in ("bash",):
         assert prog.startswith(".venv/bin/"), f"{where}:{line}: {cmd!r} needs the project's environment: .venv/bin/{prog}"
     if prog.endswith("kvtrim"):
-        parser, subs = _kvtrim_parser()
+        _, subs = _kvtrim_parser()
         if words[1:2] == ["--version"]:
             return
         assert words[1] in subs, f"{where}:{line}: no kvtrim subcommand {words[1]!r}"

@@ -158,7 +158,7 @@ def guide(root: Path) -> str:
         f"tokens: prefill {f(spd['hae_prune(matched)'])}x faster with DAP pruning, {f(spd['fastv_prune'])}x with FastV; "
         "both act on image/video tokens only (refused on text), and on text with a document span both lose a pass key "
         "that `snapkv` keeps (DAP proxy) |",
-        f"| faster prefill of a long prompt | `--prefill minference` (with any KV method) | MInference prefill benchmark: "
+        "| faster prefill of a long prompt | `--prefill minference` (with any KV method) | MInference prefill benchmark: "
         + ", ".join(f"{sp[n]:.2f}x at {n}" for n in sorted(sp)) + f" tokens (break-even at {crossover}; "
         "`--prefill-min-length` keeps shorter prompts dense) |",
     ]
