@@ -461,10 +461,11 @@ def _layer_nbytes(layer) -> int:
 @functools.lru_cache(maxsize=1)
 def cache_keyword() -> str:
     """The keyword ``generate``/``forward`` take a cache under: ``cache`` from transformers 5.20, else ``past_key_values``."""
-    import transformers
+    from importlib.metadata import version
+
     from packaging.version import Version
 
-    return "cache" if Version(transformers.__version__) >= Version("5.20") else "past_key_values"
+    return "cache" if Version(version("transformers")) >= Version("5.20") else "past_key_values"
 
 
 class KVTrimCache(Cache):
