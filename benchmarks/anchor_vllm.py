@@ -586,6 +586,21 @@ def comparison(res: dict) -> str:
                 + " and " + ("ahead in prefill" if r["prefill_seconds"] < quick["prefill_seconds"] else
                              f"behind in prefill (`{quick['method']}` {quick['prefill_seconds']:.1f} s)"))
         out.append(f"- {int(full['prompt_tokens'])} tokens: " + "; ".join(parts) + ".")
+    lengths = sorted({r["length"] for r in rows})
+    headline = []
+    for eng in sorted({r["engine"] for r in rows if r["engine"].startswith("vllm:")}):
+        full_faster = all(r["decode_ms_per_token"] < f["decode_ms_per_token"] and r["prefill_seconds"] < f["prefill_seconds"]
+                          for n in lengths for r in rows if r["length"] == n and r["engine"] == eng
+                          for f in rows if f["length"] == n and f["engine"] == "kvtrim:full")
+        behind = [(n, k) for n in lengths for r in rows if r["length"] == n and r["engine"] == eng
+                  for k in rows if k["length"] == n and k["engine"].startswith("kvtrim:")
+                  and k["decode_ms_per_token"] <= r["decode_ms_per_token"]]
+        where = ", ".join(f"`{k['method']}` at {int(k['prompt_tokens'])} tokens" for _, k in behind)
+        headline.append(f"vLLM {eng.split(':')[1]} is {'faster' if full_faster else 'not always faster'} than kvtrim's "
+                        "full cache in both prefill and decode at every length; "
+                        + (f"kvtrim rows that decode faster: {where}" if behind
+                           else "it decodes faster than every kvtrim row at every length"))
+    out[2:2] = ["**Summary:** " + "; ".join(headline) + ".", ""]
     kv = [(r, x) for r in rows if r["engine"] == "kvtrim:snapkv" and r.get("kv_bytes")
           for x in rows if x["length"] == r["length"] and x["engine"] == "vllm:float32" and x.get("kv_bytes")]
     if kv:
