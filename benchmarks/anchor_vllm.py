@@ -560,6 +560,56 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def comparison(res: dict) -> str:
+    """The comparison stated both ways, per length: where vLLM is ahead and where a kvtrim row is."""
+    res = summarize(res)
+    s = res["setting"]
+    rows = res["summary"]
+    out = [f"From `benchmarks/results/anchor_vllm.json` ({s['threads']} thread(s) per side, kvtrim "
+           f"{res['kvtrim']['dtype']}, medians of {s['reps']}, load average {res['machine']['loadavg_start'][0]:.1f} "
+           f"at the start, {res['machine']['date'][:10]}):", ""]
+    for n in sorted({r["length"] for r in rows}):
+        at = [r for r in rows if r["length"] == n]
+        full = next(r for r in at if r["engine"] == "kvtrim:full")
+        kv_rows = [r for r in at if r["engine"].startswith("kvtrim:")]
+        parts = []
+        for r in (x for x in at if x["engine"].startswith("vllm:")):
+            fastest = min(kv_rows, key=lambda x: x["decode_ms_per_token"])
+            quick = min(kv_rows, key=lambda x: x["prefill_seconds"])
+            parts.append(
+                f"vLLM {r['dtype']} prefills {full['prefill_seconds'] / r['prefill_seconds']:.2f}x and decodes "
+                f"{full['decode_ms_per_token'] / r['decode_ms_per_token']:.2f}x as fast as kvtrim's full cache "
+                f"({r['prefill_seconds']:.1f} vs {full['prefill_seconds']:.1f} s, {r['decode_ms_per_token']:.1f} vs "
+                f"{full['decode_ms_per_token']:.1f} ms/token); against kvtrim's best row it is "
+                + ("ahead in decode" if r["decode_ms_per_token"] < fastest["decode_ms_per_token"] else
+                   f"behind in decode (`{fastest['method']}` {fastest['decode_ms_per_token']:.1f} ms/token)")
+                + " and " + ("ahead in prefill" if r["prefill_seconds"] < quick["prefill_seconds"] else
+                             f"behind in prefill (`{quick['method']}` {quick['prefill_seconds']:.1f} s)"))
+        out.append(f"- {int(full['prompt_tokens'])} tokens: " + "; ".join(parts) + ".")
+    lengths = sorted({r["length"] for r in rows})
+    headline = []
+    for eng in sorted({r["engine"] for r in rows if r["engine"].startswith("vllm:")}):
+        full_faster = all(r["decode_ms_per_token"] < f["decode_ms_per_token"] and r["prefill_seconds"] < f["prefill_seconds"]
+                          for n in lengths for r in rows if r["length"] == n and r["engine"] == eng
+                          for f in rows if f["length"] == n and f["engine"] == "kvtrim:full")
+        behind = [(n, k) for n in lengths for r in rows if r["length"] == n and r["engine"] == eng
+                  for k in rows if k["length"] == n and k["engine"].startswith("kvtrim:")
+                  and k["decode_ms_per_token"] <= r["decode_ms_per_token"]]
+        where = ", ".join(f"`{k['method']}` at {int(k['prompt_tokens'])} tokens" for _, k in behind)
+        headline.append(f"vLLM {eng.split(':')[1]} is {'faster' if full_faster else 'not always faster'} than kvtrim's "
+                        "full cache in both prefill and decode at every length; "
+                        + (f"kvtrim rows that decode faster: {where}" if behind
+                           else "it decodes faster than every kvtrim row at every length"))
+    out[2:2] = ["**Summary:** " + "; ".join(headline) + ".", ""]
+    kv = [(r, x) for r in rows if r["engine"] == "kvtrim:snapkv" and r.get("kv_bytes")
+          for x in rows if x["length"] == r["length"] and x["engine"] == "vllm:float32" and x.get("kv_bytes")]
+    if kv:
+        r, x = max(kv, key=lambda p: p[0]["length"])
+        out.append(f"- KV held at {int(r['prompt_tokens'])} tokens: kvtrim snapkv@{s['keep']:g} {r['kv_bytes'] / 2**20:.0f} MiB, "
+                   f"vLLM float32 {x['kv_bytes'] / 2**20:.0f} MiB (the full cache in its blocks).")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setup", action="store_true", help="only create/check benchmarks/.venv-vllm")

@@ -49,7 +49,7 @@ def table(d: dict) -> str:
         out.append(
             f"| {576 * r['images']} | {r['prompt_tokens']} | {r['config']} | {r['visual_kept']}/{r['visual_tokens']} | "
             f"{r['prefill_s_median']:.2f} (n={len(r['prefill_s_all'])}) | {r['speedup_vs_full']:.2f}x | "
-            f"{r['kv_bytes_stored'] / 1e6:.1f} MB ({r['kv_share_of_full']:.0%}) | "
+            f"{r['kv_bytes_stored'] / 2**20:.1f} MiB ({r['kv_share_of_full']:.0%}) | "
             f"{r['stored_tokens_first_last_layer'][0]}/{r['stored_tokens_first_last_layer'][1]} |"
         )
     return "\n".join(out)

@@ -44,8 +44,8 @@ def table(d: dict) -> str:
              "| context | config | stored tokens | KV after prefill (of full) | KV at end (of full) | prefill s | decode ms/token | decode speed-up vs HF DynamicCache |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in d["rows"]:
-        lines.append(f"| {r['context']} | {r['config']} | {r['stored_tokens']} | {r['kv_bytes_after_prefill'] / 1e6:.1f} MB "
-                     f"({r['kv_fraction_after_prefill']:.1%}) | {r['kv_bytes'] / 1e6:.1f} MB ({r['kv_fraction_of_full']:.1%}) | "
+        lines.append(f"| {r['context']} | {r['config']} | {r['stored_tokens']} | {r['kv_bytes_after_prefill'] / 2**20:.1f} MiB "
+                     f"({r['kv_fraction_after_prefill']:.1%}) | {r['kv_bytes'] / 2**20:.1f} MiB ({r['kv_fraction_of_full']:.1%}) | "
                      f"{r['prefill_s']:.2f} | {r['decode_ms_median']:.1f} | {r['decode_speedup_vs_hf_dynamic']:.2f}x |")
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,10 @@ def test_readme_python_snippet_runs(real, capsys):
     block = README.read_text().split("## Python: one line", 1)[1]
     code = re.search(r"```python\n(.*?)```", block, flags=re.S).group(1)
     env: dict = {}
-    exec(compile(code, "README.md", "exec"), env)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the documented path warns on no supported transformers
+        warnings.simplefilter("error", DeprecationWarning)
+        exec(compile(code, "README.md", "exec"), env)
     cache = env["cache"]
     assert cache.kv_bytes() < cache.kv_bytes_full()
     assert capsys.readouterr().out.strip()
@@ -55,4 +59,48 @@ def test_readme_results_block_is_generated_by_kvtrim_report():
     results = README.parent / "benchmarks" / "results" / "eval_baseline"
     block = README.read_text().split(START, 1)[1].split(END, 1)[0]
     expected = render(summarize(load_dirs([str(results)])), "docs/eval")
-    assert block.strip() == expected.strip(), "regenerate: kvtrim report benchmarks/results/eval_baseline --out docs/eval --readme README.md --image-prefix docs/eval"
+    assert block.strip() == expected.strip(), "regenerate: .venv/bin/python -m kvtrim.tools.docs_tables --write"
+
+
+
+def test_cache_kwargs_generate_and_forward_without_deprecation_warning(model, prompt):
+    """The documented form (`**cache.kwargs()`) warns neither in `generate` nor in a hand-written forward."""
+    import kvtrim
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        with kvtrim.compress(model, "snapkv", keep=0.5) as cache:
+            out = model.generate(prompt, **cache.kwargs(), max_new_tokens=3, do_sample=False, min_new_tokens=3)
+        with kvtrim.compress(model, "h2o", keep=0.5) as cache:
+            model(input_ids=prompt, **cache.kwargs(), use_cache=True)
+    assert out.shape[1] == prompt.shape[1] + 3
+    assert cache.get_seq_length() == prompt.shape[1]
+
+
+def test_every_generated_block_matches_the_committed_results():
+    """Each `<!-- generated: CMD -->` block of README.md and docs/*.md is CMD's output on the committed result
+    files (benchmark `--table`s, the method guide, the eval summary, the vLLM comparison), and the README's
+    eval block is `kvtrim report`'s."""
+    from kvtrim.tools.docs_tables import BLOCK, doc_files, stale
+
+    root = README.parent
+    blocks = [m.group("cmd") for p in doc_files(root) for m in BLOCK.finditer(p.read_text())]
+    assert len(blocks) >= 14 and {"kvtrim.tools.docs_tables guide", "kvtrim.tools.docs_tables vllm"} <= set(blocks)
+    assert stale(root) == [], "regenerate: .venv/bin/python -m kvtrim.tools.docs_tables --write"
+
+
+def test_docs_report_md_is_generated():
+    """docs/eval/report.md is `kvtrim report`'s output for the committed lines (its PNG links point beside it)."""
+    from kvtrim.eval.report import load_dirs, render, summarize
+
+    results = README.parent / "benchmarks" / "results" / "eval_baseline"
+    text = (README.parent / "docs" / "eval" / "report.md").read_text()
+    assert text.split(".\n\n", 1)[1] == render(summarize(load_dirs([str(results)])), ".")
+
+
+def test_memory_is_shown_in_mib_everywhere():
+    """One unit for memory in the docs: MiB (no MB, no 10^6-byte megabytes)."""
+    for p in [README, *sorted((README.parent / "docs").glob("*.md")), README.parent / "docs" / "eval" / "report.md"]:
+        bad = [ln for ln in p.read_text().splitlines() if re.search(r"\d\s*MB\b|\bKV MB\b|10\^6 bytes", ln)]
+        assert not bad, f"{p.name}: {bad[:3]}"

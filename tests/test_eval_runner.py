@@ -330,8 +330,9 @@ def test_report_writes_tables_plots_and_readme_block(tmp_path):
     readme.write_text(f"# t\n\n{START}\nold\n{END}\ntail\n")
     write_report([str(d)], readme=str(readme), image_prefix="docs/img")
     md = (d / "report.md").read_text()
-    assert "| snapkv @0.25 | 0.50 | 0.50 | 50% |" in md
-    assert "| full | 1.00 | 1.00 | 100% |" in md
+    assert "| snapkv @0.25 | 0.50 | 0.50 | 0.50 | 50% |" in md  # passkey, vt, then mean score and rel. to full
+    assert "| full | 1.00 | 1.00 | 1.00 | 100% |" in md
+    assert "![score vs budget, 256 tokens](./score_vs_keep_256.png)" in md  # report.md links the PNGs beside it
     for png in ("score_vs_keep_256.png", "kv_and_time.png"):
         assert (d / png).stat().st_size > 1000
     text = readme.read_text()
@@ -342,6 +343,24 @@ def test_report_writes_tables_plots_and_readme_block(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(KVTrimError, match="holds no result lines"):
         write_report([str(tmp_path / "empty")])
+
+
+def test_relative_to_full_only_over_tasks_the_full_cache_solves():
+    """A task where the full cache scores below 0.5 (0.1 here: 0.2 would read as "200%") is left out of the
+    mean score and the ratio to full, both; the note names the tasks counted."""
+    from kvtrim.eval.report import eligible_tasks, row_summary, score_table, summarize
+
+    lines = [_line(t, i, m, k, s, kv) for i in range(2) for t, m, k, s, kv in (
+        ("passkey", "full", None, 1.0, 1000), ("passkey", "snapkv", 0.25, 0.5, 250),
+        ("cwe", "full", None, 0.1, 1000), ("cwe", "snapkv", 0.25, 0.2, 250),
+        ("vt", "full", None, 0.5, 1000), ("vt", "snapkv", 0.25, 0.25, 250))]
+    cells = summarize(lines)["cells"]
+    assert eligible_tasks(cells, 256) == ["passkey", "vt"]
+    mean, rel = row_summary(cells, 256, "snapkv", 0.25)
+    assert mean == pytest.approx((0.5 + 0.25) / 2) and rel == pytest.approx((0.5 + 0.5) / 2)
+    md = score_table(cells, 256)
+    assert "| snapkv @0.25 | 0.20 | 0.50 | 0.25 | 0.38 | 50% |" in md
+    assert "scores at least 0.5 (passkey, vt)" in md
 
 
 # ----------------------------------------------------------------------------- kvtrim bench

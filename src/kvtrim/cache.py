@@ -24,6 +24,7 @@ hands each layer to kvtrim's registered attention function through a context var
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -457,6 +458,16 @@ def _layer_nbytes(layer) -> int:
     return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
 
 
+@functools.lru_cache(maxsize=1)
+def cache_keyword() -> str:
+    """The keyword ``generate``/``forward`` take a cache under: ``cache`` from transformers 5.20, else ``past_key_values``."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return "cache" if Version(version("transformers")) >= Version("5.20") else "past_key_values"
+
+
 class KVTrimCache(Cache):
     """A transformers cache that compresses itself according to a kvtrim policy.
 
@@ -470,6 +481,14 @@ class KVTrimCache(Cache):
     Use it inside ``kvtrim.attach(model)`` (or ``kvtrim.compress``), which installs the attention
     function that scores and evicts; the cache refuses to run without it.
     """
+
+    def kwargs(self) -> dict:
+        """The cache as the keyword ``generate`` and ``forward`` take it: ``{"cache": self}`` from
+        transformers 5.20 (which deprecates ``past_key_values``), ``{"past_key_values": self}`` before.
+
+        Example: ``model.generate(ids, **cache.kwargs(), max_new_tokens=32)`` warns on no supported version.
+        """
+        return {cache_keyword(): self}
 
     # narrower than Cache.layers' element type: __init__ builds only these two kinds of layer
     layers: list[CompressedLayer | DynamicSlidingWindowLayer]  # type: ignore[assignment]

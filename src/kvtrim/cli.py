@@ -169,13 +169,13 @@ def cmd_demo(args) -> int:
         r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16)
         rows.append((pol.name, key in r.answer, r))
     print()
-    print(f"{'method':<15}{'correct':<9}{'KV MB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")
+    print(f"{'method':<15}{'correct':<9}{'KV MiB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")
     for name, ok, r in rows:
         print(
-            f"{name:<15}{'yes' if ok else 'no':<9}{r.kv_bytes / 1e6:>8.1f}{r.kv_bytes / r.kv_bytes_full:>9.0%}"
+            f"{name:<15}{'yes' if ok else 'no':<9}{r.kv_bytes / 2**20:>8.1f}{r.kv_bytes / r.kv_bytes_full:>9.0%}"
             f"{r.prefill_seconds:>11.2f}{r.decode_tokens_per_s:>14.1f}  {r.answer[:40]!r}"
         )
-    print(f"\npass key: {key}; KV MB = resident key/value buffers at the end (1 MB = 10^6 bytes)")
+    print(f"\npass key: {key}; KV MiB = resident key/value buffers at the end (1 MiB = 2^20 bytes)")
     return 0
 
 

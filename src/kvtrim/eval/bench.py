@@ -149,14 +149,14 @@ def run_bench(model: str | None, plan: BenchPlan, rss: bool = True, progress: bo
 def table(result: dict) -> str:
     rows = result["rows"]
     full = {r["length"]: r for r in rows if r["method"] == REFERENCE}
-    out = ["| length | method | prefill s | decode ms/tok | KV MB | KV of full | peak RSS MB |",
+    out = ["| length | method | prefill s | decode ms/tok | KV MiB | KV of full | peak RSS MiB |",
            "|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         f = full.get(r["length"])
         label = r["method"] if r["keep"] is None else f"{r['method']} @{r['keep']:g}"
         frac = f"{r['kv_bytes'] / f['kv_bytes']:.0%}" if f else "—"
-        rss = f"{r['peak_rss_bytes'] / 1e6:.0f}" if r.get("peak_rss_bytes") else "—"
-        out.append(f"| {r['length']} | {label} | {r['prefill_s']:.2f} | {r['decode_ms']:.1f} | {r['kv_bytes'] / 1e6:.1f} "
+        rss = f"{r['peak_rss_bytes'] / 2**20:.0f}" if r.get("peak_rss_bytes") else "—"
+        out.append(f"| {r['length']} | {label} | {r['prefill_s']:.2f} | {r['decode_ms']:.1f} | {r['kv_bytes'] / 2**20:.1f} "
                    f"| {frac} | {rss} |")
     m = result["machine"]
     out.append(f"\n{m['cores']} cores, {m['threads']} threads, torch {m['torch']}, {m['date']}; load "

@@ -34,6 +34,7 @@ from kvtrim.eval.plan import REFERENCE
 START = "<!-- kvtrim-report:start -->"
 END = "<!-- kvtrim-report:end -->"
 LOWER_IS_BETTER = ("ppl",)
+MIN_FULL_SCORE = 0.5  # the relative summary counts only tasks where the full cache scores at least this
 
 
 def _keep(v):
@@ -75,6 +76,10 @@ def summarize(lines: Iterable[dict]) -> dict:
         per_tok = [r["decode_seconds"] / r["decode_steps"] for r in rows
                    if r.get("decode_steps") and (r.get("decode_rows") or 1) == 1]
         cell["decode_ms"] = 1000 * statistics.median(per_tok) if per_tok else None
+        # every line's decode time per token, batch rows included (their share of shared steps): what the
+        # plot falls back to when no line was decoded alone
+        any_tok = [r["decode_seconds"] / r["decode_steps"] for r in rows if r.get("decode_steps")]
+        cell["decode_ms_any"] = 1000 * statistics.median(any_tok) if any_tok else None
         cells.append(cell)
     return {"cells": cells, "n_lines": len(lines)}
 
@@ -101,46 +106,65 @@ def _label(method: str, keep) -> str:
     return method if keep is None else f"{method} @{keep:g}"
 
 
+def eligible_tasks(cells: list[dict], length: int, prefill: str = "dense") -> list[str]:
+    """Tasks whose full-cache score at ``length`` is at least :data:`MIN_FULL_SCORE` (ppl excluded: not a 0-1 score).
+
+    A ratio to a full-cache score near 0 says nothing (0.03 to 0.05 is "167%"), so the relative summary
+    is taken over these tasks only."""
+    return [c["task"] for c in cells if c["length"] == length and c["prefill"] == prefill and c["method"] == REFERENCE
+            and c["task"] not in LOWER_IS_BETTER and c["score"] is not None and c["score"] >= MIN_FULL_SCORE]
+
+
+def row_summary(cells: list[dict], length: int, method: str, keep, prefill: str = "dense") -> tuple[float | None, float | None]:
+    """(mean score, mean score relative to the full cache) of one row over :func:`eligible_tasks`."""
+    tasks = eligible_tasks(cells, length, prefill)
+    sel = [c for c in cells if c["length"] == length and c["prefill"] == prefill and c["method"] == method
+           and c["keep"] == keep and c["task"] in tasks]
+    if not sel:
+        return None, None
+    rels = [c["rel_full"] for c in sel if c.get("rel_full") is not None]
+    return statistics.fmean(c["score"] for c in sel), (statistics.fmean(rels) if rels else None)
+
+
 def score_table(cells: list[dict], length: int, prefill: str = "dense") -> str:
-    """Markdown: rows = method @ keep, columns = tasks (score, and its ratio to full), at one length."""
+    """Markdown: rows = method @ keep, columns = tasks (score), then the mean score and its ratio to full over
+    the tasks where the full cache scores at least MIN_FULL_SCORE, at one length."""
     sel = [c for c in cells if c["length"] == length and c["prefill"] == prefill]
     tasks = list(dict.fromkeys(c["task"] for c in sel))
     rows = list(dict.fromkeys((c["method"], c["keep"]) for c in sel))
     by = {(c["task"], c["method"], c["keep"]): c for c in sel}
     n = sorted({c["n"] for c in sel})
     ref_col = "labelfree" in tasks  # the label-free protocol's second number: PPL of the full cache's answer
-    head = "| method @ keep | " + " | ".join(tasks) + (" | labelfree ref. ppl" if ref_col else "") + " | mean rel. to full |"
-    out = [head, "|---|" + "---:|" * (len(tasks) + 1 + ref_col)]
+    head = ("| method @ keep | " + " | ".join(tasks) + (" | labelfree ref. ppl" if ref_col else "")
+            + f" | mean score (full ≥ {MIN_FULL_SCORE:g}) | rel. to full |")
+    out = [head, "|---|" + "---:|" * (len(tasks) + 2 + ref_col)]
     for m, k in rows:
-        vals, rels = [], []
+        vals = []
         for t in tasks:
             c = by.get((t, m, k))
-            if c is None:
-                vals.append("—")
-                continue
-            vals.append(_fmt(t, c["score"]))
-            r = c.get("rel_full")
-            if r is not None:
-                rels.append(1.0 / r if t in LOWER_IS_BETTER and r else r)
+            vals.append("—" if c is None else _fmt(t, c["score"]))
         if ref_col:
             c = by.get(("labelfree", m, k))
             vals.append(_fmt("ppl", c.get("ref_ppl")) if c is not None and c.get("ref_ppl") is not None else "—")
-        mean_rel = f"{statistics.fmean(rels):.0%}" if rels else "—"
-        out.append(f"| {_label(m, k)} | " + " | ".join(vals) + f" | {mean_rel} |")
+        mean, rel = row_summary(cells, length, m, k, prefill)
+        vals += [_fmt("score", mean), "—" if rel is None else f"{rel:.0%}"]
+        out.append(f"| {_label(m, k)} | " + " | ".join(vals) + " |")
+    elig = eligible_tasks(cells, length, prefill)
     note = (f"\n\n{length} tokens, prefill {prefill}; samples per cell: {', '.join(map(str, n))}. Scores: mean "
             "(passkey/niah/multiturn: fraction correct; multi-answer tasks: recall; labelfree: ROUGE-L F1 against the "
-            "full cache's answer; ppl: pooled perplexity, lower is better). Last column: mean over tasks of the "
-            "score relative to the full cache on the same samples (ppl inverted), over the tasks where the full cache "
-            "scores above 0.")
+            "full cache's answer; ppl: pooled perplexity, lower is better). Last two columns: over the tasks where the "
+            f"full cache scores at least {MIN_FULL_SCORE:g} ({', '.join(elig) or 'none'}), the mean score and the mean of "
+            "each task's score relative to the full cache's on the same samples; the other tasks, where even the full "
+            "cache mostly fails, are left out of both.")
     return "\n".join(out) + note
 
 
 def cost_table(cells: list[dict], prefill: str = "dense") -> str:
-    """Markdown: rows = method @ keep, columns per length: KV MB (fraction of full), prefill s, decode ms/token."""
+    """Markdown: rows = method @ keep, columns per length: KV MiB (fraction of full), prefill s, decode ms/token."""
     sel = [c for c in cells if c["prefill"] == prefill]
     lengths = sorted({c["length"] for c in sel})
     rows = list(dict.fromkeys((c["method"], c["keep"]) for c in sel))
-    head = "| method @ keep | " + " | ".join(f"KV MB @{n} | prefill s @{n} | decode ms/tok @{n}" for n in lengths) + " |"
+    head = "| method @ keep | " + " | ".join(f"KV MiB @{n} | prefill s @{n} | decode ms/tok @{n}" for n in lengths) + " |"
     out = [head, "|---|" + "---:|" * (3 * len(lengths))]
     for m, k in rows:
         parts = []
@@ -149,14 +173,14 @@ def cost_table(cells: list[dict], prefill: str = "dense") -> str:
             if not cs:
                 parts += ["—"] * 3
                 continue
-            kv = statistics.fmean(c["kv_bytes"] for c in cs) / 1e6
+            kv = statistics.fmean(c["kv_bytes"] for c in cs) / 2**20
             frac = [c["kv_frac"] for c in cs if c.get("kv_frac") is not None]
             pre = statistics.median(c["prefill_s"] for c in cs)
             dec = [c["decode_ms"] for c in cs if c.get("decode_ms") is not None]
             parts += [f"{kv:.1f} ({statistics.fmean(frac):.0%})" if frac else f"{kv:.1f}", f"{pre:.2f}",
                       f"{statistics.median(dec):.1f}" if dec else "—"]
         out.append(f"| {_label(m, k)} | " + " | ".join(parts) + " |")
-    return "\n".join(out) + ("\n\nKV MB: mean resident key/value bytes at the end of a sample (10^6 bytes), in brackets the "
+    return "\n".join(out) + ("\n\nKV MiB: mean resident key/value bytes at the end of a sample (1 MiB = 2^20 bytes), in brackets the "
                              "fraction of the full cache's; times: medians over the cells' samples (all tasks); decode ms/tok only "
                              "from samples decoded alone (— where every sample was decoded as a batch row, see docs/eval.md; "
                              "`kvtrim bench` measures decode speed).")
@@ -164,6 +188,8 @@ def cost_table(cells: list[dict], prefill: str = "dense") -> str:
 
 # ----------------------------------------------------------------------------- plots
 def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]:
+    """score_vs_keep_<length>.png per length and kv_and_time.png; the keep axis always spans 0-1 and 0-1 scores
+    keep their 0-1 axis, so one budget or many read the same (a single budget is not zoomed into a sliver)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -178,7 +204,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
     for n in lengths:
         cols = min(4, len(tasks))
         rows = math.ceil(len(tasks) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 2.7 * rows + 0.8), squeeze=False, layout="constrained")
         for ax, t in zip(axes.flat, tasks):
             cs = [c for c in sel if c["length"] == n and c["task"] == t]
             for m in methods:
@@ -188,35 +214,39 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
             full = [c["score"] for c in cs if c["method"] == REFERENCE]
             if full:
                 ax.axhline(full[0], color="black", linestyle="--", linewidth=1, label=REFERENCE)
+            ax.set_xlim(0, 1.05)
+            if t not in LOWER_IS_BETTER:
+                ax.set_ylim(-0.03, 1.05)
             ax.set_title(t, fontsize=9)
             ax.set_xlabel("keep", fontsize=8)
-            ax.set_ylabel("perplexity" if t == "ppl" else "score", fontsize=8)
+            ax.set_ylabel("perplexity (lower is better)" if t == "ppl" else "score", fontsize=8)
             ax.tick_params(labelsize=7)
         for ax in list(axes.flat)[len(tasks):]:
             ax.axis("off")
         handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+        fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8)
         fig.suptitle(f"score vs KV budget, {n} tokens", fontsize=10)
-        fig.tight_layout(rect=(0, 0.06, 1, 0.96))
         p = out_dir / f"score_vs_keep_{n}.png"
         fig.savefig(p, dpi=110)
         plt.close(fig)
         paths.append(p)
     # KV bytes vs budget, and time vs length
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
+    keeps = sorted({c["keep"] for c in sel if c["keep"] is not None})
+    pick = keeps[len(keeps) // 2] if keeps else None
+    alone = any(c.get("decode_ms") is not None for c in sel)
+    dkey = "decode_ms" if alone else "decode_ms_any"
     for m in [REFERENCE, *methods]:
         for n in lengths:
             cs = [c for c in sel if c["method"] == m and c["length"] == n]
             by_keep = defaultdict(list)
             for c in cs:
-                by_keep[c["keep"] if c["keep"] is not None else 1.0].append(c["kv_bytes"] / 1e6)
+                by_keep[c["keep"] if c["keep"] is not None else 1.0].append(c["kv_bytes"] / 2**20)
             pts = sorted((k, statistics.fmean(v)) for k, v in by_keep.items())
             if pts:
                 axes[0].plot(*zip(*pts), marker="o", color=colors.get(m, "black"),
                              linestyle="-" if n == lengths[-1] else ":", label=f"{m} {n}")
-        keep_mid = sorted({c["keep"] for c in sel if c["keep"] is not None})
-        pick = keep_mid[len(keep_mid) // 2] if keep_mid else None
-        for ax, key in ((axes[1], "prefill_s"), (axes[2], "decode_ms")):
+        for ax, key in ((axes[1], "prefill_s"), (axes[2], dkey)):
             pts = []
             for n in lengths:
                 ys = [c[key] for c in sel if c["method"] == m and c["length"] == n and c.get(key) is not None
@@ -225,13 +255,25 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
                     pts.append((n, statistics.median(ys)))
             if pts:
                 ax.plot(*zip(*pts), marker="o", color=colors.get(m, "black"), label=m if m == REFERENCE else f"{m} @{pick:g}")
-    axes[0].set(xlabel="keep", ylabel="KV MB", title="resident KV bytes vs budget")
+    axes[0].set_xlim(0, 1.05)
+    axes[0].set_ylim(bottom=0)
+    axes[0].set(xlabel="keep (full cache at 1)", ylabel="KV MiB", title="resident KV vs budget")
     axes[1].set(xlabel="prompt tokens", ylabel="s", title="prefill time (median)")
-    axes[2].set(xlabel="prompt tokens", ylabel="ms / token", title="decode ms/token (median, lines decoded alone)")
+    missing = [n for n in lengths if not any(c.get(dkey) is not None for c in sel if c["length"] == n)]
+    axes[2].set(xlabel="prompt tokens", ylabel="ms / token",
+                title=("decode ms/token (median, decoded alone)" if alone else "decode ms/token (batch rows' share)")
+                + (f"\nnone decoded alone at {', '.join(map(str, missing))}" if missing else ""))
     for ax in axes:
         ax.tick_params(labelsize=7)
+        ax.title.set_fontsize(9)
+    if lengths:  # the two time panels share the length axis, wide enough for one length or many
+        lo, hi = min(lengths), max(lengths)
+        for ax in axes[1:]:
+            ax.set_xlim(lo - 0.25 * max(hi - lo, lo), hi + 0.25 * max(hi - lo, lo))
+            ax.set_ylim(bottom=0)
+    axes[0].legend(fontsize=6, ncol=2)
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
+    axes[2].legend(fontsize=7)
     p = out_dir / "kv_and_time.png"
     fig.savefig(p, dpi=110)
     plt.close(fig)
@@ -274,9 +316,10 @@ def render(summary: dict, image_dir: str | None = None) -> str:
 
 
 def write_report(dirs: list[str], out_dir: str | None = None, readme: str | None = None, plots: bool = True,
-                 image_prefix: str | None = None) -> dict:
+                 image_prefix: str | None = None, source_label: str | None = None) -> dict:
     """Summarize ``dirs``, write ``report.md`` (+ PNGs) into ``out_dir`` (default: the first dir); optionally
-    replace the report block of ``readme``. Returns the summary."""
+    replace the report block of ``readme`` (its image links start with ``image_prefix``; report.md's point
+    at the PNGs beside it). ``source_label`` names the sources in report.md (default: ``dirs``). Returns the summary."""
     lines = load_dirs(dirs)
     summary = summarize(lines)
     target = Path(out_dir or dirs[0])
@@ -286,10 +329,9 @@ def write_report(dirs: list[str], out_dir: str | None = None, readme: str | None
         raise KVTrimError(f"cannot write the report to {str(target)!r}: {e.strerror or e}") from None
     if plots:
         plot(summary["cells"], target)
-    prefix = image_prefix if image_prefix is not None else "."
-    md = render(summary, prefix if plots else None)
+    md = render(summary, "." if plots else None)
     (target / "report.md").write_text(f"# kvtrim eval report\n\nFrom {summary['n_lines']} result lines in "
-                                      f"{', '.join(dirs)}.\n\n" + md)
+                                      f"{source_label or ', '.join(dirs)}.\n\n" + md)
     if readme is not None:
         replace_block(Path(readme), render(summary, image_prefix if plots else None))
     return summary

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache
+from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache, cache_keyword
 from kvtrim.errors import KVTrimError
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
 
         with kvtrim.attach(model):
             cache = kvtrim.KVTrimCache(model, "snapkv", keep=0.2)
-            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+            out = model.generate(**inputs, **cache.kwargs(), max_new_tokens=64)
     """
     global _users
     cfg = _model_config(model)
@@ -207,7 +207,7 @@ def compress(model, method: str = "snapkv", prefill=None, **policy_kwargs) -> It
     Example::
 
         with kvtrim.compress(model, "snapkv", keep=0.2) as cache:
-            out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+            out = model.generate(**inputs, **cache.kwargs(), max_new_tokens=64)
 
     ``prefill`` adds MInference sparse prefill: a mode name (``"minference"`` uses the pattern
     config shipped for the model; ``"a_shape"``, ``"vertical_slash"``, ``"block_sparse"`` one
@@ -228,10 +228,6 @@ def compress(model, method: str = "snapkv", prefill=None, **policy_kwargs) -> It
         yield cache
 
 
-@functools.lru_cache(maxsize=1)
 def cache_kwarg() -> str:
     """The keyword ``generate``/``forward`` take the cache under: ``cache`` from transformers 5.20, else ``past_key_values``."""
-    import transformers
-    from packaging.version import Version
-
-    return "cache" if Version(transformers.__version__) >= Version("5.20") else "past_key_values"
+    return cache_keyword()

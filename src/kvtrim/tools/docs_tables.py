@@ -1,0 +1,299 @@
+"""Regenerate every generated block of README.md and docs/*.md from the committed result files.
+
+A generated block sits between two HTML comments that name the command producing it::
+
+    <!-- generated: benchmarks/bench_memory_decode.py --table benchmarks/results/memory_decode.json -->
+    ...the command's output, verbatim...
+    <!-- end generated -->
+
+The command is a benchmark script with its ``--table`` arguments (run in this process: the
+script's ``main(argv)`` with stdout captured), or ``kvtrim.tools.docs_tables NAME`` for a block
+this module computes itself (``guide``, ``vllm``: numbers quoted in prose, from the committed
+JSON). The evaluation sweep's block (``<!-- kvtrim-report:start -->``) and ``docs/eval/`` are
+``kvtrim report``'s output and are regenerated too.
+
+    .venv/bin/python -m kvtrim.tools.docs_tables --check    # exit 1 and name every stale block
+    .venv/bin/python -m kvtrim.tools.docs_tables --write    # rewrite the blocks (and docs/eval/) in place
+
+Run from the repository root (``--root`` otherwise). ``tests/test_docs.py`` runs the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from kvtrim.errors import KVTrimError
+
+BLOCK = re.compile(r"<!-- generated: (?P<cmd>.+?) -->\n(?P<body>.*?)<!-- end generated -->", re.S)
+SELF = "kvtrim.tools.docs_tables"
+EVAL_DIR = "benchmarks/results/eval_baseline"
+
+
+def doc_files(root: Path) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def run_script(root: Path, argv: list[str]) -> str:
+    """The stdout of ``python <script> <args>`` for a benchmark script, run in this process."""
+    script = root / argv[0]
+    if not script.is_file():
+        raise KVTrimError(f"generated block names {argv[0]!r}, which does not exist")
+    name = "_docs_" + script.stem
+    spec = importlib.util.spec_from_file_location(name, script)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(script.parent))
+    old_argv = sys.argv
+    buf = io.StringIO()
+    try:
+        spec.loader.exec_module(mod)
+        sys.argv = [str(script), *argv[1:]]
+        with contextlib.redirect_stdout(buf):
+            try:
+                try:
+                    rc = mod.main(argv[1:])
+                except TypeError:
+                    rc = mod.main()  # a main() that reads sys.argv
+            except SystemExit as e:
+                rc = e.code
+    finally:
+        sys.argv = old_argv
+        sys.path.remove(str(script.parent))
+    if rc not in (None, 0):
+        raise KVTrimError(f"{' '.join(argv)} exited with status {rc}")
+    return buf.getvalue()
+
+
+def produce(root: Path, cmd: str) -> str:
+    argv = shlex.split(cmd)
+    if argv[0] == SELF:
+        if len(argv) != 2 or argv[1] not in GENERATORS:
+            raise KVTrimError(f"unknown generated block {cmd!r}; known: {', '.join(GENERATORS)}")
+        return GENERATORS[argv[1]](root)
+    return run_script(root, argv)
+
+
+def regenerate(root: Path, text: str) -> str:
+    def repl(m: re.Match) -> str:
+        body = produce(root, m.group("cmd")).rstrip("\n") + "\n"
+        return f"<!-- generated: {m.group('cmd')} -->\n{body}<!-- end generated -->"
+
+    return BLOCK.sub(repl, text)
+
+
+# ----------------------------------------------------------------------------- computed blocks
+def _load(root: Path, rel: str):
+    return json.loads((root / rel).read_text())
+
+
+def _eval_cells(root: Path) -> list[dict]:
+    from kvtrim.eval.report import load_dirs, summarize
+
+    return summarize(load_dirs([str(root / EVAL_DIR)]))["cells"]
+
+
+def _cell(cells, task, length, method, keep):
+    for c in cells:
+        if (c["task"], c["length"], c["method"], c["keep"], c["prefill"]) == (task, length, method, keep, "dense"):
+            return c
+    raise KVTrimError(f"no eval cell {task} {length} {method} {keep}")
+
+
+def guide(root: Path) -> str:
+    """"Which method for which job": each pick with the measured reason, from the committed results."""
+    cells = _eval_cells(root)
+    pk = {m: [_cell(cells, "passkey", n, m, k)["score"] for n in (2048, 4096) for k in (0.25,)]
+          for m in ("snapkv", "h2o", "streaming_llm", "inf_mllm")}
+    full_pk = [_cell(cells, "passkey", n, "full", None)["score"] for n in (2048, 4096)]
+    mt = {m: [_cell(cells, "multiturn", n, m, 0.5)["score"] for n in (2048, 4096)]
+          for m in ("streaming_llm", "inf_mllm", "h2o", "snapkv")}
+    full_mt = [_cell(cells, "multiturn", n, "full", None)["score"] for n in (2048, 4096)]
+    sc = _load(root, "benchmarks/results/stream_compare.json")
+    from statistics import median
+
+    def ppl(m):
+        ch = sc["methods"][m]["chunks"][2:]
+        return math.exp(sum(c["nll_sum"] for c in ch) / sum(c["scored"] for c in ch))
+
+    pp = [ppl(m) for m in ("inf_mllm", "streaming_llm", "h2o")]
+
+    def tps(m):
+        return median(c["tokens_per_s"] for c in sc["methods"][m]["chunks"][2:])
+
+    sl = _load(root, "benchmarks/results/stream_long.json")
+    hae = _load(root, "benchmarks/results/hae_prefill.json")
+    big = [r for r in hae["rows"] if r["visual_tokens"] == max(x["visual_tokens"] for x in hae["rows"])]
+    spd = {r["config"]: r["speedup_vs_full"] for r in big}
+    mp = _load(root, "benchmarks/results/minference_prefill.json")
+    sp = {int(n): v for n, v in mp["summary"]["minference"]["speedup_wall"].items()}
+    crossover = mp["summary"]["minference"]["crossover_length"]
+    f = "{:.2f}".format
+    lines = [
+        "| job | pick | why (measured on the embedded 135M model) |",
+        "|---|---|---|",
+        f"| one-shot question over a long document | `snapkv`, keep 0.25-0.5 | eval sweep, pass key at keep 0.25: "
+        f"`snapkv` {f(pk['snapkv'][0])} / {f(pk['snapkv'][1])} (2k / 4k tokens; full cache {f(full_pk[0])} / {f(full_pk[1])}), "
+        f"`h2o` {f(pk['h2o'][0])} / {f(pk['h2o'][1])}, `streaming_llm` {f(pk['streaming_llm'][0])} / "
+        f"{f(pk['streaming_llm'][1])}, `inf_mllm` {f(pk['inf_mllm'][0])} / {f(pk['inf_mllm'][1])} |",
+        f"| long chat (many turns) | `streaming_llm` (or `inf_mllm`, `kvtrim chat`'s default), keep 0.5 | eval sweep, "
+        f"multi-turn questions at keep 0.5: `streaming_llm` {f(mt['streaming_llm'][0])} / {f(mt['streaming_llm'][1])}, "
+        f"`inf_mllm` {f(mt['inf_mllm'][0])} / {f(mt['inf_mllm'][1])}, `snapkv` {f(mt['snapkv'][0])} / {f(mt['snapkv'][1])}, "
+        f"`h2o` {f(mt['h2o'][0])} / {f(mt['h2o'][1])} (full cache {f(full_mt[0])} / {f(full_mt[1])}); the seed method "
+        "`inf_mllm` does not beat the recency baseline `streaming_llm` here |",
+        f"| unbounded stream | `streaming_llm` or `inf_mllm` with `--max-tokens` | stream results: 1,000,000 tokens with "
+        f"`inf_mllm` at {sl['max_tokens']} tokens, KV flat, RSS +{_rss_growth(sl):.2%} after 100k; at the same budget "
+        f"`streaming_llm` streams {tps('streaming_llm'):.0f} tok/s, `inf_mllm` {tps('inf_mllm'):.0f}, `h2o` {tps('h2o'):.0f} "
+        f"(pooled perplexity once the budget is full: {pp[1]:.1f}, {pp[0]:.1f}, {pp[2]:.1f}) |",
+        f"| images or video | `hae` (prune mode) or `fastv` | HAE prefill benchmark, {big[0]['visual_tokens']:,} visual "
+        f"tokens: prefill {f(spd['hae_prune(matched)'])}x faster with DAP pruning, {f(spd['fastv_prune'])}x with FastV; "
+        "both act on image/video tokens only (refused on text), and on text with a document span both lose a pass key "
+        "that `snapkv` keeps (DAP proxy) |",
+        "| faster prefill of a long prompt | `--prefill minference` (with any KV method) | MInference prefill benchmark: "
+        + ", ".join(f"{sp[n]:.2f}x at {n}" for n in sorted(sp)) + f" tokens (break-even at {crossover}; "
+        "`--prefill-min-length` keeps shorter prompts dense) |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def eval_summary(root: Path) -> str:
+    """The README's bullets on the evaluation sweep, from its committed result lines."""
+    from kvtrim.eval.report import MIN_FULL_SCORE, eligible_tasks, row_summary
+
+    cells = _eval_cells(root)
+    methods = ["streaming_llm", "snapkv", "h2o", "inf_mllm", "elastic"]
+    keeps = (0.1, 0.25, 0.5)
+
+    def sc(task, n, m, k=None):
+        return _cell(cells, task, n, m, k)["score"]
+
+    f = "{:.2f}".format
+    pk = {n: " / ".join(f(sc("passkey", n, "snapkv", k)) for k in keeps) for n in (2048, 4096)}
+    out = [
+        "- Every compressing method loses most needle retrieval at keep 0.1. `snapkv` keeps the pass key best: "
+        f"{pk[2048]} at keep 0.1 / 0.25 / 0.5 at 2k tokens (full cache {f(sc('passkey', 2048, 'full'))}), {pk[4096]} "
+        f"at 4k (full cache {f(sc('passkey', 4096, 'full'))}).",
+        f"- Mean score over the tasks the full cache solves (score at least {MIN_FULL_SCORE:g}: "
+        + "; ".join(f"{n // 1024}k: {', '.join(eligible_tasks(cells, n))}" for n in (2048, 4096))
+        + "), and in brackets its ratio to the full cache's on the same samples:",
+        "",
+        "  | length | keep | full | " + " | ".join(f"`{m}`" for m in methods) + " |",
+        "  |---|---:|---:|" + "---:|" * len(methods),
+    ]
+    for n in (2048, 4096):
+        full_mean, _ = row_summary(cells, n, "full", None)
+        for k in (0.5, 0.25):
+            vals = []
+            for m in methods:
+                mean, rel = row_summary(cells, n, m, k)
+                vals.append("—" if mean is None else f"{mean:.2f} ({rel:.0%})")
+            out.append(f"  | {n // 1024}k | {k:g} | {f(full_mean)} | " + " | ".join(vals) + " |")
+    ppl = {k: [sc("ppl", 2048, m, k) for m in methods if m != "elastic"] for k in (0.5, 0.25)}
+    out += [
+        "",
+        f"- Perplexity moves least. At 2k it goes from {sc('ppl', 2048, 'full'):.1f} (full) to "
+        f"{min(ppl[0.5]):.1f}-{max(ppl[0.5]):.1f} at keep 0.5 and {min(ppl[0.25]):.1f}-{max(ppl[0.25]):.1f} at keep 0.25. "
+        f"`elastic` is the exception: {sc('ppl', 2048, 'elastic', 0.5):.1f} and {sc('ppl', 2048, 'elastic', 0.25):.1f}.",
+    ]
+    mt = [sc("multiturn", 2048, m, 0.5) for m in methods if m != "elastic"]
+    out.append(f"- Multi-turn questions (full cache {f(sc('multiturn', 2048, 'full'))} at 2k) drop to "
+               f"{f(min(mt))}-{f(max(mt))} at keep 0.5, and to {f(sc('multiturn', 2048, 'elastic', 0.5))} for `elastic`.")
+    return "\n".join(out) + "\n"
+
+
+def _rss_growth(sl: dict) -> float:
+    chunks = sl["methods"]["inf_mllm"]["chunks"]
+    at = next(c for c in chunks if c["seen"] >= 100_000)
+    return max(c["rss_bytes"] for c in chunks if c["seen"] > at["seen"]) / at["rss_bytes"] - 1
+
+
+def vllm(root: Path) -> str:
+    """The vLLM comparison, both ways, from anchor_vllm.json."""
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("_docs_anchor_vllm", root / "benchmarks" / "anchor_vllm.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+    return mod.comparison(_load(root, "benchmarks/results/anchor_vllm.json"))
+
+
+def bench_cli(root: Path) -> str:
+    """`kvtrim bench`'s table of its committed run (benchmarks/results/bench_cli.json)."""
+    from kvtrim.eval.bench import table
+
+    return table(_load(root, "benchmarks/results/bench_cli.json")) + "\n"
+
+
+GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary}
+
+
+# ----------------------------------------------------------------------------- the eval report
+def eval_report_expected(root: Path) -> str:
+    from kvtrim.eval.report import load_dirs, render, summarize
+
+    return render(summarize(load_dirs([str(root / EVAL_DIR)])), "docs/eval")
+
+
+def write_eval_report(root: Path) -> None:
+    from kvtrim.eval.report import write_report
+
+    write_report([str(root / EVAL_DIR)], out_dir=str(root / "docs" / "eval"), readme=str(root / "README.md"),
+                 image_prefix="docs/eval", source_label=EVAL_DIR)
+
+
+def stale(root: Path) -> list[str]:
+    """Each generated block (file: command) whose text differs from what its command prints now."""
+    from kvtrim.eval.report import END, START
+
+    out = []
+    for p in doc_files(root):
+        text = p.read_text()
+        for m in BLOCK.finditer(text):
+            if produce(root, m.group("cmd")).rstrip("\n") != m.group("body").rstrip("\n"):
+                out.append(f"{p.relative_to(root)}: {m.group('cmd')}")
+    readme = (root / "README.md").read_text()
+    if readme.split(START, 1)[1].split(END, 1)[0].strip() != eval_report_expected(root).strip():
+        out.append(f"README.md: kvtrim report {EVAL_DIR}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvtrim.tools.docs_tables", description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--check", action="store_true", help="list stale blocks; exit 1 if any")
+    g.add_argument("--write", action="store_true", help="rewrite every generated block, the README's eval block and docs/eval/")
+    ap.add_argument("--root", default=".", help="the repository root (default: the current directory)")
+    args = ap.parse_args(argv)
+    root = Path(args.root).resolve()
+    if not (root / "README.md").is_file() or not (root / "benchmarks").is_dir():
+        ap.error(f"{root} is not the kvtrim repository root (no README.md and benchmarks/)")
+    if args.check:
+        bad = stale(root)
+        for b in bad:
+            print(f"stale: {b}")
+        return 1 if bad else 0
+    for p in doc_files(root):
+        text = p.read_text()
+        new = regenerate(root, text)
+        if new != text:
+            p.write_text(new)
+            print(f"rewrote {p.relative_to(root)}")
+    write_eval_report(root)
+    print("rewrote the README's eval block and docs/eval/ (report.md, plots)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
