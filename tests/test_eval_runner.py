@@ -174,11 +174,14 @@ def test_plan_validation_errors():
 
 
 def test_read_lines_repairs_a_cut_line(tmp_path):
+    line = {"task": "passkey", "length": 512, "sample": 0, "method": "full", "keep": None, "score": 1.0,
+            "kv_bytes": 10, "prefill_seconds": 0.1}
     p = tmp_path / "x.jsonl"
-    p.write_text(json.dumps({"a": 1}) + "\n" + '{"a": 2, "b"')
-    assert read_lines([p]) == [{"a": 1}]
-    assert read_lines([p], repair=True) == [{"a": 1}]
-    assert p.read_text() == json.dumps({"a": 1}) + "\n"
+    p.write_text(json.dumps(line) + "\n" + '{"a": 2, "b"')
+    assert read_lines([p]) == [line]
+    assert read_lines([p], repair=True) == [line]
+    assert p.read_text() == json.dumps(line) + "\n"
+    assert (tmp_path / "x.jsonl.corrupt").read_text() == 'line 2: {"a": 2, "b"\n'  # moved out, not lost
 
 
 # ----------------------------------------------------------------------------- the sweep on a tiny model

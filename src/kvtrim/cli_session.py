@@ -53,6 +53,22 @@ def _json(d: dict) -> str:
     return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}, allow_nan=False)
 
 
+def check_save_target(path: str | None, flag: str = "--save") -> None:
+    """Refuse a save directory that cannot be created, before the model loads (a session is not lost at the end)."""
+    if path is None:
+        return
+    import os
+
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise KVTrimError(f"{flag} {path!r} is a file; give a directory for the session")
+    existing = next(p for p in (target, *target.parents) if p.exists() or p == Path(p.anchor or "."))
+    if not existing.is_dir():
+        raise KVTrimError(f"{flag} {path!r}: {str(existing)!r} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise KVTrimError(f"{flag} {path!r}: {str(existing)!r} is not writable")
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
@@ -76,6 +92,9 @@ def cmd_chat(args) -> int:
     policy = None if args.load else _policy(args, streaming=False)
     if args.max_new_tokens < 1:
         raise KVTrimError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.sample and not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise KVTrimError(f"--temperature must be a finite number > 0, got {args.temperature!r}")
+    check_save_target(args.save)
     lm = load_model(args.model)
     if policy is None:
         s = Session.load(args.load, lm.model, lm.tokenizer)
@@ -142,6 +161,7 @@ def cmd_stream(args) -> int:
         raise KVTrimError(f"--limit must be a positive number of tokens, got {args.limit}")
     text = read_text_file(args.file, "file")
     policy = _policy(args, streaming=True)
+    check_save_target(args.save)
     lm = load_model(args.model)
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if args.limit is not None:
