@@ -30,6 +30,10 @@ def cmd_eval(args) -> int:
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
                      prefill=args.prefill, haystack=args.haystack)
     shard = _shard(args.shard)
+    if args.haystack is not None:
+        from kvtrim.eval.common import haystack_text
+
+        haystack_text(args.haystack)  # an unknown haystack is refused before the model loads
     check_out_dir(args.out)  # fail on an unwritable directory before the model loads
     lm = load_model(args.model)
     summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet, batch=not args.unbatched)
