@@ -103,7 +103,7 @@ def _torn(f):
     """A result file whose last line has no newline (an interrupted writer)."""
     d = Path(f["rep_torn"])
     (d / "runs").mkdir(parents=True)
-    (d / "runs" / "passkey-512.jsonl").write_text(json.dumps(GOOD_LINE) + "\n" + json.dumps(GOOD_LINE | {"sample": 1}))
+    (d / "runs" / "passkey-512.jsonl").write_text(json.dumps(GOOD_LINE) + "\n" + json.dumps(GOOD_LINE | {"sample": 1})[:-9])
 
 
 # (id, argv, message fragment[, LOADS]); {key} is a scratch path from the fixture ``f``
@@ -223,7 +223,7 @@ CLI_ROWS = [
     ("report_missing", "report {t}/nosuch", "is not a directory of kvtrim eval results"),
     ("report_emptydir", "report {rep_empty}", "holds no result lines"),
     ("report_cut_line", "report {rep_cut} --no-plots", "passkey-512.jsonl:2 (not valid JSON"),
-    ("report_torn_last", "report {rep_torn} --no-plots", "passkey-512.jsonl:2 (cut short"),
+    ("report_torn_last", "report {rep_torn} --no-plots", "passkey-512.jsonl:2 (the last line, cut short: not valid JSON)"),
     ("report_emptyobj", "report {rep_emptyobj} --no-plots", "passkey-512.jsonl:4 (no task, length, sample"),
     ("report_score_str", "report {rep_score_str} --no-plots", "passkey-512.jsonl:2 (score is 'abc')"),
     ("report_json_list", "report {rep_list} --json", "passkey-512.jsonl:2 (a JSON list, not an object)"),
@@ -436,6 +436,16 @@ def test_repair_moves_corrupted_lines_out_with_their_line_numbers(tmp_path):
     assert p.read_bytes() == b"".join(json.dumps(x).encode() + b"\n" for x in (good[0], good[2], good[3]))
     assert Path(f"{p}.corrupt").read_bytes() == b"line 2: " + cut + b'\nline 4: {}\nline 6: {"task": "pass\n'
     assert read_lines([p], repair=True) == rows  # nothing left to repair
+
+
+def test_a_complete_last_line_without_newline_is_kept_and_repair_adds_the_newline(tmp_path):
+    from kvtrim.eval.store import read_lines
+
+    p = tmp_path / "x.jsonl"
+    p.write_text(json.dumps(GOOD_LINE))
+    assert read_lines([p]) == [GOOD_LINE] and p.read_text() == json.dumps(GOOD_LINE)
+    assert read_lines([p], repair=True) == [GOOD_LINE]
+    assert p.read_text() == json.dumps(GOOD_LINE) + "\n"  # the next appended line starts on its own line
 
 
 def test_report_prints_one_line_without_a_traceback_in_a_subprocess(f):

@@ -267,8 +267,8 @@ def load_dirs(dirs: list[str], strict: bool = True) -> list[dict]:
     if bad:
         raise KVTrimError(
             f"{len(bad)} corrupted result line{'s' if len(bad) > 1 else ''}: {describe_bad(bad)}; nothing reported. "
-            "Rerun the `kvtrim eval` that wrote them (it moves them into FILE.corrupt and recomputes them) "
-            "or remove them by hand"
+            f"Rerun the `kvtrim eval` that wrote {'them' if len(bad) > 1 else 'it'} (it moves corrupted lines into "
+            f"FILE.corrupt and recomputes them) or remove {'them' if len(bad) > 1 else 'it'} by hand"
         )
     if not lines:
         raise KVTrimError(f"no result lines in {', '.join(dirs)}")

@@ -88,7 +88,7 @@ def line_problem(raw: bytes) -> tuple[dict | None, str | None]:
     try:
         d = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return None, "not valid JSON (cut short or overwritten)"
+        return None, "not valid JSON"
     if not isinstance(d, dict):
         return None, f"a JSON {type(d).__name__}, not an object"
     missing = [k for k in _REQUIRED if k not in d]
@@ -107,8 +107,8 @@ def scan_lines(paths: Iterable[Path]) -> tuple[list[dict], list[tuple[Path, int,
 
     A line is corrupted when it is not a JSON object with the fields a result line has (see
     :data:`LINE_FIELDS`; ``task``, ``length``, ``sample``, ``method``, ``score``, ``kv_bytes`` and
-    ``prefill_seconds`` are required) of the right types, or when it is the last line of its file
-    and has no newline (cut short by an interruption)."""
+    ``prefill_seconds`` are required) of the right types. (A complete last line without its
+    newline is a valid line; ``read_lines(repair=True)`` adds the newline.)"""
     rows: list[dict] = []
     bad: list[tuple[Path, int, str, bytes]] = []
     for p in paths:
@@ -120,8 +120,8 @@ def scan_lines(paths: Iterable[Path]) -> tuple[list[dict], list[tuple[Path, int,
             if not raw.strip():
                 continue
             row, problem = line_problem(raw)
-            if problem is None and no == len(lines):
-                problem = "cut short (no newline at the end of the file)"
+            if problem is not None and no == len(lines):
+                problem = f"the last line, cut short: {problem}"
             if problem is not None:
                 bad.append((p, no, problem, raw))
             else:
@@ -148,7 +148,18 @@ def read_lines(paths: Iterable[Path], repair: bool = False) -> list[dict]:
     if repair and bad:
         for p in dict.fromkeys(b[0] for b in bad):
             _move_out(p, {no: raw for q, no, _, raw in bad if q == p})
+    if repair:
+        for p in paths:  # a complete line whose newline was not written: the next append must not glue onto it
+            if p.is_file() and p.stat().st_size and not _ends_with_newline(p):
+                with open(p, "ab") as f:
+                    f.write(b"\n")
     return rows
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _move_out(path: Path, bad: dict[int, bytes]) -> None:
