@@ -413,6 +413,17 @@ def test_read_lines_warns_with_file_and_line(f, caplog):
     assert files[0].read_text().count("\n") == 4  # without repair the file is untouched
 
 
+def test_load_dirs_refuses_with_every_corrupted_line(f):
+    from kvtrim.errors import CorruptResultsError
+    from kvtrim.eval.report import load_dirs
+
+    with pytest.raises(CorruptResultsError) as e:
+        load_dirs([f["rep_ok"], f["rep_many"]])
+    path = str(Path(f["rep_many"]) / "runs" / "passkey-512.jsonl")
+    assert [(p, no) for p, no, _ in e.value.bad] == [(path, no) for no in range(1, 6)]
+    assert str(e.value).startswith(f"5 corrupted result lines: {path}:1 (no task, ") and "and 2 more" in str(e.value)
+
+
 def test_load_dirs_not_strict_warns_and_leaves_the_line_out(f, caplog):
     from kvtrim.eval.report import load_dirs
 

@@ -9,3 +9,12 @@ class ModelLoadError(KVTrimError):
     """A model that cannot be loaded: a missing path, a model id that is not in the local Hugging
     Face cache, a damaged or fake GGUF, an invalid ``config.json``, missing tokenizer files,
     truncated weights. The message is one line naming the path and what is wrong."""
+
+
+class CorruptResultsError(KVTrimError):
+    """Result lines that cannot be used (cut short, overwritten, missing or mistyped fields):
+    ``kvtrim report`` refuses to report from them. ``bad`` lists ``(file, line number, problem)``."""
+
+    def __init__(self, message: str, bad: list[tuple[str, int, str]]):
+        super().__init__(message)
+        self.bad = bad
