@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,11 +175,14 @@ def test_plan_validation_errors():
 
 
 def test_read_lines_repairs_a_cut_line(tmp_path):
+    line = {"task": "passkey", "length": 512, "sample": 0, "method": "full", "keep": None, "score": 1.0,
+            "kv_bytes": 10, "prefill_seconds": 0.1}
     p = tmp_path / "x.jsonl"
-    p.write_text(json.dumps({"a": 1}) + "\n" + '{"a": 2, "b"')
-    assert read_lines([p]) == [{"a": 1}]
-    assert read_lines([p], repair=True) == [{"a": 1}]
-    assert p.read_text() == json.dumps({"a": 1}) + "\n"
+    p.write_text(json.dumps(line) + "\n" + '{"a": 2, "b"')
+    assert read_lines([p]) == [line]
+    assert read_lines([p], repair=True) == [line]
+    assert p.read_text() == json.dumps(line) + "\n"
+    assert (tmp_path / "x.jsonl.corrupt").read_text() == 'line 2: {"a": 2, "b"\n'  # moved out, not lost
 
 
 # ----------------------------------------------------------------------------- the sweep on a tiny model
@@ -246,6 +250,28 @@ def test_sweep_resumes_without_redoing_or_losing(tiny_lm, tmp_path, monkeypatch)
     assert len(read_lines(result_files(out))) == len(lines)
 
 
+def test_resume_moves_corrupted_lines_out_and_recomputes_them(tiny_lm, tmp_path, caplog):
+    from kvtrim.eval.store import line_key, result_files
+    from kvtrim.eval.sweep import run_eval
+
+    plan = _plan(tasks="passkey", methods="snapkv")
+    out = tmp_path / "sweep"
+    run_eval(tiny_lm, plan, out, progress=False)
+    (victim,) = result_files(out)
+    good = victim.read_bytes().splitlines(keepends=True)
+    cut = good[1][:25]  # line 2 cut in the middle of the file, then an empty object, then the rest
+    victim.write_bytes(good[0] + cut + b"\n" + b"{}\n" + b"".join(good[2:]))
+    with caplog.at_level("WARNING", logger="kvtrim.eval.store"):
+        run_eval(tiny_lm, plan, out, progress=False)
+    assert f"{victim}:2: corrupted result line (not valid JSON" in caplog.text
+    assert f"{victim}:3: corrupted result line (no task" in caplog.text
+    lines = read_lines([victim])
+    keys = [line_key(d) for d in lines]
+    assert len(keys) == len(set(keys)) == len(plan.units()) * len(plan.configs)  # recomputed, nothing doubled
+    assert b"{}" not in victim.read_bytes() and cut + b"\n" not in victim.read_bytes()
+    assert Path(f"{victim}.corrupt").read_bytes() == b"line 2: " + cut + b"\nline 3: {}\n"  # kept aside, not lost
+
+
 def test_sweep_refuses_bad_output_and_lengths(tiny_lm, tmp_path):
     from kvtrim.eval.store import check_out_dir
     from kvtrim.eval.sweep import run_eval
@@ -256,6 +282,7 @@ def test_sweep_refuses_bad_output_and_lengths(tiny_lm, tmp_path):
         check_out_dir(blocker / "sub")
     with pytest.raises(KVTrimError, match=r"context of 1024.*cannot stream"):
         run_eval(tiny_lm, _plan(lengths="2048"), tmp_path / "long", progress=False)
+    assert not (tmp_path / "long" / "config.json").exists()  # a refused plan writes nothing
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "config.json").write_text(json.dumps({"model": "another-model"}))
     with pytest.raises(KVTrimError, match="holds a sweep of model 'another-model'"):

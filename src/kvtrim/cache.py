@@ -165,9 +165,10 @@ class CompressedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if key_states.shape[0] != 1:
             raise KVTrimError(
-                f"KVTrimCache supports batch size 1 (got {key_states.shape[0]}): token-level eviction keeps a "
-                "different token set per sequence, which transformers' padding masks cannot express. "
-                "Run one sequence per cache."
+                f"KVTrimCache supports batch size 1 (got {key_states.shape[0]} sequences: a batch of prompts, or one "
+                "prompt expanded by beam search (num_beams > 1) or num_return_sequences > 1): token-level eviction "
+                "keeps a different token set per sequence, which transformers' padding masks cannot express. "
+                "Run one sequence per cache, with greedy decoding or sampling."
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

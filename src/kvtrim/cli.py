@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 from kvtrim.errors import KVTrimError
+from kvtrim.validate import integer, number
 
 logger = logging.getLogger("kvtrim")
 
@@ -78,6 +80,8 @@ def _prefill_from_args(args, model=None):
             SparsePrefill(mode, config=cfg, sizes=sizes, min_length=args.prefill_min_length)
         elif sizes:
             raise KVTrimError("--prefill-size is for the single-pattern modes; minference takes sizes from --pattern-config")
+        else:
+            integer(args.prefill_min_length, "--prefill-min-length", minimum=1, unit="tokens")
         return None
     if mode == "dense" and not sizes and cfg is None:
         return None
@@ -90,6 +94,9 @@ def cmd_generate(args) -> int:
 
     policy = _policy_from_args(args)  # validate before the slow model load
     _prefill_from_args(args)
+    integer(args.max_new_tokens, "--max-new-tokens", minimum=0, unit="tokens")
+    if args.sample:
+        number(args.temperature, "--temperature", minimum=0, min_open=True)
     context = _read_context(args.context_file)
     if getattr(args, "image", None):
         from kvtrim.vlm import generate_with_images
@@ -144,6 +151,7 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from tqdm import tqdm
 
+    from kvtrim.eval.common import check_depth, check_length
     from kvtrim.eval.tasks import passkey
     from kvtrim.generation import generate_ids
     from kvtrim.models import build_prompt_ids, load_model
@@ -154,6 +162,8 @@ def cmd_demo(args) -> int:
     for n in names:
         kw = {"keep": args.keep} if get_policy_class(n).takes_budget else {}
         policies.append(create_policy(n, **kw))
+    check_length("passkey", args.length)  # before the model loads
+    check_depth("passkey", args.depth)
     print(f"kvtrim demo: loading {args.model or 'the embedded model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
     lm = load_model(args.model)
     sample = passkey(lm.tokenizer, args.length, depth=args.depth, seed=args.seed)
@@ -196,8 +206,10 @@ def cmd_search_patterns(args) -> int:
     out = Path(args.out)
     if out.exists() and out.is_dir():
         raise KVTrimError(f"--out {args.out!r} is a directory; give a file name")
-    if not out.parent.exists():
+    if not out.parent.is_dir():
         raise KVTrimError(f"--out: directory {str(out.parent)!r} does not exist")
+    if not os.access(out if out.exists() else out.parent, os.W_OK):
+        raise KVTrimError(f"--out {args.out!r} is not writable")
     lm = load_model(args.model)
     tags = [args.tag] if args.tag else []
     cfg = search_patterns(lm.model, lm.tokenizer, length=args.length, target_density=levels, seed=args.seed, model_tags=tags,

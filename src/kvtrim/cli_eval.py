@@ -30,6 +30,10 @@ def cmd_eval(args) -> int:
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
                      prefill=args.prefill, haystack=args.haystack)
     shard = _shard(args.shard)
+    if args.haystack is not None:
+        from kvtrim.eval.common import haystack_text
+
+        haystack_text(args.haystack)  # an unknown haystack is refused before the model loads
     check_out_dir(args.out)  # fail on an unwritable directory before the model loads
     lm = load_model(args.model)
     summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet, batch=not args.unbatched)
@@ -39,9 +43,39 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _check_report_paths(args) -> None:
+    """--out and --readme are checked before anything is read or written (see ``kvtrim.eval.report``)."""
+    import os
+    from pathlib import Path
+
+    from kvtrim.eval.report import END, START
+
+    if args.out is not None:
+        out = Path(args.out)
+        existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor or "."))
+        if existing == out and not out.is_dir():
+            raise KVTrimError(f"--out {args.out!r} is a file; give a directory for report.md and the plots")
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise KVTrimError(f"--out {args.out!r}: cannot create a directory under {str(existing)!r}")
+    if args.readme is not None:
+        readme = Path(args.readme)
+        if not readme.is_file():
+            raise KVTrimError(f"--readme {args.readme!r} does not exist or is not a file")
+        try:
+            text = readme.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise KVTrimError(f"--readme {args.readme!r} cannot be read as UTF-8 text: {e}") from None
+        if START not in text or END not in text:
+            raise KVTrimError(f"--readme {args.readme!r} has no {START} ... {END} block to fill")
+        if not os.access(readme, os.W_OK):
+            raise KVTrimError(f"--readme {args.readme!r} is not writable")
+
+
 def cmd_report(args) -> int:
     from kvtrim.eval.report import load_dirs, render, summarize, write_report
 
+    if not args.json:
+        _check_report_paths(args)
     if args.json:
         print(json.dumps(summarize(load_dirs(args.dirs)), indent=1))
         return 0

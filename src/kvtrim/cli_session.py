@@ -78,6 +78,8 @@ def cmd_chat(args) -> int:
     policy = None if args.load else _policy(args, streaming=False)
     if args.max_new_tokens < 1:
         raise KVTrimError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.sample and not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise KVTrimError(f"--temperature must be a finite number > 0, got {args.temperature!r}")
     lm = load_model(args.model)
     if policy is None:
         s = Session.load(args.load, lm.model, lm.tokenizer)

@@ -15,3 +15,12 @@ class SessionError(KVTrimError):
     """A saved session that cannot be written or loaded: a damaged, truncated, edited or mismatched
     file, a session of another model, dtype or method, a symbolic link in the way, a target that is
     not a session directory. The message is one line naming the directory and what differs."""
+
+
+class CorruptResultsError(KVTrimError):
+    """Result lines that cannot be used (cut short, overwritten, missing or mistyped fields):
+    ``kvtrim report`` refuses to report from them. ``bad`` lists ``(file, line number, problem)``."""
+
+    def __init__(self, message: str, bad: list[tuple[str, int, str]]):
+        super().__init__(message)
+        self.bad = bad

@@ -64,7 +64,7 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
     from kvtrim.integrations.prefill import PREFILL_MODES
     from kvtrim.registry import get_policy_class, method_names
 
-    task_list = comma_list(tasks, "--tasks")
+    task_list = comma_list(tasks, "the tasks argument")
     for t in task_list:
         if t not in ALL_TASKS:
             raise KVTrimError(f"unknown task {t!r}; known tasks: {', '.join(ALL_TASKS)}")

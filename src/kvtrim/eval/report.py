@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvtrim.errors import KVTrimError
+from kvtrim.errors import CorruptResultsError, KVTrimError
 from kvtrim.eval.plan import REFERENCE
 
 START = "<!-- kvtrim-report:start -->"
@@ -282,10 +282,17 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
 
 
 # ----------------------------------------------------------------------------- report
-def load_dirs(dirs: list[str]) -> list[dict]:
-    from kvtrim.eval.store import read_lines, result_files
+def load_dirs(dirs: list[str], strict: bool = True) -> list[dict]:
+    """The result lines of the eval directories ``dirs`` (``DIR/runs/*.jsonl``, else ``DIR/*.jsonl``).
+
+    A corrupted line (see :func:`kvtrim.eval.store.scan_lines`) is never used silently: with
+    ``strict`` (what ``kvtrim report`` does) the lines are refused with a
+    :class:`kvtrim.errors.CorruptResultsError` naming each ``file:line`` (its ``bad`` lists them all) (a report from partial data would look complete); without, each one is logged as
+    a warning with its ``file:line`` and left out."""
+    from kvtrim.eval.store import describe_bad, read_lines, result_files, scan_lines
 
     lines: list[dict] = []
+    bad: list = []
     for d in dirs:
         p = Path(d)
         if not p.is_dir():
@@ -293,7 +300,19 @@ def load_dirs(dirs: list[str]) -> list[dict]:
         files = result_files(p) or sorted(p.glob("*.jsonl"))
         if not files:
             raise KVTrimError(f"{d!r} holds no result lines (runs/*.jsonl); run `kvtrim eval ... --out {d}` first")
-        lines += read_lines(files)
+        if strict:
+            rows, problems = scan_lines(files)
+            lines += rows
+            bad += problems
+        else:
+            lines += read_lines(files)
+    if bad:
+        raise CorruptResultsError(
+            f"{len(bad)} corrupted result line{'s' if len(bad) > 1 else ''}: {describe_bad(bad)}; nothing reported. "
+            f"Rerun the `kvtrim eval` that wrote {'them' if len(bad) > 1 else 'it'} (it moves corrupted lines into "
+            f"FILE.corrupt and recomputes them) or remove {'them' if len(bad) > 1 else 'it'} by hand",
+            [(str(p), no, problem) for p, no, problem, _ in bad],
+        )
     if not lines:
         raise KVTrimError(f"no result lines in {', '.join(dirs)}")
     return lines

@@ -7,19 +7,24 @@ Layout of an output directory::
     DIR/summary.json                 aggregated cells (kvtrim.eval.report.summarize), rewritten after each run
 
 A line is written with one ``os.write`` on an ``O_APPEND`` descriptor, so processes sharing a
-directory never interleave lines; a line cut short by an interruption is dropped (and, with
-``repair``, cut from its file) when the lines are read back.
+directory never interleave lines. A corrupted line (cut short by an interruption, overwritten,
+missing a field, a field of the wrong type) is reported with its ``file:line`` when the lines are
+read back and never used; a resumed ``kvtrim eval`` moves it into ``<file>.corrupt`` and recomputes
+its configuration, ``kvtrim report`` refuses to report from a directory holding one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from kvtrim.errors import KVTrimError
+
+logger = logging.getLogger(__name__)
 
 #: the fields every result line has (task-specific extras follow them)
 LINE_FIELDS = ("task", "length", "sample", "seed", "depth", "method", "keep", "prefill", "score", "correct", "answer",
@@ -63,26 +68,112 @@ def runs_file(out: Path, task: str, length: int) -> Path:
     return out / "runs" / f"{task}-{length}.jsonl"
 
 
-def read_lines(paths: Iterable[Path], repair: bool = False) -> list[dict]:
-    """Every complete JSON line of ``paths``; with ``repair`` a cut-off last line is removed from its file."""
+#: field -> the JSON types it must have on every result line (``float`` accepts integers too)
+_REQUIRED = {"task": (str,), "length": (int,), "sample": (int,), "method": (str,), "score": (float,),
+             "kv_bytes": (float,), "prefill_seconds": (float,)}
+#: fields that, when present, must have these types
+_OPTIONAL = {"keep": (float, type(None)), "prefill": (str,), "decode_seconds": (float, type(None)),
+             "decode_steps": (int, type(None)), "nll_sum": (float,), "n_target": (int,)}
+
+
+def _has_type(v, types: tuple) -> bool:
+    if isinstance(v, bool):
+        return False
+    return any(isinstance(v, int) if t is int else isinstance(v, (int, float)) if t is float else isinstance(v, t)
+               for t in types)
+
+
+def line_problem(raw: bytes) -> tuple[dict | None, str | None]:
+    """Parse one result line: ``(row, None)``, or ``(None, what is wrong)`` for a corrupted line."""
+    try:
+        d = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None, "not valid JSON"
+    if not isinstance(d, dict):
+        return None, f"a JSON {type(d).__name__}, not an object"
+    missing = [k for k in _REQUIRED if k not in d]
+    if d.get("task") == "ppl":
+        missing += [k for k in ("nll_sum", "n_target") if k not in d]
+    if missing:
+        return None, f"no {', '.join(missing)}"
+    for k, types in (*_REQUIRED.items(), *_OPTIONAL.items()):
+        if k in d and not _has_type(d[k], types):
+            return None, f"{k} is {d[k]!r}"
+    return d, None
+
+
+def scan_lines(paths: Iterable[Path]) -> tuple[list[dict], list[tuple[Path, int, str, bytes]]]:
+    """Every result line of ``paths``, and the corrupted ones as ``(file, line number, problem, raw bytes)``.
+
+    A line is corrupted when it is not a JSON object with the fields a result line has (see
+    :data:`LINE_FIELDS`; ``task``, ``length``, ``sample``, ``method``, ``score``, ``kv_bytes`` and
+    ``prefill_seconds`` are required) of the right types. (A complete last line without its
+    newline is a valid line; ``read_lines(repair=True)`` adds the newline.)"""
     rows: list[dict] = []
+    bad: list[tuple[Path, int, str, bytes]] = []
     for p in paths:
         if not p.is_file():
             continue
         data = p.read_bytes()
-        if repair and data and not data.endswith(b"\n"):
-            cut = data.rfind(b"\n") + 1
-            with open(p, "r+b") as f:
-                f.truncate(cut)
-            data = data[:cut]
-        for raw in data.splitlines():
+        lines = data.split(b"\n")
+        for no, raw in enumerate(lines, 1):
             if not raw.strip():
                 continue
-            try:
-                rows.append(json.loads(raw))
-            except json.JSONDecodeError:
-                continue  # a line cut short by an interruption
+            row, problem = line_problem(raw)
+            if problem is not None and no == len(lines):
+                problem = f"the last line, cut short: {problem}"
+            if problem is not None:
+                bad.append((p, no, problem, raw))
+            else:
+                rows.append(row)  # type: ignore[arg-type]
+    return rows, bad
+
+
+def describe_bad(bad: list[tuple[Path, int, str, bytes]], limit: int = 3) -> str:
+    """``a.jsonl:3 (not valid JSON), a.jsonl:9 (score is 'abc') and 4 more`` -- for one-line messages."""
+    shown = ", ".join(f"{p}:{no} ({problem})" for p, no, problem, _ in bad[:limit])
+    return shown + (f" and {len(bad) - limit} more" if len(bad) > limit else "")
+
+
+def read_lines(paths: Iterable[Path], repair: bool = False) -> list[dict]:
+    """Every valid result line of ``paths``; a corrupted line (see :func:`scan_lines`) is logged as a
+    warning with its ``file:line`` and left out. With ``repair`` (one process owns the directory, as
+    a resumed ``kvtrim eval`` does) each corrupted line is also moved out of its file into
+    ``<file>.corrupt`` (``line N: <the bytes>``), so its configuration is recomputed and nothing is lost."""
+    paths = list(paths)
+    rows, bad = scan_lines(paths)
+    for p, no, problem, _ in bad:
+        logger.warning("%s:%d: corrupted result line (%s); %s", p, no, problem,
+                       f"moved to {p}.corrupt, it will be recomputed" if repair else "left out")
+    if repair and bad:
+        for p in dict.fromkeys(b[0] for b in bad):
+            _move_out(p, {no: raw for q, no, _, raw in bad if q == p})
+    if repair:
+        for p in paths:  # a complete line whose newline was not written: the next append must not glue onto it
+            if p.is_file() and p.stat().st_size and not _ends_with_newline(p):
+                with open(p, "ab") as f:
+                    f.write(b"\n")
     return rows
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def _move_out(path: Path, bad: dict[int, bytes]) -> None:
+    """Append the lines ``bad`` (line number -> bytes) of ``path`` to ``path.corrupt``, then rewrite
+    ``path`` without them (a temporary file renamed over it)."""
+    with open(f"{path}.corrupt", "ab") as f:
+        for no, raw in bad.items():
+            f.write(f"line {no}: ".encode() + raw + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    keep = [raw for no, raw in enumerate(path.read_bytes().split(b"\n"), 1) if no not in bad and raw.strip()]
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(b"".join(raw + b"\n" for raw in keep))
+    os.replace(tmp, path)
 
 
 def result_files(out: str | os.PathLike) -> list[Path]:

@@ -6,7 +6,9 @@ The plan is checked by :mod:`kvtrim.eval.plan`, results go to the directory layo
 Resumption: a line is written (one ``os.write`` on an ``O_APPEND`` descriptor) as soon as its
 sample is scored; on a rerun every (task, length, sample, method, keep, prefill) already present
 is skipped, and a sample whose configurations are all present is not even generated. A line cut
-short by an interruption is dropped when the sweep starts again. ``--shard I/N`` lets N processes
+short by an interruption, or otherwise corrupted, is moved into ``<file>.corrupt`` (with its line
+number) and recomputed when the sweep starts again (``kvtrim.eval.store.read_lines``; with
+``--shard`` it is only reported and skipped, since other processes may be writing). ``--shard I/N`` lets N processes
 share one directory (sample units are dealt round-robin).
 
 How one sample unit runs (all configurations of one generated sample):
@@ -63,12 +65,12 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     from kvtrim.integrations.batched import drive
     from kvtrim.integrations.hf import attach
 
+    check_lengths(plan, lm.tokenizer, lm.max_context)  # before config.json is written: a refused plan leaves nothing
     out_path = check_out_dir(out, lm.source)
-    check_lengths(plan, lm.tokenizer, lm.max_context)
     idx, n_shards = shard
     if not (0 <= idx < n_shards):
         raise KVTrimError(f"--shard must be I/N with 0 <= I < N; got {idx}/{n_shards}")
-    # drop lines cut short by an interruption, then see what is done
+    # move corrupted lines (cut short by an interruption, overwritten) into FILE.corrupt, then see what is done
     done = {line_key(r) for r in read_lines(result_files(out_path), repair=(n_shards == 1))}
     units = [u for j, u in enumerate(plan.units()) if j % n_shards == idx]
     todo = []

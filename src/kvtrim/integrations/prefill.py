@@ -51,6 +51,8 @@ PREFILL_MODES = ("dense", "minference", "a_shape", "vertical_slash", "block_spar
 PATTERNS = {"a_shape": AShape, "vertical_slash": VerticalSlash, "block_sparse": BlockSparse}
 # Size parameters a config entry may carry per pattern (the rest keep their defaults).
 SIZE_KEYS = {"a_shape": ("n_init", "n_local"), "vertical_slash": ("k_v", "k_s"), "block_sparse": ("k_b",)}
+# Keys a config entry may carry besides ``pattern`` and its sizes: the search's diagnostics.
+DIAGNOSTIC_KEYS = ("error", "density", "level", "candidates")
 # Below this many prompt tokens the default SparsePrefill runs dense (see docs/minference.md for
 # the measured crossover on this machine).
 DEFAULT_MIN_LENGTH = 4096
@@ -94,7 +96,17 @@ class PatternConfig:
     search: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, dict):
+            raise KVTrimError(f"pattern config: 'model' must be an object with the model's layer and head counts, "
+                              f"got {type(self.model).__name__}")
         n_l, n_h = self.model.get("num_hidden_layers"), self.model.get("num_attention_heads")
+        for key, n in (("num_hidden_layers", n_l), ("num_attention_heads", n_h)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise KVTrimError(f"pattern config: model.{key} must be a positive integer, got {n!r}")
+        if not isinstance(self.layers, list) or not all(isinstance(row, list) for row in self.layers):
+            raise KVTrimError("pattern config: 'layers' must be a list (one per layer) of lists (one entry per head)")
+        if not isinstance(self.search, dict):
+            raise KVTrimError(f"pattern config: 'search' must be an object, got {type(self.search).__name__}")
         if len(self.layers) != n_l or any(len(row) != n_h for row in self.layers):
             raise KVTrimError(
                 f"pattern config is inconsistent: the model has {n_l} layers x {n_h} heads, "
@@ -104,16 +116,29 @@ class PatternConfig:
 
     @staticmethod
     def _build(li: int, hi: int, entry: dict):
+        where = f"pattern config, layer {li} head {hi}"
+        if not isinstance(entry, dict):
+            raise KVTrimError(f"{where}: an entry must be an object with a 'pattern', got {entry!r}")
         name = entry.get("pattern")
+        if not isinstance(name, str):
+            raise KVTrimError(f"{where}: 'pattern' must be a pattern name, got {name!r}")
+        if name != "dense" and name not in PATTERNS:
+            raise KVTrimError(f"{where}: unknown sparse pattern {name!r}; known patterns: {', '.join(PATTERNS)}")
+        takes = SIZE_KEYS.get(name, ())
+        unknown = sorted(set(entry) - {"pattern", *takes, *DIAGNOSTIC_KEYS})
+        if unknown:  # a misspelt size would otherwise be ignored and its default used
+            raise KVTrimError(f"{where}: unknown key(s) {unknown} for pattern {name!r}; it takes "
+                              f"{', '.join(takes) or 'no sizes'} (and the diagnostics {', '.join(DIAGNOSTIC_KEYS)})")
         if name == "dense":  # a head the search found no sparse pattern good enough for
             return None
-        if not isinstance(name, str):
-            raise KVTrimError(f"pattern config, layer {li} head {hi}: 'pattern' must be a pattern name, got {name!r}")
-        sizes = {k: int(entry[k]) for k in SIZE_KEYS.get(name, ()) if k in entry}
+        sizes = {k: entry[k] for k in takes if k in entry}
+        for k, v in sizes.items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise KVTrimError(f"{where}: size {k} must be an integer, got {v!r}")
         try:
             return make_pattern(name, **sizes)
         except KVTrimError as e:
-            raise KVTrimError(f"pattern config, layer {li} head {hi}: {e}") from None
+            raise KVTrimError(f"{where}: {e}") from None
 
     def pattern(self, layer: int, head: int):
         return self._patterns[layer][head]
@@ -153,12 +178,19 @@ class PatternConfig:
         if not p.is_file():
             raise KVTrimError(f"pattern config {str(path)!r} does not exist or is not a file")
         try:
-            d = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
+            d = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise KVTrimError(f"pattern config {str(path)!r} is not valid JSON: {e}") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise KVTrimError(f"pattern config {str(path)!r} is not a {FORMAT} file")
-        return cls(model=d["model"], layers=d["layers"], search=d.get("search", {}))
+        missing = [k for k in ("model", "layers") if k not in d]
+        if missing:
+            raise KVTrimError(f"pattern config {str(path)!r} has no {' or '.join(map(repr, missing))}; a {FORMAT} file "
+                              "holds 'model' (layer and head counts) and 'layers' (a pattern per head)")
+        try:
+            return cls(model=d["model"], layers=d["layers"], search=d.get("search", {}))
+        except KVTrimError as e:  # name the file: "pattern config 'x.json', layer 0 head 3: ..."
+            raise KVTrimError(str(e).replace("pattern config", f"pattern config {str(path)!r}", 1)) from None
 
 
 def shipped_config(model) -> PatternConfig | None:
