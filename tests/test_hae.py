@@ -248,8 +248,10 @@ def test_hae_mode_has_one_field_and_accepts_its_former_name():
 
 
 def test_fastv_bad_parameters():
-    with pytest.raises(KVTrimError, match="fastv takes no cache budget"):
-        create_policy("fastv", keep=0.5)
+    with pytest.raises(KVTrimError, match=r"fastv takes no cache budget \(max_tokens\); .* with --keep"):
+        create_policy("fastv", max_tokens=50)
+    with pytest.raises(KVTrimError, match=r"keep=0\.3 and ratio=0\.4 disagree"):
+        create_policy("fastv", keep=0.3, ratio=0.4)
     with pytest.raises(KVTrimError, match="k must be a positive integer"):
         create_policy("fastv", k=0)
     with pytest.raises(KVTrimError, match=r"ratio must be in \[0, 1\]"):

@@ -188,5 +188,7 @@ def test_bad_parameters(kw, message):
 def test_defaults_documented():
     p = InfMLLM()
     assert (p.window, p.bias, p.recent_share, p.decode_cap, p.position_policy) == (32, 1.0, 0.5, 256, "reassigned")
-    assert p.can_stream() is False and InfMLLM(max_tokens=64).can_stream() is True
+    # no budget given: the default max_tokens (1024), so the default configuration streams
+    assert p.max_tokens == 1024 and p.can_stream() is True
+    assert InfMLLM(keep=0.5).can_stream() is False and InfMLLM(max_tokens=64, position="true").can_stream() is False
     assert math.isclose(InfMLLM(keep=0.5).budget(200), 100)

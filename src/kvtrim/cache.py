@@ -578,6 +578,13 @@ class KVTrimCache(Cache):
     def after_attention(self, layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Called by kvtrim's attention function once the layer's attention output is computed."""
         layer.awaiting_attention = False
+        if self.policy.needs_spans and layer.phase == "prefill":
+            # the spans are known by now (given, or found for a VLM when the forward started): a span
+            # method on a prompt without its targets would run as full, so it is refused
+            from kvtrim.registry import spans_error
+
+            if problem := spans_error(self.policy, self.spans):
+                raise KVTrimError(problem)
         self.policy.after_attention(layer, query, key, scaling)
 
     # --- persistence -----------------------------------------------------------------------------

@@ -91,12 +91,18 @@ def _prefill_from_args(args, model=None):
 def cmd_generate(args) -> int:
     from kvtrim.generation import generate_ids
     from kvtrim.models import build_prompt_ids, load_model
+    from kvtrim.registry import check_text_prompt
 
     policy = _policy_from_args(args)  # validate before the slow model load
     _prefill_from_args(args)
     integer(args.max_new_tokens, "--max-new-tokens", minimum=0, unit="tokens")
     if args.sample:
         number(args.temperature, "--temperature", minimum=0, min_open=True)
+    if args.plain_prompt and (args.prompt is not None or getattr(args, "image", None)):
+        raise KVTrimError("--plain-prompt formats a --question for a text model; --prompt is raw text and --image "
+                          "uses the model's processor")
+    if not getattr(args, "image", None):
+        check_text_prompt(policy)  # a method that needs image spans would run as full
     context = _read_context(args.context_file)
     if getattr(args, "image", None):
         from kvtrim.vlm import generate_with_images
@@ -116,7 +122,7 @@ def cmd_generate(args) -> int:
         text, chat = (f"{context}\n\n{args.prompt}" if context else args.prompt), False
     lm = load_model(args.model)
     prefill = _prefill_from_args(args, lm.model)
-    ids = build_prompt_ids(lm.tokenizer, text, chat=chat)
+    ids = build_prompt_ids(lm.tokenizer, text, chat=chat, plain=args.plain_prompt)
     res = generate_ids(
         lm.model,
         lm.tokenizer,
@@ -155,20 +161,25 @@ def cmd_demo(args) -> int:
     from kvtrim.eval.tasks import passkey
     from kvtrim.generation import generate_ids
     from kvtrim.models import build_prompt_ids, load_model
-    from kvtrim.registry import create_policy, get_policy_class, method_names
+    from kvtrim.registry import check_text_prompt, create_policy, get_policy_class, method_names
 
-    names = args.methods.split(",") if args.methods else method_names()
+    # the demo's prompt is text: by default, the methods that act on text (needs_spans ones are for images)
+    names = args.methods.split(",") if args.methods else [n for n in method_names() if not get_policy_class(n).needs_spans]
     policies = []
     for n in names:
         kw = {"keep": args.keep} if get_policy_class(n).takes_budget else {}
-        policies.append(create_policy(n, **kw))
+        policies.append(check_text_prompt(create_policy(n, **kw)))
+    if not args.methods:
+        skipped = [n for n in method_names() if get_policy_class(n).needs_spans]
+        print(f"kvtrim demo: {', '.join(skipped)} act on image tokens, not in this text demo "
+              "(see kvtrim generate --image)", file=sys.stderr)
     check_length("passkey", args.length)  # before the model loads
     check_depth("passkey", args.depth)
     print(f"kvtrim demo: loading {args.model or 'the embedded model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
     lm = load_model(args.model)
     sample = passkey(lm.tokenizer, args.length, depth=args.depth, seed=args.seed)
     key = sample.answers[0]
-    ids = build_prompt_ids(lm.tokenizer, sample.prompt)
+    ids = build_prompt_ids(lm.tokenizer, sample.prompt, plain=args.plain_prompt)
     print(
         f"context: {len(ids)} tokens of essays with a 5-digit pass key at depth {args.depth:.0%}; "
         f"budget keep={args.keep} for every compressing method",
@@ -258,8 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def budget_args(sp):
         g = sp.add_mutually_exclusive_group()
-        g.add_argument("--keep", type=float, help="fraction of tokens to keep, in (0, 1]")
-        g.add_argument("--max-tokens", type=int, help="fixed number of tokens to keep per layer")
+        g.add_argument("--keep", type=float, help="fraction of tokens to keep, in (0, 1] (fastv: of the image tokens)")
+        g.add_argument("--max-tokens", type=int, help="fixed number of tokens to keep per layer (a compressing method given "
+                                                      "neither keeps 1024: kvtrim.policies.base.DEFAULT_MAX_TOKENS; hae: none)")
 
     g = sub.add_parser("generate", help="answer a question or continue a prompt with a compressed cache")
     g.add_argument("--model", help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -269,8 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-file", help="a text file prepended to the question/prompt")
     g.add_argument("--image", action="append", metavar="FILE", help="an image for a vision-language --model (repeatable)")
     q = g.add_mutually_exclusive_group(required=True)
-    q.add_argument("--question", help="a question (chat template applied)")
+    q.add_argument("--question", help="a question (the chat template applied, or the plain format for a model without one)")
     q.add_argument("--prompt", help="raw prompt text to continue (no chat template)")
+    g.add_argument("--plain-prompt", action="store_true",
+                   help="format --question in kvtrim's plain prompt format (User: ... / Assistant:) even if the model "
+                        "has a chat template (used anyway for a model without one)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, default=1.0)
@@ -299,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--length", type=int, default=3000, help="context length in tokens (default 3000)")
     d.add_argument("--depth", type=float, default=0.5)
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--methods", help="comma-separated methods (default: all registered)")
+    d.add_argument("--methods", help="comma-separated methods (default: all registered that act on text)")
+    d.add_argument("--plain-prompt", action="store_true",
+                   help="kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat template")
     d.set_defaults(func=cmd_demo)
 
     from kvtrim.cli_session import add_session_commands

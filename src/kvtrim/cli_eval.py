@@ -28,7 +28,7 @@ def cmd_eval(args) -> int:
     from kvtrim.models import load_model
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
-                     prefill=args.prefill, haystack=args.haystack)
+                     prefill=args.prefill, haystack=args.haystack, plain=args.plain_prompt)
     shard = _shard(args.shard)
     if args.haystack is not None:
         from kvtrim.eval.common import haystack_text
@@ -122,6 +122,9 @@ def add_eval_commands(sub) -> None:
     e.add_argument("--unbatched", action="store_true",
                    help="decode the configurations of a sample one at a time at batch 1 (slower; by default they "
                         "decode together, one batch row each, see docs/eval.md)")
+    e.add_argument("--plain-prompt", action="store_true",
+                   help="kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat template "
+                        "(used anyway for a model without one)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.add_argument("--out", required=True, help="output directory (created; a rerun resumes)")
     e.set_defaults(func=cmd_eval)

@@ -18,12 +18,13 @@ from pathlib import Path
 
 from kvtrim.errors import KVTrimError
 
-DEFAULT_BUDGET = 1024
 DEFAULT_METHOD = "inf_mllm"
 
 
 def _policy(args, streaming: bool):
-    from kvtrim.registry import create_policy, get_policy_class
+    """The session's policy from the arguments; without --keep/--max-tokens the method's default budget
+    (``Policy.default_max_tokens``, 1024) applies, as everywhere."""
+    from kvtrim.registry import check_text_prompt, create_policy, get_policy_class
 
     cls = get_policy_class(args.method)
     kw = {}
@@ -31,13 +32,11 @@ def _policy(args, streaming: bool):
         kw["keep"] = args.keep
     if args.max_tokens is not None:
         kw["max_tokens"] = args.max_tokens
-    elif cls.takes_budget and "keep" not in kw:
-        kw["max_tokens"] = DEFAULT_BUDGET
     if args.position:
         kw["position"] = args.position
     elif cls.supports_streaming and cls.takes_budget:
         kw["position"] = "reassigned"  # so the session can outrun the model's context
-    pol = create_policy(args.method, **kw)
+    pol = check_text_prompt(create_policy(args.method, **kw))  # sessions are text: no image spans
     if not pol.supports_turns:
         raise KVTrimError(f"method {args.method!r} does not support multi-turn sessions")
     if streaming and not pol.can_stream():
@@ -67,9 +66,10 @@ def cmd_chat(args) -> int:
         check_save_target(args.save)  # before the model loads and the conversation starts
     if args.load:
         given = [f"--{n.replace('_', '-')}" for n in ("method", "keep", "max_tokens", "position") if getattr(args, n) is not None]
+        given += ["--plain-prompt"] if args.plain_prompt else []
         if given:
             raise KVTrimError(
-                f"--load continues a saved session with the method and budget it was saved with; {', '.join(given)} "
+                f"--load continues a saved session with the method, budget and prompt format it was saved with; {', '.join(given)} "
                 "cannot change them (start a new chat without --load to use another method)")
         if not Path(args.load).is_dir():
             raise KVTrimError(f"session directory {args.load!r} does not exist")
@@ -84,7 +84,7 @@ def cmd_chat(args) -> int:
     if policy is None:
         s = Session.load(args.load, lm.model, lm.tokenizer)
     else:
-        s = Session(lm.model, lm.tokenizer, policy, seed=args.seed)
+        s = Session(lm.model, lm.tokenizer, policy, seed=args.seed, plain=args.plain_prompt)
     interactive = sys.stdin.isatty()
     print(f"kvtrim chat: {lm.source}, method {s.policy.name} {s.policy.describe()}; /save DIR, /stats, /quit",
           file=sys.stderr)
@@ -186,9 +186,12 @@ def add_session_commands(sub) -> None:
     c.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
     c.add_argument("--method", help=f"KV method supporting turns (default {DEFAULT_METHOD})")
     g = c.add_mutually_exclusive_group()
-    g.add_argument("--max-tokens", type=int, help=f"KV budget per layer (default {DEFAULT_BUDGET})")
+    g.add_argument("--max-tokens", type=int, help="KV budget per layer (default 1024, the methods' default budget)")
     g.add_argument("--keep", type=float, help="fraction of tokens to keep instead of a fixed budget")
     c.add_argument("--position", help="position policy (default: reassigned for streaming methods)")
+    c.add_argument("--plain-prompt", action="store_true",
+                   help="turns in kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat "
+                        "template (used anyway for a model without one)")
     c.add_argument("--max-new-tokens", type=int, default=256)
     c.add_argument("--sample", action="store_true")
     c.add_argument("--temperature", type=float, default=0.7)
@@ -200,7 +203,7 @@ def add_session_commands(sub) -> None:
     s = sub.add_parser("stream", help="feed a long text file through a bounded cache, chunk by chunk")
     s.add_argument("--file", required=True, help="UTF-8 text file")
     s.add_argument("--chunk", type=int, default=512, help="tokens per chunk (default 512)")
-    s.add_argument("--max-tokens", type=int, default=DEFAULT_BUDGET, help=f"KV budget per layer (default {DEFAULT_BUDGET})")
+    s.add_argument("--max-tokens", type=int, help="KV budget per layer (default 1024, the methods' default budget)")
     s.add_argument("--method", default="inf_mllm", help="streaming KV method (default inf_mllm)")
     s.add_argument("--position", help="position policy (default reassigned)")
     s.add_argument("--model")

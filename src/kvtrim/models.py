@@ -516,14 +516,43 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torc
     return LoadedModel(model=m, tokenizer=tok, source=label)
 
 
-def build_prompt_ids(tokenizer, text: str, *, chat: bool | None = None) -> list[int]:
-    """Token ids for a user message: the chat template is applied when the tokenizer has one."""
-    use_chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
-    if use_chat:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+#: kvtrim's plain prompt format, used for a tokenizer without a chat template (a base model) and
+#: wherever it is asked for (``plain=True``, ``--plain-prompt``): a user turn is
+#: ``User: {message}`` on its own line(s) followed by ``Assistant:``, and the model's reply
+#: continues that line; a later turn starts on a new line after the reply.
+PLAIN_TURN = "User: {message}\nAssistant:"
+
+
+def has_chat_template(tokenizer) -> bool:
+    """True when ``tokenizer`` has a chat template (an instruct model); a base model's has none."""
+    return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
+
+
+def plain_turn(message: str, *, first: bool = True) -> str:
+    """One user turn in kvtrim's plain prompt format (:data:`PLAIN_TURN`); a later turn (``first=False``)
+    starts with a newline, which ends the previous reply."""
+    return ("" if first else "\n") + PLAIN_TURN.format(message=message)
+
+
+def plain_turn_ids(tokenizer, message: str, *, first: bool = True) -> list[int]:
+    """Token ids of :func:`plain_turn`; the first turn gets the tokenizer's special tokens (its BOS, if any)."""
+    return list(tokenizer(plain_turn(message, first=first), add_special_tokens=first)["input_ids"])
+
+
+def build_prompt_ids(tokenizer, text: str, *, chat: bool | None = None, plain: bool = False) -> list[int]:
+    """Token ids for a user message.
+
+    As a chat turn (``chat`` None or True): the tokenizer's chat template with the generation
+    prompt, or kvtrim's plain format (:data:`PLAIN_TURN`) when the tokenizer has no template or
+    ``plain=True``. ``chat=False``: the raw text (with the tokenizer's special tokens), no format.
+    """
+    if chat is False:
+        if plain:
+            raise KVTrimError("plain formats a chat turn; raw text (chat=False) takes no format")
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if plain or not has_chat_template(tokenizer):
+        return plain_turn_ids(tokenizer, text)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

@@ -7,6 +7,7 @@ method is listed, documented and tested the day it is registered.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,7 @@ from kvtrim.errors import KVTrimError
 
 if TYPE_CHECKING:
     from kvtrim.policies.base import Policy
+    from kvtrim.spans import Span
 
 
 @dataclass(frozen=True)
@@ -72,3 +74,31 @@ def create_policy(name: str, **kwargs) -> Policy:
 
         allowed = [f.name for f in dataclasses.fields(cls)]
         raise KVTrimError(f"{name}: {e}; allowed parameters: {', '.join(allowed)}") from None
+
+
+def spans_error(policy: Policy, spans: Iterable[Span] | None = None) -> str | None:
+    """Why ``policy`` cannot run on a prompt whose modality spans are ``spans`` (None: a text prompt), or None.
+
+    A method that acts only on tagged tokens (``Policy.needs_spans``: fastv, hae) would run as
+    ``full`` on a prompt without its target modalities, a silent no-op; it is refused instead,
+    unless it was given a budget of its own that acts on text too (hae's ``keep``/``max_tokens``:
+    its decode eviction). The commands call this before the model loads, the cache at the prefill.
+    """
+    if not policy.needs_spans or policy.keep is not None or policy.max_tokens is not None:
+        return None
+    targets = tuple(getattr(policy, "targets", ("image", "video", "document")))
+    if spans is not None and any(s.modality in targets for s in spans):
+        return None
+    budget = (" or a budget (--keep/--max-tokens; keep=/max_tokens= in Python) for its decode eviction on text"
+              if policy.takes_budget else "")
+    return (f"method {policy.name!r} prunes {'/'.join(targets)} tokens and this prompt has none, so it would run as "
+            f"'full'. Give it images (kvtrim generate --image FILE with a vision-language --model), or in Python "
+            f"tagged spans (KVTrimCache(model, policy, spans=[(start, end, 'document')]) with targets=('document',)){budget}")
+
+
+def check_text_prompt(policy: Policy) -> Policy:
+    """Refuse (``KVTrimError``) a policy that cannot run on a text-only prompt (:func:`spans_error`);
+    returns it. The text-only commands call it before the model loads."""
+    if problem := spans_error(policy):
+        raise KVTrimError(problem)
+    return policy

@@ -2,7 +2,9 @@
 
 A :class:`Session` owns a :class:`~kvtrim.cache.KVTrimCache` and the turn history of one
 conversation. ``send(text) -> reply`` adds a user turn (the tokenizer's chat template is applied
-per turn, continuing the conversation) and generates the assistant's reply; ``add_turn(user,
+per turn, continuing the conversation; for a tokenizer without one, or with ``plain=True``,
+kvtrim's plain format ``User: ...`` / ``Assistant:`` of ``kvtrim.models.PLAIN_TURN``) and generates
+the assistant's reply; ``add_turn(user,
 assistant)`` feeds a scripted exchange without generating; ``feed(text)`` streams raw text
 through the cache chunk by chunk and reports each chunk's perplexity, resident KV bytes, process
 RSS and speed. ``save(dir)`` writes the cache tensors to ``cache.safetensors``, everything else
@@ -52,6 +54,7 @@ from kvtrim.cache import KVTrimCache
 from kvtrim.decoding import Sampler, check_context, chunk_size
 from kvtrim.errors import KVTrimError, SessionError
 from kvtrim.integrations.hf import ATTN_NAME, attach
+from kvtrim.models import has_chat_template, plain_turn, plain_turn_ids
 from kvtrim.policies.base import Policy
 
 logger = logging.getLogger(__name__)
@@ -128,7 +131,10 @@ class Session:
         policy: a ``Policy`` or a registered method name (default ``inf_mllm``); with a name,
             ``policy_kwargs`` (``max_tokens``, ``keep``, method parameters) build it. The method
             must support turns (``Policy.supports_turns``).
-        chat: apply the tokenizer's chat template per turn (default: when it has one).
+        chat: format each turn as a chat turn (default: when there is a tokenizer): with the
+            tokenizer's chat template, or kvtrim's plain format (``kvtrim.models.PLAIN_TURN``) when it
+            has none. ``False``: turns are raw text, each on a new line.
+        plain: use the plain format even when the tokenizer has a chat template.
         prefill_chunk: feed a turn longer than this in pieces (each piece is a policy "turn").
             Default: the whole turn at once, unless it would not fit in the model's context, in
             which case streaming policies get pieces that do (as ``generate_ids`` does).
@@ -136,7 +142,7 @@ class Session:
     """
 
     def __init__(self, model, tokenizer=None, policy: Policy | str = "inf_mllm", *, chat: bool | None = None,
-                 prefill_chunk: int | None = None, seed: int = 0, **policy_kwargs):
+                 plain: bool = False, prefill_chunk: int | None = None, seed: int = 0, **policy_kwargs):
         from kvtrim.registry import create_policy
 
         if isinstance(policy, str):
@@ -150,10 +156,13 @@ class Session:
         self.tokenizer = tokenizer
         self.policy = policy
         self.cache = KVTrimCache(model, policy)
-        has_template = tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None
-        self.chat = has_template if chat is None else bool(chat)
-        if self.chat and not has_template:
-            raise KVTrimError("chat=True needs a tokenizer with a chat template")
+        self.chat = tokenizer is not None if chat is None else bool(chat)
+        if self.chat and tokenizer is None:
+            raise KVTrimError("chat=True needs a tokenizer")
+        if plain and not self.chat:
+            raise KVTrimError("plain=True formats chat turns; it needs a tokenizer and chat not False")
+        # kvtrim's plain format: asked for, or the tokenizer has no chat template (a base model)
+        self.plain = self.chat and (bool(plain) or not has_chat_template(tokenizer))
         self.prefill_chunk = prefill_chunk
         self.messages: list[dict] = []
         self.turns: list[dict] = []  # per turn: prompt_tokens, new_tokens, kv_bytes, seconds
@@ -223,6 +232,9 @@ class Session:
         if not self.chat:
             prefix = "" if self.seen == 0 else "\n"
             return self._pending_ids + self._tokenize(self._pending_text + prefix + user), user
+        if self.plain:  # the format is defined turn by turn: nothing to diff, nothing pending but ids
+            first = self.seen == 0 and not self._pending_ids
+            return self._pending_ids + plain_turn_ids(self.tokenizer, user, first=first), plain_turn(user, first=first)
         before = self._render(self.messages, False)
         after = self._render(self.messages + [{"role": "user", "content": user}], True)
         cut = _common_prefix(before, after)
@@ -233,7 +245,7 @@ class Session:
     def _close_reply(self, prompt_render: str, fed_reply_ids: list[int], pending: list[int], reply: str) -> None:
         """After a reply: what the template adds after it, minus what the cache holds already."""
         self._pending_ids = pending
-        if not self.chat:
+        if not self.chat or self.plain:  # raw and plain turns open with their own newline
             self._pending_text = ""
             return
         history = self._render(self.messages, False)
@@ -402,7 +414,7 @@ class Session:
             "format": FORMAT, "version": FORMAT_VERSION, **ids,
             "model": _fingerprint(self.model),
             "policy": policy,
-            "chat": self.chat, "prefill_chunk": self.prefill_chunk,
+            "chat": self.chat, "plain": self.plain, "prefill_chunk": self.prefill_chunk,
             "messages": self.messages, "turns": self.turns, "chunks_fed": self.chunks_fed,
             "pending_ids": self._pending_ids, "pending_text": self._pending_text,
             "layers": layers,
@@ -474,7 +486,8 @@ class Session:
         from kvtrim.registry import create_policy
 
         policy = create_policy(info["policy"]["name"], **info["policy"]["params"])
-        s = cls(model, tokenizer, policy, chat=info["chat"], prefill_chunk=info["prefill_chunk"])
+        s = cls(model, tokenizer, policy, chat=info["chat"], plain=bool(info.get("plain", False)),
+                prefill_chunk=info["prefill_chunk"])
         dtype = next(model.parameters()).dtype
         for key, t in tensors.items():
             if key.endswith((".keys", ".values")) and t.dtype != dtype:
@@ -761,6 +774,8 @@ def _check_info(info: dict, model, where: str) -> None:
     need("policy", isinstance(pol, dict) and isinstance(pol.get("name"), str) and isinstance(pol.get("params"), dict),
          'an object {"name": str, "params": object}')
     need("chat", isinstance(info.get("chat"), bool), "true or false")
+    if "plain" in info:  # sessions saved before the plain prompt format have none (= false)
+        need("plain", isinstance(info["plain"], bool), "true or false")
     need("prefill_chunk", info.get("prefill_chunk") is None or is_int(info.get("prefill_chunk"), 1),
          "null or a positive integer")
     msgs = info.get("messages")

@@ -41,12 +41,14 @@ class BenchPlan:
 
 def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dense", threads=None) -> BenchPlan:
     from kvtrim.integrations.prefill import PREFILL_MODES
-    from kvtrim.registry import get_policy_class
+    from kvtrim.registry import check_text_prompt, get_policy_class
 
     names = comma_list(methods, "--methods")
     for m in names:
         get_policy_class(m)  # raises on an unknown name
     keep = validate.fraction(keep, "--keep")
+    for m in names:  # the bench prompt is text: a method that needs image spans would run as full
+        check_text_prompt(_policy(m, keep))
     try:
         lens = [int(x) for x in comma_list(lengths, "--lengths")]
     except ValueError:

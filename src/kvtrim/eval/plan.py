@@ -49,6 +49,7 @@ class EvalPlan:
     prefill: str = "dense"
     haystack: str | None = None
     configs: list[tuple[str, float | None]] = field(default_factory=list)
+    plain: bool = False  # prompts in kvtrim's plain format even when the tokenizer has a chat template
 
     def units(self) -> list[tuple[str, int, int]]:
         """(task, length, sample index) in the order they run: by length, then sample (even indices
@@ -58,7 +59,7 @@ class EvalPlan:
 
 
 def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, prefill: str = "dense",
-              haystack: str | None = None) -> EvalPlan:
+              haystack: str | None = None, plain: bool = False) -> EvalPlan:
     """Validate a sweep (names, ranges) before any model loads; raises ``KVTrimError`` naming the problem."""
     from kvtrim.eval.common import MIN_LENGTH
     from kvtrim.integrations.prefill import PREFILL_MODES
@@ -105,7 +106,7 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
         else:
             configs.append((m, None))
     return EvalPlan(task_list, list(dict.fromkeys(length_list)), list(dict.fromkeys(method_list)),
-                    list(dict.fromkeys(keep_list)), samples, seed, prefill, haystack, configs)
+                    list(dict.fromkeys(keep_list)), samples, seed, prefill, haystack, configs, bool(plain))
 
 
 def check_lengths(plan: EvalPlan, tokenizer, max_context: int) -> None:
@@ -119,7 +120,7 @@ def check_lengths(plan: EvalPlan, tokenizer, max_context: int) -> None:
         return
     from kvtrim.models import build_prompt_ids
 
-    overhead = max(0, len(build_prompt_ids(tokenizer, "x")) - len(tokenizer("x", add_special_tokens=False)["input_ids"]))
+    overhead = max(0, len(build_prompt_ids(tokenizer, "x", plain=plan.plain)) - len(tokenizer("x", add_special_tokens=False)["input_ids"]))
     for task in plan.tasks:
         # beyond the prompt: the template, the 2% length tolerance, the answer(s), later turns, ppl's continuation
         extra = overhead + MAX_NEW_TOKENS[task] + LONGTEXT_EXTRA.get(task, 0)

@@ -27,34 +27,38 @@ from kvtrim.eval.metrics import score as score_text
 from kvtrim.eval.plan import MAX_NEW_TOKENS, REFERENCE
 
 
-def prompt_ids(tokenizer, sample) -> list[int]:
-    """The sample's prompt ids: with the chat template (``ppl``: the plain text)."""
+def prompt_ids(tokenizer, sample, plain: bool = False) -> list[int]:
+    """The sample's prompt ids: one user turn (the chat template, or kvtrim's plain format without one or
+    with ``plain``: ``kvtrim.models.build_prompt_ids``); ``ppl``: the plain text."""
     from kvtrim.models import build_prompt_ids
 
     if sample.task == "ppl":
         return list(tokenizer(sample.context, add_special_tokens=True)["input_ids"])
-    return build_prompt_ids(tokenizer, sample.prompt)
+    return build_prompt_ids(tokenizer, sample.prompt, plain=plain)
 
 
-def turn_tail(tokenizer, question: str) -> list[int]:
-    """Ids that close the assistant's reply and open the next user turn with ``question``."""
-    if getattr(tokenizer, "chat_template", None) is not None:
-        mark = "\u2063REPLY\u2063"
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}, {"role": "user", "content": question}],
-            add_generation_prompt=True, tokenize=False)
-        tail = text[text.index(mark) + len(mark):]
-    else:
-        tail = "\n" + question + "\n"
+def turn_tail(tokenizer, question: str, plain: bool = False) -> list[int]:
+    """Ids that close the assistant's reply and open the next user turn with ``question``, in the
+    format of :func:`prompt_ids` (the chat template's, or kvtrim's plain format)."""
+    from kvtrim.models import has_chat_template, plain_turn_ids
+
+    if plain or not has_chat_template(tokenizer):
+        return plain_turn_ids(tokenizer, question, first=False)
+    mark = "\u2063REPLY\u2063"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}, {"role": "user", "content": question}],
+        add_generation_prompt=True, tokenize=False)
+    tail = text[text.index(mark) + len(mark):]
     return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
 
 
 def config_program(model, tokenizer, sample, recording, method: str, keep: float | None, memo: dict | None,
-                   reference: list[int] | None = None, reference_key=None):
+                   reference: list[int] | None = None, reference_key=None, plain: bool = False):
     """Program (``kvtrim.decoding``) for one (method, keep) on one recorded sample: replay, then
     decode/teacher-force and score; returns the line's fields. For ``labelfree`` a compressed
     configuration needs the full cache's answer: ``reference``, or the result of the program
-    registered under ``reference_key``."""
+    registered under ``reference_key``. ``plain``: later turns in kvtrim's plain format (as the
+    prompt, :func:`prompt_ids`)."""
     from kvtrim.eval.replay import make_policy, replay
 
     params = {} if keep is None else {"keep": keep}
@@ -90,7 +94,7 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
         answers, scores, steps = [], [], 0
         for ti, turn in enumerate(sample.turns):
             if ti:
-                feed = ([] if not out or out[-1] == eos else [out[-1]]) + turn_tail(tokenizer, turn.question)
+                feed = ([] if not out or out[-1] == eos else [out[-1]]) + turn_tail(tokenizer, turn.question, plain)
                 logits = yield Step(cache, feed, False, clock)
                 steps += 1
             def done(ids, t=turn):

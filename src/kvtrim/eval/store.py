@@ -39,8 +39,9 @@ def line_key(d: dict) -> tuple:
             d.get("prefill", "dense"))
 
 
-def check_out_dir(out: str | os.PathLike, model_source: str | None = None) -> Path:
-    """Create ``out`` (and ``out/runs``), check it is writable and belongs to this model."""
+def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, plain: bool = False) -> Path:
+    """Create ``out`` (and ``out/runs``), check it is writable and belongs to this model and prompt format
+    (``plain``: ``--plain-prompt``; a directory holds one format, its lines do not record it)."""
     path = Path(out)
     try:
         (path / "runs").mkdir(parents=True, exist_ok=True)
@@ -51,16 +52,24 @@ def check_out_dir(out: str | os.PathLike, model_source: str | None = None) -> Pa
         raise KVTrimError(f"cannot write to the output directory {str(path)!r}: {e.strerror or e}") from None
     cfg = path / "config.json"
     if model_source is not None:
+        held_plain = False
         if cfg.is_file():
             try:
-                held = json.loads(cfg.read_text()).get("model")
-            except (OSError, json.JSONDecodeError):
+                d = json.loads(cfg.read_text())
+                held, held_plain = d.get("model"), bool(d.get("plain_prompt", False))
+            except (OSError, json.JSONDecodeError, AttributeError):
                 held = None
             if held is not None and held != model_source:
                 raise KVTrimError(
                     f"{str(path)!r} holds a sweep of model {held!r}, not {model_source!r}; use another --out directory"
                 )
-        cfg.write_text(json.dumps({"model": model_source, "format": 1}, indent=2) + "\n")
+            if held is not None and held_plain != plain:
+                raise KVTrimError(
+                    f"{str(path)!r} holds a sweep {'with' if held_plain else 'without'} --plain-prompt; its prompts "
+                    "differ, so use another --out directory (or " + ("add" if held_plain else "drop") + " --plain-prompt)"
+                )
+        cfg.write_text(json.dumps({"model": model_source, "format": 1} | ({"plain_prompt": True} if plain else {}),
+                                  indent=2) + "\n")
     return path
 
 

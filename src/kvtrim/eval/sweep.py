@@ -14,7 +14,8 @@ share one directory (sample units are dealt round-robin).
 How one sample unit runs (all configurations of one generated sample):
 
 1. the sample is generated (``kvtrim.eval.TASKS`` / ``LONGTEXT_TASKS``, seed ``sample_seed(seed, i)``,
-   depths spread evenly), and its prompt ids built with the chat template (``ppl``: plain text);
+   depths spread evenly), and its prompt ids built with the chat template (kvtrim's plain prompt
+   format for a model without one, or with ``--plain-prompt``; ``ppl``: the text itself);
 2. the prompt's forward pass runs **once** with a recording policy (``kvtrim.eval.replay``) and each
    (method, keep) builds its compressed cache by replaying its prefill hook on the recorded
    q/k/v -- identical to running the method from scratch (tested), because kvtrim compresses
@@ -66,7 +67,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     from kvtrim.integrations.hf import attach
 
     check_lengths(plan, lm.tokenizer, lm.max_context)  # before config.json is written: a refused plan leaves nothing
-    out_path = check_out_dir(out, lm.source)
+    out_path = check_out_dir(out, lm.source, plain=plan.plain)
     idx, n_shards = shard
     if not (0 <= idx < n_shards):
         raise KVTrimError(f"--shard must be I/N with 0 <= I < N; got {idx}/{n_shards}")
@@ -93,7 +94,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
         if stop_after is not None and started >= stop_after:
             break
         sample = build_sample(plan, lm.tokenizer, task, length, i)
-        ids = prompt_ids(lm.tokenizer, sample)
+        ids = prompt_ids(lm.tokenizer, sample, plan.plain)
         bar.set_postfix_str(f"{task}@{length} #{i}")
         recording = record_prefill(lm.model, ids, prefill_hook)
         memo: dict = {}
@@ -106,7 +107,8 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
                 reference = prev[-1]["answer_ids"]
             need = sorted(need, key=lambda c: c[0] != REFERENCE)
         ref_key = (REFERENCE, None) if (REFERENCE, None) in need else None
-        programs = {(m, k): config_program(lm.model, lm.tokenizer, sample, recording, m, k, memo, reference, ref_key)
+        programs = {(m, k): config_program(lm.model, lm.tokenizer, sample, recording, m, k, memo, reference, ref_key,
+                                     plain=plan.plain)
                     for m, k in need}
 
         def write(key, row, task=task, length=length, i=i, sample=sample, ids=ids, recording=recording):

@@ -15,7 +15,9 @@ tokens of ``score`` with the protected ones forced in. Merging methods (Elastic 
 streaming methods override the hooks instead.
 
 Budgets (docs/methods-spec.md): either ``keep`` (a fraction of the tokens seen so far) or
-``max_tokens`` (a fixed cap). With neither, nothing is evicted.
+``max_tokens`` (a fixed cap). A compressing method given neither takes its class's
+``default_max_tokens`` (1024 unless the method says otherwise), so no method silently keeps
+everything; ``keep=1.0`` asks for no eviction explicitly.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ if TYPE_CHECKING:
 
 POSITION_POLICIES = ("true", "reassigned", "compressed")
 
+#: the budget (tokens per layer and KV head) a compressing method takes when given none
+DEFAULT_MAX_TOKENS = 1024
+
 
 @dataclass
 class Policy:
@@ -48,7 +53,8 @@ class Policy:
 
     Args:
         keep: fraction of the seen tokens to keep, in (0, 1]. Mutually exclusive with ``max_tokens``.
-        max_tokens: fixed number of tokens to keep per layer (and per KV head).
+        max_tokens: fixed number of tokens to keep per layer (and per KV head). With neither,
+            ``default_max_tokens`` (see the default-budget block of ``__post_init__``).
         position: position policy, one of ``true``, ``reassigned``, ``compressed``
             (docs/methods-spec.md); ``None`` takes the method's default.
         per_head: select a separate token set per KV head (scores averaged over the query heads
@@ -75,13 +81,20 @@ class Policy:
     #: asks the policy :meth:`take_hidden_state_keep` during each forward
     rewrites_forward: ClassVar[bool] = False
     #: acts only on tokens tagged with a modality span (image, video, document; ``kvtrim.spans``):
-    #: on a plain text prompt it equals ``full``
+    #: a prompt without them is refused unless it has a budget of its own (``kvtrim.registry.spans_error``)
     needs_spans: ClassVar[bool] = False
     #: its prefill scores depend on the prompt only, not on the budget, so several budgets of the
     #: method on one prompt can compute them once: see :meth:`share_prefill_scores`
     shares_prefill_scores: ClassVar[bool] = False
+    #: ``max_tokens`` used when neither ``keep`` nor ``max_tokens`` is given (methods that take a
+    #: budget only); None: the method has no default budget (its budget is optional)
+    default_max_tokens: ClassVar[int | None] = DEFAULT_MAX_TOKENS
 
     def __post_init__(self) -> None:
+        # --- default budget: one rule for every entry point (CLI, create_policy, the classes) -----
+        if self.takes_budget and self.keep is None and self.max_tokens is None and self.default_max_tokens is not None:
+            self.max_tokens = self.default_max_tokens
+        # ------------------------------------------------------------------------------------------
         if self.keep is not None and self.max_tokens is not None:
             raise KVTrimError(f"{self.name}: give either keep or max_tokens, not both")
         if self.keep is not None:

@@ -10,8 +10,9 @@ token, as in FastV. Decoded tokens are appended; nothing else is evicted.
 
 Which tokens are prunable comes from the cache's modality spans (``kvtrim.spans``): image and
 video spans by default (``targets``), found automatically for VLMs; for a text model, tag e.g. a
-document ``document`` and pass ``targets=("document",)``. Without such spans nothing is pruned.
-The last prompt token is never pruned.
+document ``document`` and pass ``targets=("document",)``. A prompt without such spans would run as
+``full``; the cache refuses it at the prefill (``kvtrim.registry.spans_error``; HAE with a budget is
+allowed: its decode eviction acts on text too). The last prompt token is never pruned.
 """
 
 from __future__ import annotations
@@ -147,21 +148,31 @@ def head_mean_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, rows
 
 @dataclass
 class FastV(PrefillTokenPruning):
-    """Args: ``k`` (2: decide in layer k-1, prune before layer k), ``ratio`` (0.5: share of the
-    target tokens kept, rounded down), ``mode`` ("prune" or "kv"), ``targets`` (image, video)."""
+    """Args: ``k`` (2: decide in layer k-1, prune before layer k), ``ratio`` (default 0.5: share of
+    the target tokens kept, rounded down), ``mode`` ("prune" or "kv"), ``targets`` (image, video).
+
+    FastV has no cache budget: ``keep`` is taken as ``ratio`` (so ``--keep 0.3`` on the command line
+    keeps 30% of the image tokens) and stored there (``keep`` stays None); giving both with
+    different values, or ``max_tokens``, is refused."""
 
     k: int = 2
-    ratio: float = 0.5
+    ratio: float | None = None  # None: 0.5, or keep when given
 
     name = "fastv"
     description = "FastV: keep the top 50% of image tokens by the last token's attention in layer K=2, prune hidden states after"
 
     def __post_init__(self) -> None:
         self.k = validate.integer(self.k, "fastv: k", minimum=1)
-        self.ratio = validate.number(self.ratio, "fastv: ratio", minimum=0.0, maximum=1.0)
+        if self.max_tokens is not None:
+            raise KVTrimError("fastv takes no cache budget (max_tokens); set the share of image tokens it keeps with "
+                              "--keep (ratio= or keep= in Python)")
+        if self.keep is not None:
+            keep = validate.fraction(self.keep, "fastv: keep (the share of image tokens kept)")
+            if self.ratio is not None and validate.number(self.ratio, "fastv: ratio") != keep:
+                raise KVTrimError(f"fastv: keep={keep} and ratio={self.ratio} disagree; keep is FastV's ratio, give one")
+            self.ratio, self.keep = keep, None
+        self.ratio = validate.number(0.5 if self.ratio is None else self.ratio, "fastv: ratio", minimum=0.0, maximum=1.0)
         super().__post_init__()
-        if self.max_tokens is not None or (self.keep is not None and self.keep != 1.0):
-            raise KVTrimError("fastv takes no cache budget (keep/max_tokens); set the share of image tokens kept with ratio")
 
     @property
     def decision_layer(self) -> int:
@@ -170,7 +181,7 @@ class FastV(PrefillTokenPruning):
     def decide(self, layer, query, key, scaling, target):
         last = torch.tensor([query.shape[-2] - 1], device=query.device)
         att = head_mean_probs(query, key, scaling, last)[0, -query.shape[-2] :]  # [T]
-        n_keep = math.floor(self.ratio * int(target.sum()) + 1e-9)
+        n_keep = math.floor((self.ratio or 0.0) * int(target.sum()) + 1e-9)  # ratio is set by __post_init__
         s = att.masked_fill(~target, float("-inf"))
         keep = torch.zeros_like(target)
         if n_keep:

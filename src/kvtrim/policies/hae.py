@@ -80,6 +80,8 @@ class HAE(PrefillTokenPruning):
     name = "hae"
     description = "HAE: first-layer dual-attention pruning of visual tokens (broadcast) + recycle-bin decode eviction"
     takes_budget = True
+    # DDES is optional: without keep/max_tokens HAE runs DAP alone (which needs image spans)
+    default_max_tokens = None
 
     def __post_init__(self, dap_mode: str | None) -> None:  # the InitVar dap_mode
         if dap_mode is not None:
