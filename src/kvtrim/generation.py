@@ -121,7 +121,7 @@ def generate_ids(
         t2 = time.perf_counter()
     text_ids = [t for t in out if not (stop_at_eos and t == eos)]
     stored = cache.stored_tokens()
-    compressed = any(layer.length < layer.seen for layer in cache.layers if layer.keys is not None)
+    compressed = any(layer.length < layer.seen for layer in cache.compressed_layers)
     return GenerationResult(
         answer=tokenizer.decode(text_ids, skip_special_tokens=True).strip() if tokenizer is not None else "",
         method=policy.name,
