@@ -109,8 +109,8 @@ class InfMLLM(Policy):
         return f"the retrieval window of {self.window} tokens"
 
     def n_recent(self, layer, budget: int) -> int:
-        """Most recent tokens kept unconditionally at this prompt."""
-        return min(layer.n_new, max(self.window, math.floor(self.recent_share * budget)))
+        """Most recent tokens kept unconditionally at this prompt (room is left for the sinks)."""
+        return min(layer.n_new, max(self.window, math.floor(self.recent_share * budget)), budget - self.n_sinks)
 
     def score(self, layer, query, key, scaling):
         att = retrieval_scores(query, key, scaling, self.window)
