@@ -145,9 +145,9 @@ def generate_ids(
 
 def not_compressed_reason(policy: Policy, n_prompt: int) -> str:
     """Why a generation of ``policy`` on a prompt of ``n_prompt`` tokens evicted nothing."""
+    if policy.needs_spans and not policy.compresses:
+        return f"{policy.name} acts only on tagged image/video/document tokens and evicted none"
     why = policy.short_prompt_reason(n_prompt)
     if why is not None:
         return why
-    if policy.needs_spans:
-        return f"{policy.name} acts only on tagged image/video/document tokens and evicted none"
     return f"the budget ({policy.budget(n_prompt)} tokens at the prompt) held every token"
