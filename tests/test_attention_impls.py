@@ -110,3 +110,29 @@ def test_a_rope_kvtrim_cannot_rerotate_is_refused_by_name():
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(KVTrimError, match=r"finds no rotary embedding|cannot be re-rotated exactly"):
         kvtrim.KVTrimCache(model, "streaming_llm", max_tokens=32)
+
+
+@pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2"])
+def test_flash_and_flex_run_as_sdpa_with_a_warning_and_are_restored(impl, caplog):
+    """kvtrim wraps SDPA (or eager) only: a model set to flash/flex attention gets, under ``full``,
+    the logits of the same model on SDPA without kvtrim, a warning naming its setting, and its own
+    setting back afterwards. flash_attention_2 needs the flash-attn package and a GPU; flex
+    attention is constructible on CPU (forward only)."""
+    try:
+        model = tiny("llama", impl)
+    except (ImportError, ValueError) as e:
+        pytest.skip(f"{impl} cannot be set on this machine: {e}")
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        with caplog.at_level("WARNING", logger="kvtrim.integrations.hf"), kvtrim.compress(model, "full") as cache:
+            got = model(ids, past_key_values=cache, use_cache=True).logits[0]
+            nxt = got[-1].argmax().view(1, 1)
+            got_next = model(nxt, past_key_values=cache, use_cache=True).logits[0, -1]
+        assert model.config._attn_implementation == impl  # the model's own setting is restored
+        assert any(impl in r.getMessage() and "SDPA" in r.getMessage() for r in caplog.records), caplog.text
+        model.set_attn_implementation("sdpa")
+        plain = DynamicCache(config=model.config)
+        ref = model(ids, past_key_values=plain, use_cache=True).logits[0]
+        ref_next = model(nxt, past_key_values=plain, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(got, ref)  # float32 defaults: rtol 1.3e-6, atol 1e-5
+    torch.testing.assert_close(got_next, ref_next)

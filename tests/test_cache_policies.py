@@ -14,6 +14,7 @@ import kvtrim
 from kvtrim.cache import CompressedLayer, KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_ids
+from kvtrim.policies.base import SINKS
 from kvtrim.registry import create_policy, get_policy_class, method_names, spans_error
 
 ALL = method_names()
@@ -105,6 +106,7 @@ def test_snapkv_keeps_topk_of_its_scores(model, prompt):
         s = s.reshape(1, -1, g, t).mean(dim=2)
         s = F.max_pool1d(s.reshape(-1, 1, t), kernel, stride=1, padding=kernel // 2).reshape(1, -1, t)
         s[..., -window:] = float("inf")
+        s[..., :SINKS] = float("inf")  # the attention sinks, kept by every method
         expect = torch.topk(s, budget, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(kept, expect)
 
@@ -259,10 +261,12 @@ def test_keep_out_of_range(keep):
 
 
 def test_max_tokens_below_what_method_keeps():
-    with pytest.raises(KVTrimError, match="smaller than the 32 tokens"):
-        create_policy("snapkv", max_tokens=10)
-    with pytest.raises(KVTrimError, match="4 sink tokens"):
-        create_policy("streaming_llm", max_tokens=3)
+    with pytest.raises(KVTrimError, match=r"smaller than the 36 tokens .*4 attention sinks \+ the observation window of 32"):
+        create_policy("snapkv", max_tokens=35)
+    with pytest.raises(KVTrimError, match=r"4 attention sinks \+ 1 recent token"):
+        create_policy("streaming_llm", max_tokens=4)
+    with pytest.raises(KVTrimError, match=r"smaller than the 6 tokens .*4 attention sinks \+ one heavy and one recent"):
+        create_policy("h2o", max_tokens=5)
 
 
 def test_keep_and_max_tokens_together():

@@ -23,7 +23,7 @@ def test_methods_json(capsys):
         (["generate", "--method", "nope", "--question", "q"], "unknown method 'nope'; known methods: full"),
         (["generate", "--method", "snapkv", "--keep", "1.5", "--question", "q"], "keep must be a fraction in (0, 1]"),
         (["generate", "--method", "snapkv", "--keep", "0", "--question", "q"], "keep must be a fraction in (0, 1]"),
-        (["generate", "--method", "snapkv", "--max-tokens", "8", "--question", "q"], "smaller than the 32 tokens"),
+        (["generate", "--method", "snapkv", "--max-tokens", "8", "--question", "q"], "smaller than the 36 tokens"),
         (["generate", "--question", "   "], "question is empty"),
         (["generate", "--context-file", "/nonexistent/ctx.txt", "--question", "q"], "does not exist"),
         (["generate", "--model", "/nonexistent/model", "--question", "q"], "does not exist"),

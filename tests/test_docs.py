@@ -31,16 +31,28 @@ def test_readme_has_exactly_the_two_commands():
 
 @pytest.mark.model
 def test_readme_python_snippet_runs(real, capsys):
+    """The snippet runs, and prints the answer the same snippet gives with the full cache (its short
+    prompt is kept whole, as the comment in the snippet says: nothing to save, nothing lost)."""
     block = README.read_text().split("## Python: one line", 1)[1]
     code = re.search(r"```python\n(.*?)```", block, flags=re.S).group(1)
-    env: dict = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # the documented path warns on no supported transformers
-        warnings.simplefilter("error", DeprecationWarning)
-        exec(compile(code, "README.md", "exec"), env)
-    cache = env["cache"]
-    assert cache.kv_bytes() < cache.kv_bytes_full()
-    assert capsys.readouterr().out.strip()
+    call = 'kvtrim.compress(lm.model, "snapkv", keep=0.2)'
+    assert call in code
+    answers = {}
+    for name, source in (("snapkv", code), ("full", code.replace(call, 'kvtrim.compress(lm.model, "full")'))):
+        env: dict = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # the documented path warns on no supported transformers
+            warnings.simplefilter("error", DeprecationWarning)
+            exec(compile(source, "README.md", "exec"), env)
+        out = capsys.readouterr().out.strip().splitlines()
+        assert out and out[0].strip()
+        answers[name] = (env["out"][0].tolist(), out[0])
+        cache, n_prompt = env["cache"], env["ids"].shape[1]
+        assert cache.kv_bytes_stored() == cache.kv_bytes_full()
+    assert answers["snapkv"] == answers["full"]
+    assert env["cache"].policy.name == "full"
+    snap = __import__("kvtrim").create_policy("snapkv", keep=0.2)
+    assert snap.kept_whole(n_prompt), f"the README's prompt has {n_prompt} tokens; the snippet's comment says it is kept whole"
 
 
 @pytest.mark.model

@@ -19,6 +19,7 @@ from kvtrim import decoding
 from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_ids
+from kvtrim.policies.base import SINKS
 from kvtrim.policies.elastic import Elastic, attention_importance, nearest_anchor
 from kvtrim.registry import create_policy
 from kvtrim.rope import rotate
@@ -188,15 +189,15 @@ def test_cache_follows_elastic_budget_and_evicts_only_at_p(model, prompt, keep, 
     assert evictions  # the test did see evictions
 
 
-def test_short_prompt_guard_keeps_the_first_token(model):
+def test_short_prompt_guard_keeps_the_sinks(model):
     ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(2))
-    cache, out = _prefill(model, ids, keep=0.5)
-    assert all(layer.state["elastic_P"] == 1 for layer in cache.compressed_layers)  # L = 10 < 25
+    cache, out = _prefill(model, ids, max_tokens=10)
+    assert all(layer.state["elastic_P"] == SINKS for layer in cache.compressed_layers)  # L = 10 < 24 + 4
 
     def check(t, before):
         for layer in cache.compressed_layers:
-            assert layer.positions[0, 0, 0] == 0
-            assert layer.length == math.floor(0.5 * (20 + t))
+            assert layer.positions[0, 0, :SINKS].tolist() == list(range(SINKS))
+            assert layer.length == 10
 
     _decode(model, cache, out.logits[:, -1], 6, check)
 
@@ -207,10 +208,10 @@ def test_ablation_evictions_keep_first_and_newest(model, prompt, eviction):
 
     def check(t, before):
         for (pos0, _, len0), layer in zip(before, cache.compressed_layers):
-            assert layer.positions[0, 0, 0] == 0
+            assert layer.positions[0, 0, :SINKS].tolist() == list(range(SINKS))
             assert layer.positions[0, 0, -1] == prompt.shape[1] + t - 1
-            if eviction == "recent" and layer.length == len0:
-                assert torch.equal(layer.positions[0, 0, :-1], torch.cat([pos0[0, 0, :1], pos0[0, 0, 2:]]))
+            if eviction == "recent" and layer.length == len0:  # the entry after the sinks is evicted
+                assert torch.equal(layer.positions[0, 0, :-1], torch.cat([pos0[0, 0, :SINKS], pos0[0, 0, SINKS + 1:]]))
 
     _decode(model, cache, out.logits[:, -1], 6, check)
 
@@ -280,7 +281,7 @@ def test_gamma_outside_unit_interval(keep):
         (dict(distance=-1), "distance must be a non-negative integer"),
         (dict(per_head=True), "one index set per layer"),
         (dict(ema_decay=1.0), r"ema_decay must be in \(0, 1\)"),
-        (dict(max_tokens=1), "smaller than the 2 tokens"),
+        (dict(max_tokens=4), r"smaller than the 5 tokens .*4 attention sinks \+ the last prompt token"),
     ],
 )
 def test_bad_parameters(kw, msg):
@@ -289,8 +290,11 @@ def test_bad_parameters(kw, msg):
 
 
 def test_prompt_shorter_than_protected_tokens(model):
-    with pytest.raises(KVTrimError, match="fewer than the 2 it always keeps"):
-        generate_ids(model, None, [5], create_policy("elastic", keep=0.5), max_new_tokens=2)
+    with pytest.raises(KVTrimError, match="fewer than the 5 it always keeps"):
+        generate_ids(model, None, [5], create_policy("elastic", max_tokens=5), max_new_tokens=2)
+    # under a keep budget such a prompt is kept whole (too short to save memory), and said so
+    res = generate_ids(model, None, [5], create_policy("elastic", keep=0.5), max_new_tokens=2)
+    assert not res.compressed and "kept whole" in res.reason
 
 
 # --- the reproduction's shortcuts change no number ------------------------------------------------

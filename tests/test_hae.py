@@ -228,7 +228,7 @@ def test_ddes_with_a_ratio_budget_holds_it_through_generate(llava):
     ({"bin_ratio": 0.0}, "bin_ratio must be in"),
     ({"dap_mode": "both"}, "mode must be one of prune, kv"),
     ({"targets": ("text",)}, "targets must be prunable modalities"),
-    ({"max_tokens": 5}, "smaller than the 10 tokens"),
+    ({"max_tokens": 13}, r"smaller than the 14 tokens .*4 attention sinks \+ 8 recent"),
 ])
 def test_hae_bad_parameters(kw, msg):
     with pytest.raises(KVTrimError, match=msg):

@@ -10,6 +10,7 @@ import torch
 import kvtrim
 from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError
+from kvtrim.policies.base import SINKS
 from kvtrim.policies.inf_mllm import InfMLLM, bias_ramp, retrieval_scores
 from kvtrim.registry import create_policy
 from kvtrim.session import Session
@@ -74,6 +75,7 @@ def test_turn_keeps_new_prompt_plus_topk_of_reference(model, bias, per_head):
     if not per_head:
         ref = ref.mean(dim=1, keepdim=True).expand(1, hkv, s).clone()
     ref[..., n_old:] = float("inf")  # the new prompt (12 <= budget / 2) is kept whole
+    ref[..., :SINKS] = float("inf")  # and the attention sinks, as by every method
     expect = torch.topk(ref, budget, dim=-1).indices.sort(dim=-1).values
     assert layer.length == budget
     assert torch.equal(layer.positions, expect)
@@ -109,8 +111,9 @@ def test_large_bias_keeps_newer_tokens_than_zero_bias(model):
         return layer.positions
 
     zero, large = kept(0.0), kept(1e6)
-    # a dominating bias is pure recency: the newest 30 tokens
-    assert torch.equal(large, torch.arange(60, 90).expand_as(large))
+    # a dominating bias is pure recency: the newest 26 tokens, besides the 4 attention sinks
+    expect = torch.cat([torch.arange(SINKS), torch.arange(60 + SINKS, 90)])
+    assert torch.equal(large, expect.expand_as(large))
     # without bias the saddles sit further back
     assert zero.float().mean() < large.float().mean()
     assert not torch.equal(zero, large)
@@ -172,7 +175,7 @@ def test_generate_with_inf_mllm_evicts_per_prompt_only(model, prompt):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        ({"max_tokens": 16, "window": 32}, "smaller than the 32 tokens"),
+        ({"max_tokens": 35, "window": 32}, r"smaller than the 36 tokens .*4 attention sinks \+ the retrieval window"),
         ({"max_tokens": 64, "window": 0}, "window must be a positive integer"),
         ({"max_tokens": 64, "bias": -1.0}, "bias must be a finite number >= 0"),
         ({"max_tokens": 64, "bias": float("nan")}, "bias must be a finite number >= 0"),

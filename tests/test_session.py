@@ -125,7 +125,7 @@ def test_bad_input(model, call, message):
 
 
 def test_budget_below_window_and_non_streaming_past_context(model):
-    with pytest.raises(KVTrimError, match="smaller than the 32 tokens this method always keeps"):
+    with pytest.raises(KVTrimError, match="smaller than the 36 tokens this method always keeps"):
         Session(model, None, "inf_mllm", max_tokens=16)
     s = Session(model, None, "snapkv", keep=0.5)
     with pytest.raises(KVTrimError, match="cannot stream past it"):
@@ -222,10 +222,10 @@ def test_chat_turns_hold_exactly_the_templated_conversation(real):
     [
         (["stream", "--file", "/nonexistent/t.txt"], "does not exist"),
         (["stream", "--file", "{f}", "--chunk", "0"], "--chunk must be a positive number of tokens"),
-        (["stream", "--file", "{f}", "--max-tokens", "8"], "smaller than the 32 tokens this method always keeps (the retrieval window"),
+        (["stream", "--file", "{f}", "--max-tokens", "8"], "smaller than the 36 tokens this method always keeps (4 attention sinks + the retrieval window"),
         (["stream", "--file", "{f}", "--method", "snapkv"], "cannot stream"),
         (["stream", "--file", "{empty}"], "is empty"),
-        (["chat", "--max-tokens", "16"], "smaller than the 32 tokens"),
+        (["chat", "--max-tokens", "16"], "smaller than the 36 tokens"),
         (["chat", "--method", "nope"], "unknown method 'nope'"),
         (["chat", "--load", "/nonexistent/session"], "does not exist"),
         (["chat", "--load", "{f}", "--method", "h2o"], "--load continues a saved session"),

@@ -148,7 +148,8 @@ def cmd_generate(args) -> int:
             f"[{res.method}] prompt {res.prompt_tokens} tok, {res.new_tokens} new; KV {res.kv_bytes / 2**20:.1f} MiB "
             f"(full {res.kv_bytes_full / 2**20:.1f} MiB); prefill {res.prefill_seconds:.2f}s, "
             f"decode {res.decode_tokens_per_s:.1f} tok/s; prefill attention {stats['prefill']} "
-            f"(density {stats['density']:.2f}{', fell back to dense: ' + stats['fallback'] if stats['fallback'] and stats['prefill'] != 'dense' else ''})",
+            f"(density {stats['density']:.2f}{', fell back to dense: ' + stats['fallback'] if stats['fallback'] and stats['prefill'] != 'dense' else ''})"
+            f"{'' if res.compressed else '; not compressed: ' + str(res.reason)}",
             file=sys.stderr,
         )
     return 0

@@ -24,6 +24,13 @@ from kvtrim.policies.base import Policy
 
 @dataclass
 class GenerationResult:
+    """One generation's answer and measurements.
+
+    ``compressed`` says whether the cache held fewer tokens than it was fed at the end (any token
+    evicted or merged, in any layer); when it did not, ``reason`` says why (for example a prompt
+    too short for compression to save memory, which every method keeps whole: ``Policy.kept_whole``).
+    """
+
     answer: str
     method: str
     prompt_tokens: int
@@ -39,6 +46,8 @@ class GenerationResult:
     policy: dict = field(default_factory=dict)
     token_ids: list[int] = field(default_factory=list)
     prefill: dict | None = None
+    compressed: bool = False
+    reason: str | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -112,6 +121,7 @@ def generate_ids(
         t2 = time.perf_counter()
     text_ids = [t for t in out if not (stop_at_eos and t == eos)]
     stored = cache.stored_tokens()
+    compressed = any(layer.length < layer.seen for layer in cache.compressed_layers)
     return GenerationResult(
         answer=tokenizer.decode(text_ids, skip_special_tokens=True).strip() if tokenizer is not None else "",
         method=policy.name,
@@ -128,4 +138,16 @@ def generate_ids(
         policy=policy.describe(),
         token_ids=out,
         prefill=prefill.stats() if prefill is not None else None,
+        compressed=compressed,
+        reason=None if compressed else not_compressed_reason(policy, len(prompt_ids)),
     )
+
+
+def not_compressed_reason(policy: Policy, n_prompt: int) -> str:
+    """Why a generation of ``policy`` on a prompt of ``n_prompt`` tokens evicted nothing."""
+    if policy.needs_spans and not policy.compresses:
+        return f"{policy.name} acts only on tagged image/video/document tokens and evicted none"
+    why = policy.short_prompt_reason(n_prompt)
+    if why is not None:
+        return why
+    return f"the budget ({policy.budget(n_prompt)} tokens at the prompt) held every token"

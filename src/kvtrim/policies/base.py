@@ -9,10 +9,18 @@ stored ones plus the new ones). The base class decides the phase and calls one h
   or a chunk of a chunked prefill);
 * ``on_decode`` - a forward with one new token.
 
-A score-based method only writes ``score()`` (higher = more worth keeping) and, if it must
-always keep some tokens, ``protected()``; ``evict_by_score`` then keeps exactly the top-``budget``
-tokens of ``score`` with the protected ones forced in. Merging methods (Elastic Cache) and
-streaming methods override the hooks instead.
+A score-based method only writes ``score()`` (higher = more worth keeping) and, if it keeps a
+window of recent tokens, ``window_tokens()``; ``evict_by_score`` then keeps exactly the
+top-``budget`` tokens of ``score`` with the protected ones forced in. Merging methods (Elastic
+Cache) and streaming methods override the hooks instead.
+
+Do no harm by default (docs/methods-spec.md, "Always kept"):
+
+* every compressing method keeps the **attention sinks**, the first ``SINKS`` tokens of the
+  stream, and its **window** (``window_tokens``: the observation window, the recent share), whatever
+  the budget: ``protected()`` always includes both and ``min_tokens`` counts them;
+* a prompt too short for compression to save memory is **kept whole** (``kept_whole``): with a
+  ``keep`` budget nothing is evicted while the stream holds at most ``min_length`` tokens.
 
 Budgets (docs/methods-spec.md): either ``keep`` (a fraction of the tokens seen so far) or
 ``max_tokens`` (a fixed cap). A compressing method given neither takes its class's
@@ -41,6 +49,23 @@ POSITION_POLICIES = ("true", "reassigned", "compressed")
 
 #: the budget (tokens per layer and KV head) a compressing method takes when given none
 DEFAULT_MAX_TOKENS = 1024
+
+#: Attention sinks kept by every compressing method: the first tokens of a stream draw a large share
+#: of every later query's attention whatever their content, and evicting them derails the model
+#: (Xiao et al., 2023, StreamingLLM, which keeps 4: fewer was not enough for some models). Measured on the
+#: embedded model: SnapKV at keep 0.9 on a 37-token chat prompt kept the window but not the first
+#: tokens and answered "...is France." where the full cache says Paris.
+SINKS = 4
+
+#: Prompts of at most this many tokens are kept whole under a ``keep`` budget (``Policy.kept_whole``).
+#: Such a prompt is a short question in its chat template (on SmolLM2 the template's system turn
+#: alone is ~30 tokens, a one-line question ~40): every token is template or question, and the
+#: most compression could save is 64 tokens' KV, under 1% of the weights' memory (about 3 MiB
+#: against 540 MB on SmolLM2-135M in float32; 32 MiB against 13 GB on a 7B model in float16). The
+#: windowed methods also keep their sinks and window there (36 tokens with the default 32-token
+#: window), so eviction would drop the question's start for almost no memory. Methods with a larger
+#: window raise it to twice their ``min_tokens``.
+MIN_LENGTH = 64
 
 
 @dataclass
@@ -111,12 +136,47 @@ class Policy:
 
     # --- budget --------------------------------------------------------------------------------
     @property
-    def min_tokens(self) -> int:
-        """Tokens this method always keeps; a budget below it is refused."""
+    def n_sinks(self) -> int:
+        """Attention sinks this method always keeps (``SINKS``; StreamingLLM lets the user set it)."""
+        return SINKS
+
+    @property
+    def min_window(self) -> int:
+        """Recent (or otherwise method-specific) tokens always kept besides the sinks (default 1)."""
         return 1
 
+    def window_reason(self) -> str:
+        return "1 recent token"
+
+    @property
+    def min_tokens(self) -> int:
+        """Tokens this method always keeps (the sinks + ``min_window``); a budget below it is refused."""
+        return self.n_sinks + self.min_window
+
     def min_tokens_reason(self) -> str:
-        return "at least one token"
+        return f"{self.n_sinks} attention sinks + {self.window_reason()}"
+
+    @property
+    def min_length(self) -> int:
+        """Longest stream kept whole under a ``keep`` budget: ``max(MIN_LENGTH, 2 * min_tokens)``
+        (below twice the always-kept tokens, eviction would save less than it keeps by rule)."""
+        return max(MIN_LENGTH, 2 * self.min_tokens)
+
+    def kept_whole(self, seen: int) -> bool:
+        """True when nothing is evicted after ``seen`` tokens because the stream is too short for
+        compression to save memory: a ``keep`` budget and ``seen <= min_length``. A ``max_tokens``
+        cap is a memory bound the caller asked for and is always honoured (it cannot be below the
+        sinks and window, ``min_tokens``)."""
+        return self.keep is not None and self.keep < 1.0 and seen <= self.min_length
+
+    def short_prompt_reason(self, n_prompt: int) -> str | None:
+        """Why a prompt of ``n_prompt`` tokens is not compressed, or None when it is (JSON reports)."""
+        if not self.compresses:
+            return f"{self.name} keeps every token (no budget)"
+        if self.kept_whole(n_prompt):
+            return (f"the prompt has {n_prompt} tokens, at most {self.min_length}: kept whole, too short "
+                    f"for compression to save memory")
+        return None
 
     @property
     def position_policy(self) -> str:
@@ -127,10 +187,10 @@ class Policy:
         return self.max_tokens is not None or (self.keep is not None and self.keep < 1.0)
 
     def budget(self, seen: int) -> int:
-        """Tokens to hold per layer and KV head after ``seen`` tokens."""
+        """Tokens to hold per layer and KV head after ``seen`` tokens (``seen`` while :meth:`kept_whole`)."""
         if self.max_tokens is not None:
             return self.max_tokens
-        if self.keep is None:
+        if self.keep is None or self.kept_whole(seen):
             return seen
         return max(self.min_tokens, math.floor(self.keep * seen + 1e-9))
 
@@ -172,9 +232,19 @@ class Policy:
         """Per-token scores ``[B, Hkv, stored]``; higher is more worth keeping."""
         raise NotImplementedError
 
+    def window_tokens(self, layer: "CompressedLayer") -> int:
+        """The most recent tokens this method keeps at this eviction (its observation window or
+        recent share); default 0."""
+        return 0
+
     def protected(self, layer: "CompressedLayer") -> torch.Tensor | None:
-        """Boolean ``[B, Hkv, stored]`` of tokens that must be kept, or None."""
-        return None
+        """Boolean ``[B, Hkv, stored]`` of tokens that must be kept: the sinks and the window."""
+        return self.always_kept(layer, self.window_tokens(layer))
+
+    def always_kept(self, layer: "CompressedLayer", n_recent: int) -> torch.Tensor:
+        """Boolean ``[B, Hkv, stored]``: the first ``n_sinks`` tokens of the stream and the ``n_recent`` newest."""
+        mask = self.first_mask(layer, self.n_sinks)
+        return mask | self.recent_mask(layer, n_recent) if n_recent > 0 else mask
 
     def select(self, scores: torch.Tensor, protected: torch.Tensor | None, budget: int) -> torch.Tensor:
         """Slots to keep: the top-``budget`` of ``scores`` with protected tokens forced in, ascending."""

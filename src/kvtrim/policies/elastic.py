@@ -7,7 +7,8 @@
   over all query heads: ``I_n = mean_h sum_m A_h[m, n]``. It is computed from ``q`` and ``k`` in
   chunks of ``chunk`` queries, each chunk against only the keys it can see, so a T-token prompt
   needs ``chunk x T`` floats per head at once, never ``T x T``. The top ``floor(keep * T)``
-  tokens become *anchors* (the first token and the last prompt token are always anchors).
+  tokens become *anchors* (the attention sinks, the first ``SINKS`` = 4 tokens of the stream, and
+  the last prompt token are always anchors, ``Policy``).
   Every other token is merged into the anchor nearest to it by stream position; each anchor's
   key and value become the unweighted mean of itself and its members. One index set per layer,
   shared by all KV heads (as in the paper).
@@ -15,8 +16,8 @@
   ``budget(t) = floor(keep * (T + t))`` after ``t`` generated tokens. Whenever the cache exceeds
   it, the entry at one fixed slot ``P`` is deleted. ``P = L - distance`` is set once after the
   prompt, with ``L`` the compressed prompt length (``distance = 24``, docs/methods-spec.md). The slots
-  before ``P`` are a frozen prefix; from ``P`` on the cache is a queue. Guard: ``P >= 1``, so the
-  first token is never evicted when the compressed prompt is shorter than ``distance + 1``.
+  before ``P`` are a frozen prefix; from ``P`` on the cache is a queue. Guard: ``P >= 4`` (the
+  sinks), so the sinks are never evicted when the compressed prompt is shorter than ``distance + 4``.
 
 Design decisions where the sources are silent or differ (kvtrim's choices):
 
@@ -24,7 +25,7 @@ Design decisions where the sources are silent or differ (kvtrim's choices):
   official code's ``argmin`` over ascending anchors does the same).
 * Anchors are the intended top-k of the importance (the official code confuses ranks with token
   indices); the official code also always keeps a few start tokens (``start_size``, 1 in its
-  evaluation scripts); kvtrim always forces the first token in.
+  evaluation scripts); kvtrim always forces the 4 attention sinks in, as every kvtrim method does.
 * ``distance`` is 24, kvtrim's reading of the paper's "recent distance of 25"; the official
   code's ``distance=-25`` gives ``P = L - 25`` (one more recent slot). It is a parameter.
 * A later multi-token forward (a new user turn) is encoded like the prompt: importance from the
@@ -44,9 +45,9 @@ Ablation switches (the paper's Table of ablations):
   in order, ``I <- decay * I + (1 - decay) * A[m]``, ``decay = ema_decay``, default 0.99: the
   last ~100 queries dominate). The paper does not publish its mean and moving-average formulas;
   these are kvtrim's readings.
-* ``eviction``: ``"fixed"`` (default, slot ``P``), ``"recent"`` (slot 1: keep the first token
+* ``eviction``: ``"fixed"`` (default, slot ``P``), ``"recent"`` (slot 4: keep the sinks
   and a queue of the most recent entries, StreamingLLM-like) or ``"frequency"`` (the entry with
-  the lowest accumulated importance, the first token and the newest one protected; decode rows
+  the lowest accumulated importance, the sinks and the newest one protected; decode rows
   keep adding their head-averaged attention, H2O-like).
 
 Investigation switch (not in the paper): ``proportional=True`` makes the merge size-aware, as in
@@ -163,13 +164,13 @@ class Elastic(Policy):
         return max(1, self.window)
 
     @property
-    def min_tokens(self) -> int:
-        return 1 + self.n_last
+    def min_window(self) -> int:
+        return self.n_last
 
-    def min_tokens_reason(self) -> str:
+    def window_reason(self) -> str:
         if self.window > 1:
-            return f"the first token and the last {self.window} prompt tokens"
-        return "the first token and the last prompt token"
+            return f"the last {self.window} prompt tokens"
+        return "the last prompt token"
 
     # --- instruction encoding ----------------------------------------------------------------------
     def layer_importance(self, layer, query, key, scaling) -> torch.Tensor:
@@ -188,9 +189,10 @@ class Elastic(Policy):
         return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk)
 
     def select_anchors(self, importance: torch.Tensor, budget: int) -> torch.Tensor:
-        """Top-``budget`` slots of ``importance [B, S]`` with slots 0 and S-1 forced in, ascending ``[B, budget]``."""
+        """Top-``budget`` slots of ``importance [B, S]`` with the sink slots and the last ``n_last`` forced in,
+        ascending ``[B, budget]``."""
         s = importance.float().clone()
-        s[:, 0] = float("inf")
+        s[:, : self.n_sinks] = float("inf")
         s[:, -self.n_last :] = float("inf")
         return torch.topk(s, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
@@ -200,9 +202,9 @@ class Elastic(Policy):
         With ``combine="merge"`` every other token joins the nearest *mergeable* anchor and that
         anchor's key and value become the unweighted mean of itself and its members (with
         ``proportional=True``: the mean weighted by the tokens each slot stands for, and the anchor's
-        ``logit_bias`` becomes the log of its new size). The first
-        and the last slot are mergeable only with ``merge_protected=True``; by default they stay
-        exact, as in the official code (the first token is the attention sink). With no mergeable
+        ``logit_bias`` becomes the log of its new size). The sinks
+        and the last slots are mergeable only with ``merge_protected=True``; by default they stay
+        exact, as in the official code (which keeps its first token, the attention sink, exact). With no mergeable
         anchor (a budget of 2) the other tokens are dropped.
         """
         b, h = layer.keys.shape[:2]
@@ -231,7 +233,7 @@ class Elastic(Policy):
             a = anchors[i]
             targets = torch.arange(k, device=a.device)
             if not self.merge_protected:
-                targets = targets[(a[targets] != 0) & (a[targets] < last)]
+                targets = targets[(a[targets] >= self.n_sinks) & (a[targets] < last)]
             if targets.numel() == 0:
                 continue
             is_anchor = torch.zeros(layer.length, dtype=torch.bool, device=a.device)
@@ -256,7 +258,7 @@ class Elastic(Policy):
             layer.state_view(LOGIT_BIAS)[i] = count.log().unsqueeze(0)
 
     def on_prefill(self, layer, query, key, scaling) -> None:
-        if self.compresses and layer.length < self.min_tokens:
+        if self.compresses and not self.kept_whole(layer.seen) and layer.length < self.min_tokens:
             raise KVTrimError(
                 f"elastic: the prompt has {layer.length} token(s), fewer than the {self.min_tokens} it always keeps "
                 f"({self.min_tokens_reason()}); give a longer prompt or use keep=1.0"
@@ -275,7 +277,7 @@ class Elastic(Policy):
             assert imp is not None
             acc = layer.new_token_state("elastic_importance")
             acc[:, :, : layer.length] = imp.unsqueeze(1)
-        layer.state["elastic_P"] = max(1, layer.length - self.distance)
+        layer.state["elastic_P"] = max(min(self.n_sinks, layer.length - 1), layer.length - self.distance)
 
     def on_turn(self, layer, query, key, scaling) -> None:
         self.on_prefill(layer, query, key, scaling)
@@ -286,9 +288,9 @@ class Elastic(Policy):
         if self.eviction == "fixed":
             return min(layer.state["elastic_P"], layer.length - 1)
         if self.eviction == "recent":
-            return 1
-        acc = layer.state_view("elastic_importance")[0, 0, 1 : layer.length - 1]
-        return 1 + int(torch.argmin(acc))
+            return self.n_sinks
+        acc = layer.state_view("elastic_importance")[0, 0, self.n_sinks : layer.length - 1]
+        return self.n_sinks + int(torch.argmin(acc))
 
     def on_decode(self, layer, query, key, scaling) -> None:
         if self.eviction == "frequency":

@@ -4,7 +4,8 @@ Per KV head, every key accumulates the attention it receives from every query (s
 query heads of its group and over all steps, causally: a query only credits keys it can see;
 H2O's accuracy tables used future queries, kvtrim does not). The cache keeps the
 ``budget * (1 - recent_ratio)`` highest-accumulated tokens plus the ``budget * recent_ratio``
-most recent ones, and evicts at every step, as the paper's streaming variant does.
+most recent ones (the attention sinks always among the kept, ``Policy``; the recent share leaves
+room for at least one heavy hitter), and evicts at every step, as the paper's streaming variant does.
 Prefill scores are all-row column sums, computed in chunks of queries from q and k.
 """
 
@@ -34,10 +35,10 @@ class H2O(Policy):
         super().__post_init__()
 
     @property
-    def min_tokens(self) -> int:
+    def min_window(self) -> int:
         return 2
 
-    def min_tokens_reason(self) -> str:
+    def window_reason(self) -> str:
         return "one heavy and one recent token"
 
     def _accumulate(self, layer, query, key, scaling) -> None:
@@ -52,9 +53,9 @@ class H2O(Policy):
     def score(self, layer, query, key, scaling):
         return layer.state_view("h2o_acc")
 
-    def protected(self, layer):
-        n_recent = int(self.budget(layer.seen) * self.recent_ratio)
-        return self.recent_mask(layer, n_recent)
+    def window_tokens(self, layer):
+        budget = self.budget(layer.seen)
+        return min(int(budget * self.recent_ratio), budget - self.n_sinks - 1)
 
     def on_prefill(self, layer, query, key, scaling) -> None:
         self._accumulate(layer, query, key, scaling)

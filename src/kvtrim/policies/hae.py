@@ -31,7 +31,7 @@ within the 10-20% HAE suggests). Each step, every stored token's score is update
 where ``a_t`` is the attention the token gets from the current query (mean over the query heads
 of its KV group; the formula is kvtrim's, the paper gives none). ``hist`` starts at the mean
 attention from the last ``window`` (32) prompt queries. The ``B - D`` top-scoring tokens (the
-``recent`` newest forced in) are *active*; the other stored tokens are in the *bin*: still
+``recent`` newest and the attention sinks forced in, ``Policy``) are *active*; the other stored tokens are in the *bin*: still
 resident, so a binned token whose score climbs back into the top ``B - D`` is restored (counted in
 ``layer.state["hae_restored"]``). When the bin overflows (stored > B) it is emptied in one batch
 (one gather per layer for ``D + 1`` tokens, against one per step for ``h2o``). The cache never
@@ -100,10 +100,10 @@ class HAE(PrefillTokenPruning):
         super().__post_init__()
 
     @property
-    def min_tokens(self) -> int:
+    def min_window(self) -> int:
         return self.recent + 2
 
-    def min_tokens_reason(self) -> str:
+    def window_reason(self) -> str:
         return f"{self.recent} recent tokens + 1 active token + a bin of 1"
 
     @property
@@ -113,7 +113,7 @@ class HAE(PrefillTokenPruning):
     slice_decision_layers = True
 
     def bin_size(self, budget: int) -> int:
-        return max(1, min(budget - self.recent - 1, round(self.bin_ratio * budget)))
+        return max(1, min(budget - self.n_sinks - self.recent - 1, round(self.bin_ratio * budget)))
 
     # --- DAP -------------------------------------------------------------------------------------
     def decide(self, layer, query, key, scaling, target):
@@ -139,7 +139,7 @@ class HAE(PrefillTokenPruning):
         layer.state.setdefault("hae_binned", 0)
         budget = self.budget(layer.seen)
         if layer.length > budget:
-            idx = self.select(layer.state_view("hae_hist"), self.recent_mask(layer, self.recent), budget)
+            idx = self.select(layer.state_view("hae_hist"), self.always_kept(layer, self.recent), budget)
             layer.keep_indices(idx)
             layer.state["hae_evictions"] += 1
         self._rebin(layer, layer.state_view("hae_hist"), budget, count=False)
@@ -167,7 +167,7 @@ class HAE(PrefillTokenPruning):
         """Active = top ``budget - D`` by ``score`` (recent forced in); the rest of the stored tokens are binned."""
         n_active = min(layer.length, budget - self.bin_size(budget))
         binned = layer.state_view("hae_bin")
-        idx = self.select(score, self.recent_mask(layer, self.recent), n_active)
+        idx = self.select(score, self.always_kept(layer, self.recent), n_active)
         new_bin = torch.ones_like(binned)
         new_bin.scatter_(-1, idx, False)
         if count:

@@ -21,7 +21,7 @@ highest-attention ("attention saddle") tokens wherever they are (longer-range de
 bias changes only the eviction score; the forward pass stays exact.
 
 The most recent ``min(new prompt, floor(recent_share * budget))`` tokens are always kept (at least
-the retrieval window), the rest of the budget goes to the top-scoring older tokens. Positions are
+the retrieval window), and so are the attention sinks (``Policy``); the rest of the budget goes to the top-scoring older tokens. Positions are
 ``reassigned`` by default, so a stream runs past the model's trained context.
 
 Decoding inside a turn appends tokens beyond the budget, up to ``decode_cap`` extra tokens; they
@@ -102,23 +102,23 @@ class InfMLLM(Policy):
         super().__post_init__()
 
     @property
-    def min_tokens(self) -> int:
+    def min_window(self) -> int:
         return self.window
 
-    def min_tokens_reason(self) -> str:
+    def window_reason(self) -> str:
         return f"the retrieval window of {self.window} tokens"
 
     def n_recent(self, layer, budget: int) -> int:
-        """Most recent tokens kept unconditionally at this prompt."""
-        return min(layer.n_new, max(self.window, math.floor(self.recent_share * budget)))
+        """Most recent tokens kept unconditionally at this prompt (room is left for the sinks)."""
+        return min(layer.n_new, max(self.window, math.floor(self.recent_share * budget)), budget - self.n_sinks)
 
     def score(self, layer, query, key, scaling):
         att = retrieval_scores(query, key, scaling, self.window)
         s = att.shape[-1]
         return att * s + bias_ramp(s, self.bias, att.device)
 
-    def protected(self, layer):
-        return self.recent_mask(layer, self.n_recent(layer, self.budget(layer.seen)))
+    def window_tokens(self, layer):
+        return self.n_recent(layer, self.budget(layer.seen))
 
     def on_prefill(self, layer, query, key, scaling) -> None:
         self.evict_by_score(layer, query, key, scaling)
@@ -131,5 +131,5 @@ class InfMLLM(Policy):
             s = att.shape[-1]
             scores = att * s + bias_ramp(s, self.bias, att.device)
             keep_recent = max(1, math.floor(self.recent_share * budget))
-            idx = self.select(scores, self.recent_mask(layer, keep_recent), budget)
+            idx = self.select(scores, self.always_kept(layer, keep_recent), budget)
             layer.keep_indices(idx)

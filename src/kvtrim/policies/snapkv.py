@@ -7,7 +7,7 @@ important token survive with it. Keeping whole spans matters: SmolLM2's tokenize
 into single digits. Default: max pooling, kernel 7 (SnapKV's LongBench setting). Measured on the
 embedded model, 5-digit pass key in ~3k tokens of essays at keep 0.2, 6 samples: max-7 6/6,
 avg-7 5/6, avg-5 (the paper's default) 3/6 (digits lost). The top tokens by that score are kept,
-plus the window itself. Decoded tokens are appended without eviction.
+plus the window itself and the attention sinks (``Policy``). Decoded tokens are appended without eviction.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ class SnapKV(Policy):
         super().__post_init__()
 
     @property
-    def min_tokens(self) -> int:
+    def min_window(self) -> int:
         return self.window
 
-    def min_tokens_reason(self) -> str:
+    def window_reason(self) -> str:
         return f"the observation window of {self.window} tokens"
 
     def score(self, layer, query, key, scaling):
@@ -62,5 +62,5 @@ class SnapKV(Policy):
             s = flat.reshape(b, h, n)
         return s
 
-    def protected(self, layer):
-        return self.recent_mask(layer, min(self.window, layer.n_new))
+    def window_tokens(self, layer):
+        return min(self.window, layer.n_new)

@@ -31,17 +31,11 @@ class StreamingLLM(Policy):
         super().__post_init__()
 
     @property
-    def min_tokens(self) -> int:
-        return self.sinks + 1
-
-    def min_tokens_reason(self) -> str:
-        return f"{self.sinks} sink tokens + 1 recent token"
+    def n_sinks(self) -> int:
+        return self.sinks
 
     def score(self, layer, query, key, scaling):
         return layer.positions.float()
-
-    def protected(self, layer):
-        return self.first_mask(layer, self.sinks)
 
     def on_decode(self, layer, query, key, scaling) -> None:
         self.evict_by_score(layer, query, key, scaling)
