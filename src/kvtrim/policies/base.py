@@ -61,7 +61,7 @@ SINKS = 4
 #: Such a prompt is a short question in its chat template (on SmolLM2 the template's system turn
 #: alone is ~30 tokens, a one-line question ~40): every token is template or question, and the
 #: most compression could save is 64 tokens' KV, under 1% of the weights' memory (about 3 MiB
-#: against 540 MB on SmolLM2-135M in float32; 32 MiB against 13 GB on a 7B model in float16). The
+#: against 515 MiB of weights on SmolLM2-135M in float32; 32 MiB against 13 GiB on a 7B model in float16). The
 #: windowed methods also keep their sinks and window there (36 tokens with the default 32-token
 #: window), so eviction would drop the question's start for almost no memory. Methods with a larger
 #: window raise it to twice their ``min_tokens``.
