@@ -189,13 +189,13 @@ def forward(model, cache: "KVTrimCache", ids: list[int] | torch.Tensor, *, all_l
 
     Returns float32 logits: ``[vocab]`` of the last position, or ``[n, vocab]`` with ``all_logits``.
     """
-    from kvtrim.integrations.hf import cache_kwarg
+    from kvtrim.cache import cache_keyword
 
     device = next(model.parameters()).device
     x = ids.to(device) if isinstance(ids, torch.Tensor) else torch.tensor([list(ids)], device=device)
     if x.dim() == 1:
         x = x.unsqueeze(0)
-    kw: dict = {cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 0 if all_logits else 1, **(extra or {})}
+    kw: dict = {cache_keyword(): cache, "use_cache": True, "logits_to_keep": 0 if all_logits else 1, **(extra or {})}
     pos = next_positions(cache, x.shape[1], device)
     if pos is not None:
         kw["position_ids"] = pos
