@@ -28,6 +28,8 @@ ARCHS = {
     "phi": ({"partial_rotary_factor": 0.5}, "half", ("sdpa", "eager")),
     "cohere": ({}, "interleaved", ("sdpa", "eager")),
     "gemma2": ({"sliding_window": 16, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}, "half", ("eager",)),
+    # one RoPE per layer type (local theta 1e4, global 1e6): kvtrim re-rotates the full-attention layers' keys
+    "gemma3_text": ({"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]}, "half", ("sdpa", "eager")),
 }
 
 

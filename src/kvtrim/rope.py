@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 LAYOUTS = ("half", "interleaved")
+FULL = "full_attention"  # the layer type kvtrim compresses
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,10 @@ def _rotary_probe(model: torch.nn.Module):
     pos = torch.tensor([[p, p + d]], device=param.device)
     try:
         with torch.no_grad():
-            cos, sin = rotary(torch.zeros(1, device=param.device), pos)
+            try:
+                cos, sin = rotary(torch.zeros(1, device=param.device), pos)
+            except TypeError:  # one rotary embedding per layer type (Gemma3): the full-attention layers'
+                cos, sin = rotary(torch.zeros(1, device=param.device), pos, FULL)
             # the rotary part only (partial-rotary models split it off before applying RoPE)
             rot_dim = cos.shape[-1]
             g = torch.Generator().manual_seed(0)
@@ -131,11 +135,14 @@ def find_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:
     """
     cfg = model.config.get_text_config(decoder=True)  # type: ignore[union-attr,operator]  # a transformers model's config
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if isinstance(rope, dict) and isinstance(rope.get(FULL), dict):  # per layer type (Gemma3): the full layers' RoPE
+        rope = rope[FULL]
     if isinstance(rope, dict):
         rtype = rope.get("rope_type", rope.get("type", "default"))
         if rtype == "dynamic" or "mrope_section" in rope:
             return None
     for name, buf in model.named_buffers():
-        if name.endswith("rotary_emb.inv_freq"):
+        # one rotary embedding, or one per layer type (Gemma3: kvtrim compresses the full-attention layers)
+        if name.endswith(("rotary_emb.inv_freq", f"rotary_emb.{FULL}_inv_freq")):
             return buf.detach().float()
     return None
