@@ -47,6 +47,21 @@ def prompt():
 
 
 @pytest.fixture(scope="session")
+def embedded_tokenizer():
+    """The embedded model's tokenizer (skips the test when the embedded model is not installed)."""
+    from transformers import AutoTokenizer
+
+    from kvtrim.errors import KVTrimError
+    from kvtrim.models import resolve_model
+
+    try:
+        path = resolve_model(None)[0]
+    except KVTrimError as e:
+        pytest.skip(str(e))
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+@pytest.fixture(scope="session")
 def real():
     """The embedded SmolLM2-135M-Instruct (converted once into the user cache)."""
     from kvtrim.models import load_model

@@ -10,16 +10,8 @@ from kvtrim.eval.longtext import LABELFREE_INSTRUCTIONS, LONGTEXT_TASKS, labelfr
 
 
 @pytest.fixture(scope="module")
-def tok():
-    try:
-        from kvtrim.models import resolve_model
-
-        path = resolve_model(None)[0]
-    except KVTrimError as e:
-        pytest.skip(str(e))
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
+def tok(embedded_tokenizer):
+    return embedded_tokenizer
 
 
 @pytest.mark.parametrize("length", (512, 2048, 4096))

@@ -187,21 +187,13 @@ def test_read_lines_repairs_a_cut_line(tmp_path):
 
 # ----------------------------------------------------------------------------- the sweep on a tiny model
 @pytest.fixture(scope="module")
-def tiny_lm():
+def tiny_lm(embedded_tokenizer):
     """A tiny random Llama with the embedded model's tokenizer (so the task generators can size prompts)."""
     from conftest import tiny_llama
 
     from kvtrim.models import LoadedModel
 
-    try:
-        from kvtrim.models import resolve_model
-
-        path = resolve_model(None)[0]
-    except KVTrimError as e:
-        pytest.skip(str(e))
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = embedded_tokenizer
     model = tiny_llama(vocab_size=len(tok), max_position_embeddings=1024)
     return LoadedModel(model, tok, "tiny-test-model")
 

@@ -14,19 +14,11 @@ from kvtrim.models import PLAIN_TURN, build_prompt_ids, has_chat_template, plain
 
 
 @pytest.fixture(scope="module")
-def tokenizers():
+def tokenizers(embedded_tokenizer):
     """The embedded model's tokenizer (with its chat template) and a copy without one."""
     import copy
 
-    from transformers import AutoTokenizer
-
-    from kvtrim.models import resolve_model
-
-    try:
-        path = resolve_model(None)[0]
-    except KVTrimError as e:
-        pytest.skip(str(e))
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = embedded_tokenizer
     base = copy.deepcopy(tok)
     base.chat_template = None
     assert has_chat_template(tok) and not has_chat_template(base)

@@ -16,6 +16,7 @@ re-rotation reproduces it; a model whose RoPE matches neither is refused rather 
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +80,20 @@ def find_rotary(model: torch.nn.Module) -> Rotary | None:
 
     The check feeds a random head vector through the model's ``rotary_emb`` and its modeling
     module's ``apply_rotary_pos_emb`` at positions ``p`` and ``p + d``, and accepts the layout
-    under which kvtrim's rotation by ``d`` maps the first onto the second.
+    under which kvtrim's rotation by ``d`` maps the first onto the second. The answer is remembered
+    per model (an evaluation builds a cache per configuration and sample; the probe runs once).
     """
+    if model in _FOUND:
+        return _FOUND[model]
+    _FOUND[model] = found = _find_rotary(model)
+    return found
+
+
+#: find_rotary's answer per model (weak: forgotten with the model)
+_FOUND: "weakref.WeakKeyDictionary[torch.nn.Module, Rotary | None]" = weakref.WeakKeyDictionary()
+
+
+def _find_rotary(model: torch.nn.Module) -> Rotary | None:
     inv_freq = find_inv_freq(model)
     if inv_freq is None:
         return None
