@@ -1,11 +1,12 @@
-"""End-to-end prefill of the embedded model: dense SDPA vs each MInference pattern vs the searched config.
+"""End-to-end prefill of a model (default: the embedded one): dense SDPA vs each MInference pattern vs the searched config.
 
 For each length, one prefill forward (full KV cache, ``logits_to_keep=1``, through
 :mod:`kvtrim.decoding`) per configuration, configurations interleaved within each repetition by
 :mod:`kvtrim.harness` (the order alternates between repetitions),
 medians over ``--reps`` after one warm-up at that length (lengths >= 16k: ``--long-reps``, default 1, no warm-up; the warm-up is negligible
-there). Beyond the model's 8k context the RoPE is scaled linearly (factor = length / 8192; timing
-only, the outputs are not judged there).
+there). Beyond the model's trained context (8k for the embedded model, 32k for qwen2.5-0.5b) the
+RoPE is scaled linearly (factor = length / context; timing only, the outputs are not judged there);
+within it the model's own RoPE is used unchanged.
 
 Configurations:
 - ``dense``: SDPA (``is_causal``), timed inside the same hook so attention-only time is measured
@@ -85,10 +86,13 @@ def scale_rope(model, length: int, base_ctx: int) -> None:
 
     cfg = model.config
     factor = max(1.0, length / base_ctx)
+    if factor == 1.0 and not getattr(model, "_kvtrim_rope_scaled", False):
+        return  # within the trained context: the model's own RoPE, untouched
     theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     cfg.rope_parameters = {"rope_type": "linear" if factor > 1 else "default", "factor": factor, "rope_theta": theta}
     cfg.max_position_embeddings = max(base_ctx, length)
     model.model.rotary_emb = LlamaRotaryEmbedding(cfg)
+    model._kvtrim_rope_scaled = True
 
 
 def median_sizes(cfg, pattern: str) -> dict:
@@ -116,9 +120,9 @@ def one_prefill(model, ids: list[int], hook) -> tuple[float, float, dict]:
     return wall[0], c1 - c0, hook.stats()
 
 
-def build(pattern_config: str | None):
-    """The embedded model, its hooks by configuration name, the single-pattern sizes and the prompt ids."""
-    lm = load_model(None)
+def build(pattern_config: str | None, model_name: str | None = None):
+    """The model (default: the embedded one), its hooks by configuration name, the single-pattern sizes and the prompt ids."""
+    lm = load_model(model_name)
     model = lm.model
     mi = make_prefill(model, "minference", pattern_config, min_length=1)
     hooks = {"dense": SparsePrefill("dense"), "minference": mi}
@@ -137,9 +141,9 @@ def prompt(all_ids: list[int], n: int) -> list[int]:
     return all_ids[:n]
 
 
-def run_one(n: int, name: str, pattern_config: str | None) -> int:
+def run_one(n: int, name: str, pattern_config: str | None, model_name: str | None = None) -> int:
     """A child of ``--isolate``: one forward (after one warm-up below 16k) in this fresh process, reported to the parent."""
-    lm, hooks, _, all_ids = build(pattern_config)
+    lm, hooks, _, all_ids = build(pattern_config, model_name)
     scale_rope(lm.model, n, int(lm.model.config.max_position_embeddings))
     ids = prompt(all_ids, n)
     if n < 16384:
@@ -155,6 +159,8 @@ def isolated(n: int, name: str, args) -> tuple[float, float, dict]:
         argv += ["--pattern-config", args.pattern_config]
     if args.threads:
         argv += ["--threads", str(args.threads)]
+    if args.model:
+        argv += ["--model", args.model]
     rec = harness.isolated(__file__, argv)
     return rec["wall"], rec["cpu"], rec["stats"]
 
@@ -166,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", default=["dense", "minference", "a_shape", "vertical_slash", "block_sparse"])
     p.add_argument("--long-configs", nargs="+", default=None, help="configs at lengths >= 16k (default: all)")
     p.add_argument("--pattern-config", default=None)
+    p.add_argument("--model", default=None, help="model (default: the embedded one), e.g. qwen2.5-0.5b")
     p.add_argument("--long-reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--isolate", action="store_true",
@@ -175,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.one:
-        return run_one(int(args.one[0]), args.one[1], args.pattern_config)
+        return run_one(int(args.one[0]), args.one[1], args.pattern_config, args.model)
     if harness.start(p, args, table=table):
         return 0
 
     machine = harness.machine_record()
-    lm, hooks, single_sizes, all_ids = build(args.pattern_config)
+    lm, hooks, single_sizes, all_ids = build(args.pattern_config, args.model)
     model, mi = lm.model, hooks["minference"]
     base_ctx = int(model.config.max_position_embeddings)
     records = []

@@ -1,4 +1,4 @@
-"""MInference quality on the embedded model: pass-key retrieval and perplexity, sparse vs dense prefill.
+"""MInference quality on a model (default: the embedded one): pass-key retrieval and perplexity, sparse vs dense prefill.
 
 - Pass key: ``--lengths`` x ``--depths`` samples (essay haystack, kvtrim.eval.tasks.passkey),
   full KV cache, greedy, 16 new tokens; each sample is answered with dense prefill and with each
@@ -39,15 +39,21 @@ def table(d: dict) -> str:
     """The markdown table of a quality result (docs/minference.md)."""
     s = d["summary"]
     lengths = sorted({r["length"] for r in d["rows"] if r["kind"] == "passkey"})
-    head = "| prefill | " + " | ".join(f"pass key {n}" for n in lengths) + " | pass key all | vs dense | ppl 4k (vs dense) | ppl 8k (vs dense) | mean density |"
-    lines = [head, "|---|" + "---:|" * (len(lengths) + 5)]
+    ppl_lengths = sorted({int(r["tokens"]) for r in d["rows"] if r["kind"] == "perplexity"})
+
+    def k(n: int) -> str:
+        return f"{n // 1024 if n % 1024 == 0 else round(n / 1000)}k"
+
+    head = ("| prefill | " + " | ".join(f"pass key {n}" for n in lengths) + " | pass key all | vs dense | "
+            + " | ".join(f"ppl {k(n)} (vs dense)" for n in ppl_lengths) + " | mean density |")
+    lines = [head, "|---|" + "---:|" * (len(lengths) + 3 + len(ppl_lengths))]
     for name, v in s.items():
         cells = []
         for n in lengths:
             rr = [r for r in d["rows"] if r["kind"] == "passkey" and r["prefill"] == name and r["length"] == n]
             cells.append(f"{sum(r['correct'] for r in rr)}/{len(rr)}")
         ppl = []
-        for n in ("4096", "8000"):
+        for n in map(str, ppl_lengths):
             if n in v["perplexity"]:
                 ppl.append(f"{v['perplexity'][n]:.3f} ({v['perplexity_vs_dense'][n] - 1:+.2%}, density {v['ppl_density'][n]:.2f})")
             else:
@@ -89,12 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--single", nargs="*", help="extra single-pattern modes, e.g. block_sparse:k_b=8")
     p.add_argument("--ppl-tokens", type=int, nargs="+", default=[4096, 8000])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="model (default: the embedded one), e.g. qwen2.5-0.5b")
     args = p.parse_args(argv)
     if harness.start(p, args, table=table):
         return 0
     machine = harness.machine_record()
 
-    lm = load_model(None)
+    lm = load_model(args.model)
     model, tok = lm.model, lm.tokenizer
     hooks = _hooks(model, args)
     rows = []

@@ -9,8 +9,9 @@ A generated block sits between two HTML comments that name the command producing
 The command is a benchmark script with its ``--table`` arguments (run in this process: the
 script's ``main(argv)`` with stdout captured), or ``kvtrim.tools.docs_tables NAME`` for a block
 this module computes itself (``guide``, ``vllm``: numbers quoted in prose, from the committed
-JSON). The evaluation sweep's block (``<!-- kvtrim-report:start -->``) and ``docs/eval/`` are
-``kvtrim report``'s output and are regenerated too.
+JSON). The evaluation sweep's block (``<!-- kvtrim-report:start -->``), ``docs/eval/`` (the embedded
+model's sweep) and ``docs/eval_qwen/`` (the reference model's) are ``kvtrim report``'s output and are
+regenerated too.
 
     .venv/bin/python -m kvtrim.tools.docs_tables --check    # exit 1 and name every stale block
     .venv/bin/python -m kvtrim.tools.docs_tables --write    # rewrite the blocks (and docs/eval/) in place
@@ -36,7 +37,8 @@ from kvtrim.errors import KVTrimError
 
 BLOCK = re.compile(r"<!-- generated: (?P<cmd>.+?) -->\n(?P<body>.*?)<!-- end generated -->", re.S)
 SELF = "kvtrim.tools.docs_tables"
-EVAL_DIR = "benchmarks/results/eval_baseline"
+EVAL_DIR = "benchmarks/results/eval_baseline"  # the embedded model's sweep: the README's report block, docs/eval/
+EVAL_QWEN_DIR = "benchmarks/results/eval_qwen"  # the reference model's sweep: docs/eval_qwen/, the eval_qwen block
 
 
 def doc_files(root: Path) -> list[Path]:
@@ -96,10 +98,10 @@ def _load(root: Path, rel: str):
     return json.loads((root / rel).read_text())
 
 
-def _eval_cells(root: Path) -> list[dict]:
+def _eval_cells(root: Path, rel: str = EVAL_DIR) -> list[dict]:
     from kvtrim.eval.report import load_dirs, summarize
 
-    return summarize(load_dirs([str(root / EVAL_DIR)]))["cells"]
+    return summarize(load_dirs([str(root / rel)]))["cells"]
 
 
 def _cell(cells, task, length, method, keep):
@@ -236,7 +238,20 @@ def bench_cli(root: Path) -> str:
     return table(_load(root, "benchmarks/results/bench_cli.json")) + "\n"
 
 
-GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary}
+def eval_qwen(root: Path) -> str:
+    """The reference model's sweep: one score table per length (absolute scores, and relative to the full
+    cache only over the tasks the full cache solves), from its committed result lines."""
+    from kvtrim.eval.report import score_table
+
+    cells = _eval_cells(root, EVAL_QWEN_DIR)
+    parts = []
+    for n in sorted({c["length"] for c in cells if c["prefill"] == "dense"}):
+        parts.append(f"#### Qwen2.5-0.5B, {n} tokens\n\n" + score_table(cells, n))
+    return "\n\n".join(parts) + "\n"
+
+
+GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
+                                                "eval_qwen": eval_qwen}
 
 
 # ----------------------------------------------------------------------------- the eval report
@@ -246,11 +261,19 @@ def eval_report_expected(root: Path) -> str:
     return render(summarize(load_dirs([str(root / EVAL_DIR)])), "docs/eval")
 
 
+def eval_qwen_report_expected(root: Path) -> str:
+    from kvtrim.eval.report import load_dirs, render, summarize
+
+    return render(summarize(load_dirs([str(root / EVAL_QWEN_DIR)])), ".")
+
+
 def write_eval_report(root: Path) -> None:
     from kvtrim.eval.report import write_report
 
     write_report([str(root / EVAL_DIR)], out_dir=str(root / "docs" / "eval"), readme=str(root / "README.md"),
                  image_prefix="docs/eval", source_label=EVAL_DIR)
+    if (root / EVAL_QWEN_DIR).is_dir():
+        write_report([str(root / EVAL_QWEN_DIR)], out_dir=str(root / "docs" / "eval_qwen"), source_label=EVAL_QWEN_DIR)
 
 
 def stale(root: Path) -> list[str]:
@@ -266,6 +289,10 @@ def stale(root: Path) -> list[str]:
     readme = (root / "README.md").read_text()
     if readme.split(START, 1)[1].split(END, 1)[0].strip() != eval_report_expected(root).strip():
         out.append(f"README.md: kvtrim report {EVAL_DIR}")
+    qwen_report = root / "docs" / "eval_qwen" / "report.md"
+    if (root / EVAL_QWEN_DIR).is_dir() and (not qwen_report.is_file()
+                                            or qwen_report.read_text().split(".\n\n", 1)[-1] != eval_qwen_report_expected(root)):
+        out.append(f"docs/eval_qwen/report.md: kvtrim report {EVAL_QWEN_DIR}")
     return out
 
 
