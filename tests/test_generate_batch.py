@@ -39,11 +39,12 @@ def test_rows_of_different_lengths_and_methods_equal_batch_one(model):
     """Every text method (two budgets where it takes one) on prompts of different lengths, all in one
     batch: each row's tokens, steps and cache equal its own generate_ids run."""
     configs = [(m, k) for m in TEXT_METHODS for k in ((0.3, 0.6) if get_policy_class(m).takes_budget else (None,))]
-    prompts = _prompts([97, 130, 71, 112, 88, 150, 101, 77, 120, 93, 140][: len(configs)] * 2)[: len(configs)]
+    lengths = [97, 130, 71, 112, 88, 150, 101, 77, 120, 93, 140]
+    prompts = _prompts([lengths[i % len(lengths)] for i in range(len(configs))])
     policies = [_policy(m, k) for m, k in configs]
     together = generate_batch(model, None, prompts, policies, max_new_tokens=10, stop_at_eos=False)
     assert len(together) == len(configs)
-    for key, ids, pol, b in zip(configs, prompts, policies, together):
+    for key, ids, b in zip(configs, prompts, together):
         a = generate_ids(model, None, ids, _policy(*key), max_new_tokens=10, stop_at_eos=False)
         _same(a, b, key)
         assert a.decode_rows == 1.0 and b.decode_rows > 1.0, key  # really shared the batch
