@@ -173,6 +173,16 @@ def test_prompts_file_jsonl_and_lines_match_single_generate(tmp_path, capsys, re
     assert len(lines) == 2
     d = json.loads(lines[1])
     assert d["line"] == 2 and d["method"] == "full" and d["decode_rows"] >= 1 and "kv_bytes" in d
+    # a row that decodes no step prints strict JSON (null speed, not NaN)
+    z = tmp_path / "z.jsonl"
+    z.write_text(json.dumps({"question": "hi", "max_new_tokens": 0}) + "\n")
+    assert main(["generate", "--prompts-file", str(z), "--json", "--no-progress"]) == 0
+
+    def strict(name):
+        raise AssertionError(f"not JSON: {name}")
+
+    d = json.loads(capsys.readouterr().out, parse_constant=strict)
+    assert d["new_tokens"] == 0 and d["decode_tokens_per_s"] is None
 
 
 @pytest.mark.model

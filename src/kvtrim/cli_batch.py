@@ -174,7 +174,8 @@ def cmd_generate_batch(args, prefill_from_args) -> int:
             full["model"] = lm.source
             full["prefill"] = {k: v for k, v in stats.items() if k != "prefill"} | {"mode": stats["prefill"]}
             full["attention_density"] = stats["density"]
-            d |= full
+            # a row that decoded no step has no decode speed: null, not NaN (which is not JSON)
+            d |= {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in full.items()}
         else:
             d["answer"] = res.answer
         write_line(d)
