@@ -33,10 +33,15 @@ LENGTHS = (512, 1024, 640, 896, 768, 576, 960, 704)
 
 def table(d: dict) -> str:
     m = d["machine"]
+
+    def load(x):
+        return "/".join(f"{v:.1f}" for v in x) if x else "?"
+
     lines = [f"{d['model']}, {d['dtype']}, torch {m.get('torch')}, {m.get('torch_threads', m.get('threads'))} thread(s), "
-             f"{d['date'][:10]}, load average {m.get('loadavg_start')} -> {m.get('loadavg_end')}; prompts of "
+             f"{d['date'][:10]}, load average (1/5/15 min) {load(m.get('loadavg_start'))} at the start, "
+             f"{load(m.get('loadavg_end'))} at the end on {m.get('cpus')} CPUs; prompts of "
              f"{', '.join(map(str, d['lengths']))} tokens, {d['args']['new']} new tokens per row; medians of "
-             f"{d['args']['reps']} repetitions.\n",
+             f"{d['args']['reps']} repetition(s).\n",
              "| method | rows | wall s | new tok/s total | vs 1 row | decode tok/s | vs 1 row | rows equal batch 1 |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in d["rows"]:
