@@ -128,7 +128,7 @@ CLI_ROWS = [
     ("gen_temperature_nan", "generate --sample --temperature nan --question hi", "got nan"),
     ("gen_empty_question", "generate --question '   '", "the question is empty"),
     ("gen_empty_prompt", "generate --prompt ''", "the prompt is empty"),
-    ("gen_no_question", "generate --method full", "one of the arguments --question --prompt is required"),
+    ("gen_no_question", "generate --method full", "one of the arguments --question --prompt --prompts-file is required"),
     # --- generate: files
     ("gen_ctx_empty", "generate --context-file {empty} --question hi", "is empty"),
     ("gen_ctx_blank", "generate --context-file {blank} --question hi", "is empty"),

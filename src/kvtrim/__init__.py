@@ -24,6 +24,7 @@ __all__ = [
     "attach",
     "compress",
     "create_policy",
+    "generate_batch",
     "generate_ids",
     "load_model",
     "method_names",
@@ -34,13 +35,14 @@ _LAZY = {
     "KVTrimCache": ("kvtrim.cache", "KVTrimCache"),
     "attach": ("kvtrim.integrations.hf", "attach"),
     "compress": ("kvtrim.integrations.hf", "compress"),
+    "generate_batch": ("kvtrim.generation", "generate_batch"),
     "generate_ids": ("kvtrim.generation", "generate_ids"),
     "load_model": ("kvtrim.models", "load_model"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtrim.cache import KVTrimCache
-    from kvtrim.generation import generate_ids
+    from kvtrim.generation import generate_batch, generate_ids
     from kvtrim.integrations.hf import attach, compress
     from kvtrim.models import load_model
 

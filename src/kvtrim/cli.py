@@ -93,6 +93,10 @@ def cmd_generate(args) -> int:
     from kvtrim.models import build_prompt_ids, load_model
     from kvtrim.registry import check_text_prompt
 
+    if args.prompts_file is not None:  # several prompts together (batch > 1)
+        from kvtrim.cli_batch import cmd_generate_batch
+
+        return cmd_generate_batch(args, _prefill_from_args)
     policy = _policy_from_args(args)  # validate before the slow model load
     _prefill_from_args(args)
     integer(args.max_new_tokens, "--max-new-tokens", minimum=0, unit="tokens")
@@ -284,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     q = g.add_mutually_exclusive_group(required=True)
     q.add_argument("--question", help="a question (the chat template applied, or the plain format for a model without one)")
     q.add_argument("--prompt", help="raw prompt text to continue (no chat template)")
+    q.add_argument("--prompts-file", metavar="FILE",
+                   help="several prompts generated together as the rows of one batch, each with its own cache: a "
+                        ".jsonl file (one object per line: question or prompt, optional method/keep/max_tokens/"
+                        "position/max_new_tokens/id) or a text file of one question per line; prints one JSON "
+                        "line per prompt, in order (docs/batch.md)")
     g.add_argument("--plain-prompt", action="store_true",
                    help="format --question in kvtrim's plain prompt format (User: ... / Assistant:) even if the model "
                         "has a chat template (used anyway for a model without one)")
@@ -291,7 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--json", action="store_true", help="print one JSON object (with --prompts-file: every field on each line)")
+    g.add_argument("--max-rows", type=int, default=64, help="with --prompts-file: most rows decoded in one forward (default 64)")
+    g.add_argument("--no-progress", action="store_true", help="with --prompts-file: no progress bar")
     sp = g.add_argument_group("sparse prefill (MInference)")
     sp.add_argument("--prefill", default="dense", help="dense (default), minference (per-head config), a_shape, vertical_slash, block_sparse")
     sp.add_argument("--pattern-config", help="per-head pattern config for --prefill minference (default: the one shipped for the model)")
