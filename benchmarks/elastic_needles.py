@@ -47,6 +47,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "elastic-noevict": ("elastic-noevict", {}),
     "elastic-drop-noevict": ("elastic-noevict", {"combine": "drop"}),
     "elastic-window32-noevict": ("elastic-noevict", {"window": 32}),
+    "elastic-query-window32-pool7": ("elastic", {"importance": "query", "window": 32, "kernel": 7}),
+    "elastic-window32-pool7": ("elastic", {"window": 32, "kernel": 7}),
     "elastic-query": ("elastic", {"importance": "query"}),
     "elastic-query-window32": ("elastic", {"importance": "query", "window": 32}),
     "elastic-drop-query-window32": ("elastic", {"importance": "query", "window": 32, "combine": "drop"}),

@@ -402,3 +402,16 @@ def test_proportional_sizes_add_up_over_turns(model, prompt):
 def test_proportional_needs_merge():
     with pytest.raises(KVTrimError, match="proportional=True needs combine='merge'"):
         Elastic(keep=0.5, combine="drop", proportional=True)
+
+
+def test_pooled_importance_keeps_the_neighbours_of_a_peak():
+    # one peak at slot 20 of 40; with kernel 5 its two neighbours on each side outrank everything else
+    imp = torch.full((1, 40), 0.01)
+    imp[0, 10] = 0.5  # a second, lower peak
+    imp[0, 20] = 1.0
+    plain = Elastic(keep=0.5, kernel=1).select_anchors(imp, SINKS + 1 + 5)[0].tolist()
+    pooled = Elastic(keep=0.5, kernel=5).select_anchors(imp, SINKS + 1 + 5)[0].tolist()
+    assert {10, 20} <= set(plain)
+    assert pooled == [*range(SINKS), 18, 19, 20, 21, 22, 39]
+    with pytest.raises(KVTrimError, match="kernel"):
+        Elastic(keep=0.5, kernel=4)

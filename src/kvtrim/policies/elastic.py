@@ -47,6 +47,9 @@ Ablation switches (the paper's Table of ablations):
   these are kvtrim's readings. ``"query"`` (not in the paper; an investigation of the needle
   failures, docs/elastic.md): column sums of only the last ``window`` prompt queries (32 when
   ``window`` is 0), i.e. the question at the prompt's end, as SnapKV's observation window.
+  ``kernel`` (not in the paper, same investigation): max-pool the importance along the tokens
+  before the top-k, as SnapKV pools its scores, so the neighbours of an important token become
+  anchors too (a number's digits are kept together).
 * ``eviction``: ``"fixed"`` (default, slot ``P``), ``"recent"`` (slot 4: keep the sinks
   and a queue of the most recent entries, StreamingLLM-like) or ``"frequency"`` (the entry with
   the lowest accumulated importance, the sinks and the newest one protected; decode rows
@@ -65,6 +68,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvtrim import validate
 from kvtrim.cache import LOGIT_BIAS
@@ -135,7 +139,8 @@ class Elastic(Policy):
     """Args (defaults in brackets): ``distance`` [24] - recent slots kept behind the fixed
     eviction point, ``P = L - distance``; ``combine`` ["merge"] | "drop"; ``importance`` ["sum"] |
     "mean" | "ema"; ``ema_decay`` [0.99]; ``eviction`` ["fixed"] | "recent" | "frequency";
-    ``chunk`` [256] - queries per importance chunk (memory ``chunk x T`` per head).
+    ``chunk`` [256] - queries per importance chunk (memory ``chunk x T`` per head); ``kernel`` [1]
+    - max-pool width of the importance before the top-k (1 = none, the paper).
     ``per_head`` must stay False: Elastic Cache shares one index set per layer."""
 
     per_head: bool = False
@@ -149,6 +154,7 @@ class Elastic(Policy):
     merge_protected: bool = False
     window: int = 0
     proportional: bool = False
+    kernel: int = 1
 
     name = "elastic"
     description = "Elastic Cache: merge into top-importance anchors at the prompt, fixed-point eviction while decoding"
@@ -163,6 +169,9 @@ class Elastic(Policy):
         validate.choice(self.eviction, "elastic: eviction", EVICTION)
         self.ema_decay = validate.number(self.ema_decay, "elastic: ema_decay", minimum=0.0, maximum=1.0, min_open=True, max_open=True)
         self.window = validate.integer(self.window, "elastic: window", minimum=0)
+        self.kernel = validate.integer(self.kernel, "elastic: kernel", minimum=1)
+        if self.kernel % 2 == 0:
+            raise KVTrimError(f"elastic: kernel must be a positive odd integer, got {self.kernel!r}")
         if self.proportional and self.combine != "merge":
             raise KVTrimError("elastic: proportional=True needs combine='merge' (it weighs merged tokens by their bucket size)")
         self.chunk = validate.integer(self.chunk, "elastic: chunk", minimum=1)
@@ -205,8 +214,11 @@ class Elastic(Policy):
 
     def select_anchors(self, importance: torch.Tensor, budget: int) -> torch.Tensor:
         """Top-``budget`` slots of ``importance [B, S]`` with the sink slots and the last ``n_last`` forced in,
-        ascending ``[B, budget]``."""
+        ascending ``[B, budget]``. With ``kernel > 1`` the importance is first max-pooled along the
+        tokens (``kernel`` wide), so a token's neighbours rank with it (whole spans become anchors)."""
         s = importance.float().clone()
+        if self.kernel > 1:
+            s = F.max_pool1d(s.unsqueeze(1), self.kernel, stride=1, padding=self.kernel // 2).squeeze(1)
         s[:, : self.n_sinks] = float("inf")
         s[:, -self.n_last :] = float("inf")
         return torch.topk(s, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
