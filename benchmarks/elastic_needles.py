@@ -117,10 +117,9 @@ def run(args, out_path: str | None = None) -> dict:
     from kvtrim.decoding import Wait, decode, teacher_forced_nll
     from kvtrim.eval.metrics import rouge_l
     from kvtrim.eval.metrics import score as score_text
-    from kvtrim.eval.plan import MAX_NEW_TOKENS
+    from kvtrim.eval.plan import MAX_NEW_TOKENS, build_sample, make_plan
     from kvtrim.eval.programs import answer_complete, prompt_ids
     from kvtrim.eval.replay import make_policy, record_prefill, replay
-    from kvtrim.eval.tasks import make_samples
     from kvtrim.integrations.batched import drive
     from kvtrim.integrations.hf import attach
     from kvtrim.models import load_model
@@ -141,7 +140,8 @@ def run(args, out_path: str | None = None) -> dict:
               "model": args.model, "length": args.length, "samples": args.samples, "keeps": keeps,
               "variants": {v: VARIANTS[v] for v in names}, "start": harness.machine_record(), "rows": [], "diagnostics": []}
     for task in args.tasks.split(","):
-        for s in make_samples(task, tok, args.length, args.samples, seed=args.seed):
+        plan = make_plan(task, [args.length], "full", [0.5], samples=args.samples, seed=args.seed)
+        for s in (build_sample(plan, tok, task, args.length, i) for i in range(args.samples)):  # kvtrim eval's samples
             ids = prompt_ids(tok, s)
             ans = answer_positions(tok, ids, s.answers[0]) if s.answers else []
             with attach(model), torch.inference_mode():
