@@ -56,7 +56,7 @@ def _expected_anchors(attn, budget):
 
 
 # --- importance --------------------------------------------------------------------------------
-@pytest.mark.parametrize("how", ["sum", "mean", "ema"])
+@pytest.mark.parametrize("how", ["sum", "mean", "ema", "query"])
 @pytest.mark.parametrize("q_len,past,chunk", [(63, 0, 256), (63, 0, 7), (40, 25, 9)])
 def test_importance_matches_dense_reference(how, q_len, past, chunk):
     torch.manual_seed(0)
@@ -73,10 +73,12 @@ def test_importance_matches_dense_reference(how, q_len, past, chunk):
     if how == "ema":
         w = 0.9 ** torch.arange(q_len - 1, -1, -1, dtype=torch.float64) * 0.1
         probs = probs * w.view(1, 1, -1, 1)
+    if how == "query":  # only the last ``rows`` queries (the question) count
+        probs = probs[:, :, -11:]
     ref = probs.sum(dim=2).mean(dim=1)
     if how == "mean":
         ref = ref / (probs > 0).sum(dim=2)[:, 0].clamp(min=1)
-    got = attention_importance(q, k, scale, how, decay=0.9, chunk=chunk)
+    got = attention_importance(q, k, scale, how, decay=0.9, chunk=chunk, rows=11)
     torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -400,3 +402,16 @@ def test_proportional_sizes_add_up_over_turns(model, prompt):
 def test_proportional_needs_merge():
     with pytest.raises(KVTrimError, match="proportional=True needs combine='merge'"):
         Elastic(keep=0.5, combine="drop", proportional=True)
+
+
+def test_pooled_importance_keeps_the_neighbours_of_a_peak():
+    # one peak at slot 20 of 40; with kernel 5 its two neighbours on each side outrank everything else
+    imp = torch.full((1, 40), 0.01)
+    imp[0, 10] = 0.5  # a second, lower peak
+    imp[0, 20] = 1.0
+    plain = Elastic(keep=0.5, kernel=1).select_anchors(imp, SINKS + 1 + 5)[0].tolist()
+    pooled = Elastic(keep=0.5, kernel=5).select_anchors(imp, SINKS + 1 + 5)[0].tolist()
+    assert {10, 20} <= set(plain)
+    assert pooled == [*range(SINKS), 18, 19, 20, 21, 22, 39]
+    with pytest.raises(KVTrimError, match="kernel"):
+        Elastic(keep=0.5, kernel=4)

@@ -44,7 +44,12 @@ Ablation switches (the paper's Table of ablations):
   of queries that can see the key) or ``"ema"`` (exponential moving average over the query rows
   in order, ``I <- decay * I + (1 - decay) * A[m]``, ``decay = ema_decay``, default 0.99: the
   last ~100 queries dominate). The paper does not publish its mean and moving-average formulas;
-  these are kvtrim's readings.
+  these are kvtrim's readings. ``"query"`` (not in the paper; an investigation of the needle
+  failures, docs/elastic.md): column sums of only the last ``window`` prompt queries (32 when
+  ``window`` is 0), i.e. the question at the prompt's end, as SnapKV's observation window.
+  ``kernel`` (not in the paper, same investigation): max-pool the importance along the tokens
+  before the top-k, as SnapKV pools its scores, so the neighbours of an important token become
+  anchors too (a number's digits are kept together).
 * ``eviction``: ``"fixed"`` (default, slot ``P``), ``"recent"`` (slot 4: keep the sinks
   and a queue of the most recent entries, StreamingLLM-like) or ``"frequency"`` (the entry with
   the lowest accumulated importance, the sinks and the newest one protected; decode rows
@@ -63,15 +68,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvtrim import validate
 from kvtrim.cache import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.scores import causal_prob_chunks
+from kvtrim.scores import causal_prob_chunks, window_probs
 
 COMBINE = ("merge", "drop")
-IMPORTANCE = ("sum", "mean", "ema")
+IMPORTANCE = ("sum", "mean", "ema", "query")
+
+#: queries the ``query`` importance reads when ``window`` is 0 (the question at the prompt's end)
+QUERY_ROWS = 32
 EVICTION = ("fixed", "recent", "frequency")
 
 
@@ -82,15 +91,20 @@ def attention_importance(
     how: str = "sum",
     decay: float = 0.99,
     chunk: int = 256,
+    rows: int = QUERY_ROWS,
 ) -> torch.Tensor:
     """Head-averaged importance of every key from the causal attention of all ``q`` queries: ``[B, S]``.
 
     ``query [B, Hq, q, D]`` (post-RoPE), ``key [B, Hkv, S, D]`` with the queries' own keys last
     (query ``i`` sees keys ``<= S - q + i``). ``how``: ``"sum"`` = column sums of the softmax
     rows; ``"mean"`` = column sums / number of queries that see the key; ``"ema"`` = rows weighted
-    ``(1 - decay) * decay**(q - 1 - m)``. Float32; ``chunk`` queries at a time, each chunk against
-    the keys up to its last query only (the masked upper triangle is never computed).
+    ``(1 - decay) * decay**(q - 1 - m)``; ``"query"`` = column sums of the last ``rows`` queries only
+    (the question at the prompt's end, as SnapKV's observation window). Float32; ``chunk`` queries at
+    a time, each chunk against the keys up to its last query only (the masked upper triangle is
+    never computed).
     """
+    if how == "query":
+        return window_probs(query, key, scaling, rows).sum(dim=-2).mean(dim=(1, 2))
     b, q, s = query.shape[0], query.shape[-2], key.shape[-2]
     off = s - q
     out = torch.zeros(b, s, dtype=torch.float32, device=key.device)
@@ -125,7 +139,8 @@ class Elastic(Policy):
     """Args (defaults in brackets): ``distance`` [24] - recent slots kept behind the fixed
     eviction point, ``P = L - distance``; ``combine`` ["merge"] | "drop"; ``importance`` ["sum"] |
     "mean" | "ema"; ``ema_decay`` [0.99]; ``eviction`` ["fixed"] | "recent" | "frequency";
-    ``chunk`` [256] - queries per importance chunk (memory ``chunk x T`` per head).
+    ``chunk`` [256] - queries per importance chunk (memory ``chunk x T`` per head); ``kernel`` [1]
+    - max-pool width of the importance before the top-k (1 = none, the paper).
     ``per_head`` must stay False: Elastic Cache shares one index set per layer."""
 
     per_head: bool = False
@@ -139,6 +154,7 @@ class Elastic(Policy):
     merge_protected: bool = False
     window: int = 0
     proportional: bool = False
+    kernel: int = 1
 
     name = "elastic"
     description = "Elastic Cache: merge into top-importance anchors at the prompt, fixed-point eviction while decoding"
@@ -153,6 +169,9 @@ class Elastic(Policy):
         validate.choice(self.eviction, "elastic: eviction", EVICTION)
         self.ema_decay = validate.number(self.ema_decay, "elastic: ema_decay", minimum=0.0, maximum=1.0, min_open=True, max_open=True)
         self.window = validate.integer(self.window, "elastic: window", minimum=0)
+        self.kernel = validate.integer(self.kernel, "elastic: kernel", minimum=1)
+        if self.kernel % 2 == 0:
+            raise KVTrimError(f"elastic: kernel must be a positive odd integer, got {self.kernel!r}")
         if self.proportional and self.combine != "merge":
             raise KVTrimError("elastic: proportional=True needs combine='merge' (it weighs merged tokens by their bucket size)")
         self.chunk = validate.integer(self.chunk, "elastic: chunk", minimum=1)
@@ -183,15 +202,23 @@ class Elastic(Policy):
         if self.sharing_prefill_scores(layer):
             if self.importance == "sum":
                 return self.prefill_column_sums(layer, query, key, scaling).mean(dim=(1, 2))
-            key_ = ("elastic", self.importance, self.ema_decay)
+            key_ = ("elastic", self.importance, self.ema_decay, self.query_rows)
             return self.prefill_scores(layer, key_, lambda: attention_importance(
-                query, key, scaling, self.importance, self.ema_decay, self.chunk))
-        return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk)
+                query, key, scaling, self.importance, self.ema_decay, self.chunk, self.query_rows))
+        return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk, self.query_rows)
+
+    @property
+    def query_rows(self) -> int:
+        """Queries the ``query`` importance reads: the kept-exact ``window``, else ``QUERY_ROWS``."""
+        return self.window or QUERY_ROWS
 
     def select_anchors(self, importance: torch.Tensor, budget: int) -> torch.Tensor:
         """Top-``budget`` slots of ``importance [B, S]`` with the sink slots and the last ``n_last`` forced in,
-        ascending ``[B, budget]``."""
+        ascending ``[B, budget]``. With ``kernel > 1`` the importance is first max-pooled along the
+        tokens (``kernel`` wide), so a token's neighbours rank with it (whole spans become anchors)."""
         s = importance.float().clone()
+        if self.kernel > 1:
+            s = F.max_pool1d(s.unsqueeze(1), self.kernel, stride=1, padding=self.kernel // 2).squeeze(1)
         s[:, : self.n_sinks] = float("inf")
         s[:, -self.n_last :] = float("inf")
         return torch.topk(s, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
@@ -294,8 +321,6 @@ class Elastic(Policy):
 
     def on_decode(self, layer, query, key, scaling) -> None:
         if self.eviction == "frequency":
-            from kvtrim.scores import window_probs
-
             row = window_probs(query, key, scaling, 1)[..., 0, :].mean(dim=(1, 2))  # [B, S]
             layer.state_view("elastic_importance")[:] += row.unsqueeze(1)
         budget = self.budget(layer.seen)
