@@ -103,7 +103,7 @@ def test_quality_outside_0_1_is_refused(cal, q):
 
 
 def test_unknown_method_and_method_without_budget(cal):
-    with pytest.raises(KVTrimError, match="has no method 'streaming_llm'.*kvtrim calibrate"):
+    with pytest.raises(KVTrimError, match=r"has no method .streaming_llm.*kvtrim calibrate"):
         cal.choose("streaming_llm", 0.9, 2048)
     with pytest.raises(KVTrimError, match="takes no budget"):
         cal.choose("full", 0.9, 2048)
@@ -221,3 +221,25 @@ def test_quality_and_keep_are_exclusive(capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--method", "snapkv", "--quality", "0.9", "--keep", "0.2", "--question", "q"])
     assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_generate_with_quality_on_the_embedded_model(capsys, tmp_path, real, monkeypatch):
+    """--quality on the shipped calibration: the JSON says what was picked, and the cache holds that budget."""
+    from kvtrim.budget import keep_for_quality
+
+    monkeypatch.setattr("kvtrim.models.load_model", lambda *a, **k: real)
+    ctx = tmp_path / "ctx.txt"
+    ctx.write_text("The secret colour of the house is turquoise. " * 90)
+    argv = ["generate", "--method", "snapkv", "--quality", "0.5", "--context-file", str(ctx),
+            "--question", "What is the secret colour of the house?", "--max-new-tokens", "4", "--json"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    choice = d["budget_choice"]
+    assert choice == keep_for_quality("snapkv", None, 0.5, d["prompt_tokens"]).to_dict()
+    assert "--quality 0.5: snapkv" in captured.err
+    if choice["keep"] < 1.0:
+        assert d["method"] == "snapkv" and d["kv_bytes"] < (choice["keep"] + 0.1) * d["kv_bytes_full"]
+    else:
+        assert d["method"] == "full"

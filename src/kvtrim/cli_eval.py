@@ -128,12 +128,12 @@ def cmd_calibrate(args) -> int:
     lm = load_model(args.model)
     for d in args.extra or []:
         read_sweeps([d], lm.source)  # refused before the sweep runs: another model, corrupted lines
-    run_eval(lm, plan, runs, progress=not args.quiet)
+    if not args.build_only:
+        run_eval(lm, plan, runs, progress=not args.quiet)
     ref = reference_models.lookup(args.model) if args.model else reference_models.SMOLLM2
     model = {"key": ref.key if ref else lm.source, "source": lm.source, "fingerprint": model_fingerprint(lm.model)}
     command = "kvtrim " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("kvtrim", "__main__.py")) else None
-    made = {"runs": [runs, *(args.extra or [])], "methods": plan.methods[1:], "keeps": plan.keeps, "lengths": plan.lengths,
-            "seed": plan.seed, "plain_prompt": plan.plain} | ({"command": command} if command else {})
+    made = {"runs": [runs, *(args.extra or [])], "seed": plan.seed, "plain_prompt": plan.plain} | ({"command": command} if command else {})
     lines = [r for r in read_sweeps([runs, *(args.extra or [])], lm.source) if r["task"] in plan.tasks]
     cal = build_calibration(lines, model, made, methods=plan.methods)
     cal.save(out)
@@ -192,6 +192,8 @@ def add_eval_commands(sub) -> None:
     c.add_argument("--plain-prompt", action="store_true", help="kvtrim's plain prompt format (as in kvtrim eval)")
     c.add_argument("--runs", help="the kvtrim eval directory the sweep writes (resumable; default: OUT without .json + '-runs')")
     c.add_argument("--extra", action="append", metavar="DIR", help="lines of another kvtrim eval sweep of the same model to include (repeatable)")
+    c.add_argument("--build-only", action="store_true", help="run no sweep: build from the lines already in --runs and "
+                                                            "--extra (a partial sweep gives a calibration from fewer samples)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--out", required=True, help="the calibration JSON to write (pass it to --calibration)")
     c.set_defaults(func=cmd_calibrate)

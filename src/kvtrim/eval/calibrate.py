@@ -102,7 +102,8 @@ def build_calibration(lines: list[dict], model: dict, made: dict | None = None, 
         raise KVTrimError("no result line pairs a compressing method with the full cache on a task with an answer "
                           "(ppl has none); nothing to calibrate from")
     used = sorted({r["task"] for r in lines if r["task"] not in NO_AGREEMENT})
-    made = {"agreement": AGREEMENT, "tasks": used,
+    made = {"agreement": AGREEMENT, "tasks": used, "lengths": sorted({int(r["length"]) for r in lines}),
+            "keeps": sorted({p.keep for pts in points.values() for p in pts}),
             "samples": len({(r["task"], r["length"], r["sample"]) for r in lines if r["method"] == REFERENCE}),
             "date": time.strftime("%Y-%m-%d"), **(made or {})}
     return Calibration(model=model, methods=points, made=made)
