@@ -30,6 +30,8 @@ from kvtrim.eval.calibrate import agreement_points, read_sweeps, sample_agreemen
 from kvtrim.eval.plan import REFERENCE
 
 QUALITIES = (0.5, 0.7, 0.8, 0.9)
+#: a sample's seed is ``seed * SEED_STRIDE + index`` (``kvtrim.eval.tasks.sample_seed``)
+SEED_STRIDE = 100003
 
 
 def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
@@ -79,7 +81,7 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
         uniform[str(q)] = ok[0] if ok else None
     return {"model": cal.model["key"], "calibration": {"tasks": cal.made.get("tasks"), "seed": cal.made.get("seed"),
                                                        "lengths": cal.made.get("lengths"), "samples": cal.made.get("samples")},
-            "heldout": {"tasks": tasks, "seeds": sorted({int(r["seed"]) for r in fulls.values()}),
+            "heldout": {"tasks": tasks, "seeds": sorted({int(r["seed"]) // SEED_STRIDE for r in fulls.values()}),
                         "lengths": sorted({int(r["length"]) for r in fulls.values()}), "samples": len(fulls),
                         "keeps": keeps},
             "rows": rows, "one_keep_for_all": uniform}

@@ -243,3 +243,17 @@ def test_generate_with_quality_on_the_embedded_model(capsys, tmp_path, real, mon
         assert d["method"] == "snapkv" and d["kv_bytes"] < (choice["keep"] + 0.1) * d["kv_bytes_full"]
     else:
         assert d["method"] == "full"
+
+
+def test_chat_quality_takes_the_largest_pick_over_the_calibrated_lengths(capsys):
+    """A conversation's length is not known in advance: chat picks with prompt_tokens=None."""
+    import argparse
+
+    from kvtrim.cli_session import _policy
+
+    args = argparse.Namespace(method="snapkv", keep=None, quality=0.5, max_tokens=None, position=None, model=None,
+                              calibration=None)
+    pol = _policy(args, streaming=False)
+    want = keep_for_quality("snapkv", None, 0.5)
+    assert pol.keep == want.keep and pol.name == "snapkv"
+    assert "--quality 0.5: snapkv" in capsys.readouterr().err
