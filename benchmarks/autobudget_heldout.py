@@ -40,12 +40,19 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
     fulls = {(r["task"], int(r["length"]), int(r["sample"])): r for r in lines if r["method"] == REFERENCE}
     by = {(r["task"], int(r["length"]), int(r["sample"]), r["method"], round(float(r["keep"]), 6)): r
           for r in lines if r["method"] != REFERENCE and r.get("keep") is not None}
+    methods = set(cal.methods)
+    grid = {(m, k) for (_, _, _, m, k) in by if m in methods}
+    # a sample unit counts only when every configuration of the sweep was written (an interrupted sweep
+    # leaves its last unit part-written)
+    complete = {u for u in fulls if all((*u, m, k) in by for m, k in grid)}
+    fulls = {u: r for u, r in fulls.items() if u in complete}
+    lines = [r for r in lines if (r["task"], int(r["length"]), int(r["sample"])) in complete]
     held = agreement_points(lines)
     keeps = sorted({p.keep for pts in held.values() for p in pts})
     tasks = sorted({t for t, *_ in fulls})
     rows = []
     for method in sorted(set(cal.methods) & set(held)):
-        grid = {p.keep: p for p in held[method]}
+        points = {p.keep: p for p in held[method]}
         for q in qualities:
             per_task: dict[str, list[float]] = defaultdict(list)
             kv, picks = [], []
@@ -65,13 +72,14 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
                 if a is not None:
                     per_task[task].append(a)
             agreement = statistics.fmean(statistics.fmean(v) for v in per_task.values())
-            fixed = next((k for k in keeps if k in grid and grid[k].agreement >= q - 1e-12), None)
+            fixed = next((k for k in keeps if k in points and points[k].agreement >= q - 1e-12), None)
             rows.append({
                 "method": method, "quality": q, "auto_keeps": sorted(set(picks)),
                 "auto_agreement": round(agreement, 4), "met": agreement >= q - 1e-12,
+                "auto_agreement_by_task": {t: round(statistics.fmean(v), 4) for t, v in sorted(per_task.items())},
                 "auto_kv_saved": round(1 - statistics.fmean(kv), 4),
-                "fixed_keep": fixed, "fixed_agreement": round(grid[fixed].agreement, 4) if fixed else None,
-                "fixed_kv_saved": round(1 - grid[fixed].kv_frac, 4) if fixed and grid[fixed].kv_frac is not None else 0.0,
+                "fixed_keep": fixed, "fixed_agreement": round(points[fixed].agreement, 4) if fixed else None,
+                "fixed_kv_saved": round(1 - points[fixed].kv_frac, 4) if fixed and points[fixed].kv_frac is not None else 0.0,
                 "n": sum(len(v) for v in per_task.values()),
             })
     uniform = {}

@@ -70,8 +70,8 @@ FINGERPRINT_KEYS = ("model_type", "num_hidden_layers", "num_attention_heads", "n
 
 
 def model_fingerprint(model) -> dict:
-    """The architecture fields (``FINGERPRINT_KEYS``) of a transformers model's text config."""
-    cfg = model.config
+    """The architecture fields (``FINGERPRINT_KEYS``) of a transformers model's (or config's) text config."""
+    cfg = getattr(model, "config", model)
     if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config(decoder=True)
     return {k: getattr(cfg, k, None) for k in FINGERPRINT_KEYS}

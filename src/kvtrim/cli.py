@@ -203,6 +203,11 @@ def cmd_demo(args) -> int:
 
     # the demo's prompt is text: by default, the methods that act on text (needs_spans ones are for images)
     names = args.methods.split(",") if args.methods else [n for n in method_names() if not get_policy_class(n).needs_spans]
+    if args.quality is not None and not args.methods:  # by default, the methods the calibration holds
+        from kvtrim.budget import calibration_for
+
+        held = calibration_for(args.model, args.calibration).methods
+        names = [n for n in names if n in held or not get_policy_class(n).takes_budget]
     policies = []
     for n in names:
         kw = {"keep": args.keep} if get_policy_class(n).takes_budget else {}

@@ -125,16 +125,25 @@ def cmd_calibrate(args) -> int:
         raise KVTrimError(f"--out {args.out!r} must be a file in an existing directory")
     runs = args.runs or str(out.with_suffix("")) + "-runs"
     check_out_dir(runs)
-    lm = load_model(args.model)
+    if args.build_only:  # the model's label and config are enough: no weights are loaded
+        from transformers import AutoConfig
+
+        from kvtrim.models import resolve_model
+
+        path, source = resolve_model(args.model)
+        net = AutoConfig.from_pretrained(str(path))
+    else:
+        lm = load_model(args.model)
+        source, net = lm.source, lm.model
     for d in args.extra or []:
-        read_sweeps([d], lm.source)  # refused before the sweep runs: another model, corrupted lines
+        read_sweeps([d], source)  # refused before the sweep runs: another model, corrupted lines
     if not args.build_only:
         run_eval(lm, plan, runs, progress=not args.quiet)
     ref = reference_models.lookup(args.model) if args.model else reference_models.SMOLLM2
-    model = {"key": ref.key if ref else lm.source, "source": lm.source, "fingerprint": model_fingerprint(lm.model)}
+    model = {"key": ref.key if ref else source, "source": source, "fingerprint": model_fingerprint(net)}
     command = "kvtrim " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("kvtrim", "__main__.py")) else None
     made = {"runs": [runs, *(args.extra or [])], "seed": plan.seed, "plain_prompt": plan.plain} | ({"command": command} if command else {})
-    lines = [r for r in read_sweeps([runs, *(args.extra or [])], lm.source) if r["task"] in plan.tasks]
+    lines = [r for r in read_sweeps([runs, *(args.extra or [])], source) if r["task"] in plan.tasks]
     cal = build_calibration(lines, model, made, methods=plan.methods)
     cal.save(out)
     print(f"kvtrim calibrate: wrote {out} ({len(cal.methods)} methods; lines in {runs})", file=sys.stderr)
