@@ -24,6 +24,8 @@ logger = logging.getLogger("kvtrim")
 def _policy_from_args(args):
     from kvtrim.registry import create_policy
 
+    if getattr(args, "quality", None) is not None:  # the budget is picked once the prompt's length is known
+        return create_policy(args.method, keep=check_quality_args(args, args.method))
     kw = {}
     if args.keep is not None:
         kw["keep"] = args.keep
@@ -32,6 +34,30 @@ def _policy_from_args(args):
     if getattr(args, "position", None):
         kw["position"] = args.position
     return create_policy(args.method, **kw)
+
+
+def check_quality_args(args, method: str) -> float:
+    """Check --quality/--calibration before the model loads; returns a stand-in keep for the other checks
+    (the real one is picked with the prompt, :func:`quality_choice`)."""
+    from kvtrim.budget import Calibration, check_quality
+    from kvtrim.registry import get_policy_class
+
+    check_quality(args.quality)
+    if not get_policy_class(method).takes_budget:
+        raise KVTrimError(f"--quality picks a budget; method {method!r} takes none (choose a compressing --method)")
+    if getattr(args, "calibration", None):
+        Calibration.load(args.calibration).points(method)
+    return 0.5
+
+
+def quality_choice(args, method: str, model, prompt_tokens: int | None):
+    """The budget --quality picks for ``method`` (``kvtrim.budget.keep_for_quality``), said on stderr."""
+    from kvtrim.budget import keep_for_quality
+
+    choice = keep_for_quality(method, model, args.quality, prompt_tokens, calibration=getattr(args, "calibration", None))
+    print(f"kvtrim: --quality {args.quality:g}: {method} {'full cache' if choice.full else f'keep {choice.keep:g}'} "
+          f"({choice.reason})", file=sys.stderr)
+    return choice
 
 
 def cmd_methods(args) -> int:
@@ -105,6 +131,8 @@ def cmd_generate(args) -> int:
     if args.plain_prompt and (args.prompt is not None or getattr(args, "image", None)):
         raise KVTrimError("--plain-prompt formats a --question for a text model; --prompt is raw text and --image "
                           "uses the model's processor")
+    if getattr(args, "image", None) and args.quality is not None:
+        raise KVTrimError("--quality is calibrated on text prompts; with --image give a budget (--keep/--max-tokens)")
     if not getattr(args, "image", None):
         check_text_prompt(policy)  # a method that needs image spans would run as full
     context = _read_context(args.context_file)
@@ -127,6 +155,13 @@ def cmd_generate(args) -> int:
     lm = load_model(args.model)
     prefill = _prefill_from_args(args, lm.model)
     ids = build_prompt_ids(lm.tokenizer, text, chat=chat, plain=args.plain_prompt)
+    choice = None
+    if args.quality is not None:
+        from kvtrim.registry import create_policy
+
+        choice = quality_choice(args, args.method, lm, len(ids))
+        kw = {"position": args.position} if args.position else {}
+        policy = create_policy("full") if choice.full else create_policy(args.method, keep=choice.keep, **kw)
     res = generate_ids(
         lm.model,
         lm.tokenizer,
@@ -145,6 +180,8 @@ def cmd_generate(args) -> int:
         d["model"] = lm.source
         d["prefill"] = {k: v for k, v in stats.items() if k != "prefill"} | {"mode": stats["prefill"]}
         d["attention_density"] = stats["density"]
+        if choice is not None:
+            d["budget_choice"] = choice.to_dict()
         print(json.dumps(d))
     else:
         print(res.answer)
@@ -170,9 +207,18 @@ def cmd_demo(args) -> int:
 
     # the demo's prompt is text: by default, the methods that act on text (needs_spans ones are for images)
     names = args.methods.split(",") if args.methods else [n for n in method_names() if not get_policy_class(n).needs_spans]
+    if args.quality is not None and not args.methods:  # by default, the methods the calibration holds
+        from kvtrim.budget import calibration_for
+
+        held = calibration_for(args.model, args.calibration).methods
+        names = [n for n in names if n in held or not get_policy_class(n).takes_budget]
     policies = []
     for n in names:
         kw = {"keep": args.keep} if get_policy_class(n).takes_budget else {}
+        if args.quality is not None and get_policy_class(n).takes_budget:  # picked at the demo's length
+            choice = quality_choice(args, n, args.model, args.length)
+            kw = {} if choice.full else {"keep": choice.keep}
+            n = n if kw else "full"
         policies.append(check_text_prompt(create_policy(n, **kw)))
     if not args.methods:
         skipped = [n for n in method_names() if get_policy_class(n).needs_spans]
@@ -187,7 +233,8 @@ def cmd_demo(args) -> int:
     ids = build_prompt_ids(lm.tokenizer, sample.prompt, plain=args.plain_prompt)
     print(
         f"context: {len(ids)} tokens of essays with a 5-digit pass key at depth {args.depth:.0%}; "
-        f"budget keep={args.keep} for every compressing method",
+        f"budget keep={args.keep} for every compressing method" if args.quality is None else
+        f"budgets picked for agreement >= {args.quality:g} with the full cache",
         file=sys.stderr,
     )
     rows = []
@@ -277,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--keep", type=float, help="fraction of tokens to keep, in (0, 1] (fastv: of the image tokens)")
         g.add_argument("--max-tokens", type=int, help="fixed number of tokens to keep per layer (a compressing method given "
                                                       "neither keeps 1024: kvtrim.policies.base.DEFAULT_MAX_TOKENS; hae: none)")
+        g.add_argument("--quality", type=float, help="target agreement with the full cache in (0, 1]: the smallest budget "
+                                                     "calibrated to reach it for this method, model and prompt length "
+                                                     "(docs/autobudget.md)")
+        sp.add_argument("--calibration", help="calibration JSON for --quality, made by kvtrim calibrate (default: the one "
+                                              "shipped for the model)")
 
     g = sub.add_parser("generate", help="answer a question or continue a prompt with a compressed cache")
     g.add_argument("--model", help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -323,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="pass-key retrieval on a long context with every method")
     d.add_argument("--model")
     d.add_argument("--keep", type=float, default=0.2, help="budget for the compressing methods (default 0.2)")
+    d.add_argument("--quality", type=float, help="instead of --keep: per method, the smallest budget calibrated to keep "
+                                                 "agreement with the full cache >= this, in (0, 1] (docs/autobudget.md)")
+    d.add_argument("--calibration", help="calibration JSON for --quality (default: the one shipped for the model)")
     d.add_argument("--length", type=int, default=3000, help="context length in tokens (default 3000)")
     d.add_argument("--depth", type=float, default=0.5)
     d.add_argument("--seed", type=int, default=0)

@@ -104,6 +104,52 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from pathlib import Path
+
+    from kvtrim import reference_models
+    from kvtrim.budget import model_fingerprint
+    from kvtrim.eval.calibrate import build_calibration, read_sweeps
+    from kvtrim.eval.plan import make_plan
+    from kvtrim.eval.store import check_out_dir
+    from kvtrim.eval.sweep import run_eval
+    from kvtrim.models import load_model
+
+    plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
+                     plain=args.plain_prompt)
+    if "ppl" in plan.tasks:
+        raise KVTrimError("ppl has no answer to compare with the full cache's; calibrate on tasks with answers "
+                          "(passkey, niah_*, vt, cwe, fwe, multiturn, labelfree)")
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise KVTrimError(f"--out {args.out!r} must be a file in an existing directory")
+    runs = args.runs or str(out.with_suffix("")) + "-runs"
+    check_out_dir(runs)
+    if args.build_only:  # the model's label and config are enough: no weights are loaded
+        from transformers import AutoConfig
+
+        from kvtrim.models import resolve_model
+
+        path, source = resolve_model(args.model)
+        net = AutoConfig.from_pretrained(str(path))
+    else:
+        lm = load_model(args.model)
+        source, net = lm.source, lm.model
+    for d in args.extra or []:
+        read_sweeps([d], source)  # refused before the sweep runs: another model, corrupted lines
+    if not args.build_only:
+        run_eval(lm, plan, runs, progress=not args.quiet)
+    ref = reference_models.lookup(args.model) if args.model else reference_models.SMOLLM2
+    model = {"key": ref.key if ref else source, "source": source, "fingerprint": model_fingerprint(net)}
+    command = "kvtrim " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("kvtrim", "__main__.py")) else None
+    made = {"runs": [runs, *(args.extra or [])], "seed": plan.seed, "plain_prompt": plan.plain} | ({"command": command} if command else {})
+    lines = [r for r in read_sweeps([runs, *(args.extra or [])], source) if r["task"] in plan.tasks]
+    cal = build_calibration(lines, model, made, methods=plan.methods)
+    cal.save(out)
+    print(f"kvtrim calibrate: wrote {out} ({len(cal.methods)} methods; lines in {runs})", file=sys.stderr)
+    return 0
+
+
 def add_eval_commands(sub) -> None:
     from kvtrim.eval.plan import DEFAULT_KEEPS, DEFAULT_METHODS
 
@@ -137,6 +183,29 @@ def add_eval_commands(sub) -> None:
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--json", action="store_true", help="print the aggregated cells as JSON and write nothing")
     r.set_defaults(func=cmd_report)
+
+    from kvtrim.eval.calibrate import DEFAULT_KEEPS as CAL_KEEPS
+    from kvtrim.eval.calibrate import DEFAULT_METHODS as CAL_METHODS
+    from kvtrim.eval.calibrate import DEFAULT_TASKS as CAL_TASKS
+
+    c = sub.add_parser("calibrate", help="measure agreement with the full cache per method and budget: the calibration "
+                                         "--quality picks budgets from (see docs/autobudget.md)")
+    c.add_argument("tasks", nargs="?", default=",".join(CAL_TASKS),
+                   help=f"comma-separated tasks with answers (default {','.join(CAL_TASKS)})")
+    c.add_argument("--model", help="Hugging Face model directory, .gguf file or reference model (default: the embedded model)")
+    c.add_argument("--methods", default=",".join(CAL_METHODS), help=f"comma-separated methods (default {','.join(CAL_METHODS)})")
+    c.add_argument("--keep", default=",".join(map(str, CAL_KEEPS)), help=f"budgets to measure (default {','.join(map(str, CAL_KEEPS))})")
+    c.add_argument("--length", default="2048", help="comma-separated prompt lengths in tokens (default 2048)")
+    c.add_argument("--samples", type=int, default=6, help="samples per task and length (default 6)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--plain-prompt", action="store_true", help="kvtrim's plain prompt format (as in kvtrim eval)")
+    c.add_argument("--runs", help="the kvtrim eval directory the sweep writes (resumable; default: OUT without .json + '-runs')")
+    c.add_argument("--extra", action="append", metavar="DIR", help="lines of another kvtrim eval sweep of the same model to include (repeatable)")
+    c.add_argument("--build-only", action="store_true", help="run no sweep: build from the lines already in --runs and "
+                                                            "--extra (a partial sweep gives a calibration from fewer samples)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    c.add_argument("--out", required=True, help="the calibration JSON to write (pass it to --calibration)")
+    c.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="speed and memory: prefill vs length, decode per token, resident KV bytes, peak RSS")
     b.add_argument("--model")

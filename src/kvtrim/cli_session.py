@@ -30,6 +30,13 @@ def _policy(args, streaming: bool):
     kw = {}
     if getattr(args, "keep", None) is not None:
         kw["keep"] = args.keep
+    if getattr(args, "quality", None) is not None:
+        from kvtrim.cli import check_quality_args, quality_choice
+
+        check_quality_args(args, args.method)
+        # a conversation's length is not known in advance: the largest pick over the calibrated lengths
+        choice = quality_choice(args, args.method, args.model, None)
+        kw["keep"] = choice.keep
     if args.max_tokens is not None:
         kw["max_tokens"] = args.max_tokens
     if args.position:
@@ -65,7 +72,7 @@ def cmd_chat(args) -> int:
     if args.save:
         check_save_target(args.save)  # before the model loads and the conversation starts
     if args.load:
-        given = [f"--{n.replace('_', '-')}" for n in ("method", "keep", "max_tokens", "position") if getattr(args, n) is not None]
+        given = [f"--{n.replace('_', '-')}" for n in ("method", "keep", "quality", "max_tokens", "position") if getattr(args, n) is not None]
         given += ["--plain-prompt"] if args.plain_prompt else []
         if given:
             raise KVTrimError(
@@ -188,6 +195,9 @@ def add_session_commands(sub) -> None:
     g = c.add_mutually_exclusive_group()
     g.add_argument("--max-tokens", type=int, help="KV budget per layer (default 1024, the methods' default budget)")
     g.add_argument("--keep", type=float, help="fraction of tokens to keep instead of a fixed budget")
+    g.add_argument("--quality", type=float, help="target agreement with the full cache in (0, 1]: the budget calibrated "
+                                                 "to reach it, the largest over the calibrated prompt lengths (docs/autobudget.md)")
+    c.add_argument("--calibration", help="calibration JSON for --quality (default: the one shipped for the model)")
     c.add_argument("--position", help="position policy (default: reassigned for streaming methods)")
     c.add_argument("--plain-prompt", action="store_true",
                    help="turns in kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat "
