@@ -104,9 +104,15 @@ class CompressedLayer(CacheLayerMixin):
         self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None  # int64 [B, H, C]: stream index of each stored token
         self._rot: torch.Tensor | None = None  # int64 [B, H, C]: position each key is rotated at
+        # under ``reassigned``: the key of in-cache slot i is rotated at i + rot_offset (0 after a
+        # prompt; a decode-time eviction raises it instead of re-rotating every kept key, see keep_indices)
+        self.rot_offset = 0
         self.token_state: dict[str, torch.Tensor] = {}  # policy per-token state, [B, H, C]
         self.state: dict = {}  # policy per-layer state
         self.q_delta: torch.Tensor | None = None  # [B, q] rotation the query of this step needs
+        # float32 [B, Hkv, G, 1, S]: this decode step's attention probabilities, while the policy's
+        # hook runs, when the policy asked for them (Policy.wants_decode_probs; kvtrim.scores.decode_attention)
+        self.decode_probs: torch.Tensor | None = None
         self.n_new = 0
         self.phase = "prefill"
         self.awaiting_attention = False
@@ -191,7 +197,8 @@ class CompressedLayer(CacheLayerMixin):
             extra = kwargs.get("kwargs") or {}
             applied = extra.get("position_ids") if isinstance(extra, dict) else None
             applied = stream.unsqueeze(0) if applied is None else applied.reshape(-1, q)[-1:].to(dev)
-            target = torch.arange(self.length, self.length + q, device=dev).unsqueeze(0)
+            start = self.length + self.rot_offset
+            target = torch.arange(start, start + q, device=dev).unsqueeze(0)
             delta = target - applied
             if bool((delta != 0).any()):
                 assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
@@ -203,7 +210,8 @@ class CompressedLayer(CacheLayerMixin):
         self._v[:, :, sl] = value_states
         self._pos[:, :, sl] = stream
         if self._rot is not None:
-            self._rot[:, :, sl] = torch.arange(self.length, self.length + q, device=dev)
+            start = self.length + self.rot_offset
+            self._rot[:, :, sl] = torch.arange(start, start + q, device=dev)
         for t in self.token_state.values():
             t[:, :, sl] = 0
         self.phase = "prefill" if self.seen == 0 else ("decode" if q == 1 else "turn")
@@ -278,7 +286,16 @@ class CompressedLayer(CacheLayerMixin):
         """Keep only the slots ``idx`` (``[B, H, K]``, ascending per head); free the rest.
 
         Under the ``reassigned`` position policy the kept keys are re-rotated to in-cache
-        positions ``0..K-1``.
+        positions: ``0..K-1`` after a prompt or turn; during decoding, ``o..o+K-1`` with the offset
+        ``o = rot_offset`` chosen so that the oldest kept key keeps its rotation, or the newest where
+        that re-rotates at most a quarter as many keys (attention depends only on the query-key
+        position difference, and each new query is rotated by ``o`` too). A decode step that evicts a few
+        tokens then re-rotates only the keys on one side of them (StreamingLLM: the sinks; Elastic
+        Cache: the tail after its fixed point), not every kept key.
+
+        Slots before the first dropped one (in every head) stay where they are and are not copied:
+        an eviction near the end of the cache (Elastic Cache's fixed point) costs the length of the
+        tail, not of the cache.
         """
         k = idx.shape[-1]
         if k > self.length:
@@ -289,26 +306,35 @@ class CompressedLayer(CacheLayerMixin):
         # one index set shared by every head (an expanded [1, 1, K] index): index_select is ~10x
         # faster than a gather with an expanded index
         shared = idx.shape[0] == 1 and (idx.shape[1] == 1 or idx.stride(1) == 0)
+        # the leading slots kept in place in every head (0 when the buffers are re-allocated)
+        lead = 0
+        if not shrink and k:
+            moved = (idx != torch.arange(k, device=idx.device)).reshape(-1, k).any(dim=0)
+            lead = int(moved.to(torch.int8).argmax()) if bool(moved.any()) else k
+        sub = idx[..., lead:] - lead  # the moved part, relative to slot ``lead``
+        n_sub = k - lead
 
         flat = None
-        if not shared and idx.shape[0] == 1:
+        if not shared and idx.shape[0] == 1 and n_sub:
             # per-head index sets: one index_select over the [heads * capacity] rows of the buffer
             # (several times faster than a gather with an expanded index)
             offsets = torch.arange(idx.shape[1], device=idx.device).unsqueeze(1) * self.capacity
-            flat = (idx[0] + offsets).reshape(-1)
+            flat = (sub[0] + lead + offsets).reshape(-1)
 
         def take(t: torch.Tensor) -> torch.Tensor:
-            src = t[:, :, : self.length]
+            if n_sub == 0:
+                return t
+            src = t[:, :, lead : self.length]
             if shared:
-                got = src.index_select(2, idx[0, 0])
+                got = src.index_select(2, sub[0, 0])
             elif flat is not None and t.is_contiguous() and t.shape[2] == self.capacity:
                 rows = t.reshape(t.shape[1] * t.shape[2], -1).index_select(0, flat)
-                got = rows.view(1, t.shape[1], k, *t.shape[3:])
+                got = rows.view(1, t.shape[1], n_sub, *t.shape[3:])
             else:
-                ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
+                ix = sub if t.dim() == 3 else sub.unsqueeze(-1).expand(*sub.shape, t.shape[-1])
                 got = torch.gather(src, 2, ix)
             new = t.new_empty(*t.shape[:2], cap, *t.shape[3:]) if shrink else t
-            new[:, :, :k] = got
+            new[:, :, lead:k] = got
             return new
 
         assert self._k is not None and self._v is not None and self._pos is not None
@@ -320,12 +346,33 @@ class CompressedLayer(CacheLayerMixin):
             self._rot = take(self._rot)
             do_reassign = self.cache.position_policy == "reassigned" if reassign is None else reassign
             if do_reassign:
-                target = torch.arange(k, device=idx.device).expand_as(idx)
-                delta = target - self._rot[:, :, :k]
-                if bool((delta != 0).any()):
+                rot = self._rot[:, :, :k]
+                slots = torch.arange(k, device=idx.device)
+
+                def span(offset: int) -> tuple[int, int, torch.Tensor]:
+                    """The slots whose rotation changes for this offset, as a range, and the deltas."""
+                    delta = (slots + offset) - rot
+                    per_slot = (delta != 0).reshape(-1, k).any(dim=0).to(torch.int8)
+                    if not bool(per_slot.any()):
+                        return 0, 0, delta
+                    return int(per_slot.argmax()), k - int(per_slot.flip(0).argmax()), delta
+
+                # after a prompt: positions 0..K-1; during decoding keep the oldest key's rotation (as
+                # before offsets existed: slots before an eviction stay bit for bit), or the newest
+                # key's where that re-rotates at most a quarter as many keys (see the docstring)
+                offset = 0 if self.phase != "decode" or not k else int(rot[0, 0, 0])
+                first, stop, delta = span(offset)
+                if self.phase == "decode" and stop > first:
+                    newest = int(rot[0, 0, k - 1]) - (k - 1)
+                    alt = span(newest)
+                    if 4 * (alt[1] - alt[0]) <= stop - first:
+                        offset, (first, stop, delta) = newest, alt
+                if stop > first:
                     assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
-                    self._k[:, :, :k] = self.cache.rotary.rotate(self._k[:, :, :k], delta)
-                    self._rot[:, :, :k] = target
+                    part = slice(first, stop)
+                    self._k[:, :, part] = self.cache.rotary.rotate(self._k[:, :, part], delta[:, :, part])
+                    self._rot[:, :, :k] = slots + offset
+                self.rot_offset = offset
         self.length = k
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> None:
@@ -445,6 +492,8 @@ class CompressedLayer(CacheLayerMixin):
         self.device = dev
         self._k, self._v, self._pos = buf(k), buf(v.to(dev)), buf(pos)
         self._rot = buf(index["rotations"]) if rotated else None
+        if rotated and n and self.cache.position_policy == "reassigned":
+            self.rot_offset = int(index["rotations"][0, 0, -1]) - (n - 1)  # the newest key's (keep_indices)
         self.token_state = {x: buf(t) for x, t in states.items()}
         self.length = n
         self.is_initialized = True

@@ -40,7 +40,7 @@ import torch
 
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
-from kvtrim.scores import causal_column_sums
+from kvtrim.scores import causal_column_sums, window_probs
 
 if TYPE_CHECKING:
     from kvtrim.cache import CompressedLayer
@@ -255,6 +255,13 @@ class Policy:
                 protected = protected.any(dim=1, keepdim=True).expand_as(scores)
         if protected is not None:
             s = s.masked_fill(protected, float("inf"))
+        n_drop = s.shape[-1] - budget
+        if 0 < n_drop <= max(1, s.shape[-1] // 64):
+            # a decode step drops a few of many tokens: find those (the bottom n_drop) rather than
+            # ranking the top-budget and sorting them; the same set (up to the order of exact ties)
+            drop = torch.topk(s, n_drop, dim=-1, largest=False, sorted=False).indices
+            keep = torch.ones(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, drop, False)
+            return keep.nonzero()[:, -1].view(*s.shape[:-1], budget)
         idx = torch.topk(s, budget, dim=-1, sorted=False).indices
         return idx.sort(dim=-1).values
 
@@ -303,6 +310,23 @@ class Policy:
         """Causal softmax column sums of a prefill, ``[B, Hkv, G, S]`` (``kvtrim.scores.causal_column_sums``),
         shared through the memo of :meth:`share_prefill_scores` (H2O and Elastic Cache use the same sums)."""
         return self.prefill_scores(layer, "column_sums", lambda: causal_column_sums(query, key, scaling))
+
+    def wants_decode_probs(self, layer: "CompressedLayer") -> bool:
+        """True when this decode step's hook reads the step's attention probabilities. kvtrim's
+        attention function then computes the step's attention itself
+        (:func:`kvtrim.scores.decode_attention`) and leaves the probabilities in
+        ``layer.decode_probs`` while the hook runs, so the method does not compute ``q @ K`` a second
+        time (:meth:`decode_probs` reads them, or computes them where no attention function gave
+        them). Default: False (the attention stays the model's SDPA)."""
+        return False
+
+    @staticmethod
+    def decode_probs(layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        """This decode step's softmax row ``[B, Hkv, G, 1, S]``: the attention's own when it handed
+        them over (:meth:`wants_decode_probs`), else computed from ``query`` and ``key``."""
+        if layer.decode_probs is not None:
+            return layer.decode_probs
+        return window_probs(query, key, scaling, 1)
 
     def take_hidden_state_keep(self, cache) -> "tuple[int, torch.Tensor] | None":
         """For ``rewrites_forward`` policies: ``(layer_idx, keep)`` once the policy decided, during this
