@@ -30,6 +30,7 @@ class H2O(Policy):
     description = "heavy hitters (accumulated attention per KV head) + recent tokens, evicts every step"
     supports_streaming = True
     shares_prefill_scores = True
+    stream_ordered_slots = False  # scores and positions live per slot: a decode eviction fills its hole
 
     def __post_init__(self) -> None:
         self.recent_ratio = validate.number(self.recent_ratio, "h2o: recent_ratio", minimum=0.0, maximum=1.0, max_open=True)
