@@ -76,6 +76,15 @@ LOGIT_BIAS = "logit_bias"
 ACTIVE: contextvars.ContextVar[AttentionBinding | None] = contextvars.ContextVar("kvtrim_active_layer", default=None)
 
 
+def buffer_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A ``[B=1, H, C, ...]`` buffer (or a view of one that starts later along C) as rows: a 2-D view
+    ``[rows, width]`` over its storage in which slot ``s`` of head ``h`` is row ``h * per + s``;
+    returns the view and ``per`` (the rows between heads)."""
+    width = t.stride(2)
+    per = t.stride(1) // width
+    return t.as_strided(((t.shape[1] - 1) * per + t.shape[2], width), (width, 1)), per
+
+
 class CompressedLayer(CacheLayerMixin):
     """One full-attention layer's KV storage, with capacity-managed buffers.
 
@@ -104,9 +113,15 @@ class CompressedLayer(CacheLayerMixin):
         self._v: torch.Tensor | None = None
         self._pos: torch.Tensor | None = None  # int64 [B, H, C]: stream index of each stored token
         self._rot: torch.Tensor | None = None  # int64 [B, H, C]: position each key is rotated at
+        # under ``reassigned``: the key of in-cache slot i is rotated at i + rot_offset (0 after a
+        # prompt; a decode-time eviction raises it instead of re-rotating every kept key, see keep_indices)
+        self.rot_offset = 0
         self.token_state: dict[str, torch.Tensor] = {}  # policy per-token state, [B, H, C]
         self.state: dict = {}  # policy per-layer state
         self.q_delta: torch.Tensor | None = None  # [B, q] rotation the query of this step needs
+        # float32 [B, Hkv, G, 1, S]: this decode step's attention probabilities, while the policy's
+        # hook runs, when the policy asked for them (Policy.wants_decode_probs; kvtrim.scores.decode_attention)
+        self.decode_probs: torch.Tensor | None = None
         self.n_new = 0
         self.phase = "prefill"
         self.awaiting_attention = False
@@ -191,7 +206,8 @@ class CompressedLayer(CacheLayerMixin):
             extra = kwargs.get("kwargs") or {}
             applied = extra.get("position_ids") if isinstance(extra, dict) else None
             applied = stream.unsqueeze(0) if applied is None else applied.reshape(-1, q)[-1:].to(dev)
-            target = torch.arange(self.length, self.length + q, device=dev).unsqueeze(0)
+            start = self.length + self.rot_offset
+            target = torch.arange(start, start + q, device=dev).unsqueeze(0)
             delta = target - applied
             if bool((delta != 0).any()):
                 assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
@@ -203,7 +219,8 @@ class CompressedLayer(CacheLayerMixin):
         self._v[:, :, sl] = value_states
         self._pos[:, :, sl] = stream
         if self._rot is not None:
-            self._rot[:, :, sl] = torch.arange(self.length, self.length + q, device=dev)
+            start = self.length + self.rot_offset
+            self._rot[:, :, sl] = torch.arange(start, start + q, device=dev)
         for t in self.token_state.values():
             t[:, :, sl] = 0
         self.phase = "prefill" if self.seen == 0 else ("decode" if q == 1 else "turn")
@@ -258,16 +275,40 @@ class CompressedLayer(CacheLayerMixin):
             self._rot = grow(self._rot)
         self.token_state = {n: grow(t) for n, t in self.token_state.items()}
 
+    def _start(self) -> int:
+        """Slots that decode evictions freed before the start of the buffers (``keep_indices``): the
+        buffers are views that many slots into their allocation until ``_reserve`` moves them back."""
+        return 0 if self._k is None else self._k.storage_offset() // self._k.stride(2)
+
     def _reserve(self, n: int) -> None:
-        if self.length + n > self.capacity:
-            self._realloc(self.length + n + self.slack(self.length + n))
+        if self.length + n <= self.capacity:
+            return
+        start = self._start()
+        if start and self.length + n <= self.capacity + start:
+            # move the stored slots back to the beginning of the same allocation (the copy a
+            # re-allocation would make, without one): the allocated size changes only as before
+            def back(t: torch.Tensor) -> torch.Tensor:
+                whole = t.as_strided((*t.shape[:2], t.shape[2] + start, *t.shape[3:]), t.stride(),
+                                     t.storage_offset() - start * t.stride(2))
+                whole[:, :, : self.length] = t[:, :, : self.length].clone()
+                return whole
+
+            assert self._k is not None and self._v is not None and self._pos is not None
+            self._k, self._v, self._pos = back(self._k), back(self._v), back(self._pos)
+            if self._rot is not None:
+                self._rot = back(self._rot)
+            self.token_state = {name: back(t) for name, t in self.token_state.items()}
+            return
+        self._realloc(self.length + n + self.slack(self.length + n))
 
     def new_token_state(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Create (or return) a per-token state aligned with the stored tokens: ``[B, H, capacity]``."""
         if name not in self.token_state:
             assert self._k is not None, "per-token state is created after the first update()"
             b, h = self._k.shape[:2]
-            self.token_state[name] = torch.zeros(b, h, self.capacity, dtype=dtype, device=self._k.device)
+            start = self._start()  # laid out like the keys (see _start)
+            whole = torch.zeros(b, h, self.capacity + start, dtype=dtype, device=self._k.device)
+            self.token_state[name] = whole[:, :, start:]
         return self.token_state[name]
 
     def state_view(self, name: str) -> torch.Tensor:
@@ -278,37 +319,68 @@ class CompressedLayer(CacheLayerMixin):
         """Keep only the slots ``idx`` (``[B, H, K]``, ascending per head); free the rest.
 
         Under the ``reassigned`` position policy the kept keys are re-rotated to in-cache
-        positions ``0..K-1``.
+        positions: ``0..K-1`` after a prompt or turn; during decoding, ``o..o+K-1`` with the offset
+        ``o = rot_offset`` chosen so that the oldest kept key keeps its rotation, or the newest where
+        that re-rotates at most a quarter as many keys (attention depends only on the query-key
+        position difference, and each new query is rotated by ``o`` too). A decode step that evicts a few
+        tokens then re-rotates only the keys on one side of them (StreamingLLM: the sinks; Elastic
+        Cache: the tail after its fixed point), not every kept key.
+
+        Without re-allocation only one side of the dropped slots moves, the shorter: the slots before
+        the first dropped one (in every head) stay in place and the later kept ones move down, or
+        (decoding) the slots after the last dropped one stay and the earlier kept ones move up (the
+        buffers then start that many slots later). An eviction near either end of the cache (Elastic
+        Cache's fixed point, StreamingLLM's oldest window token after the sinks) copies a few
+        rows, not the cache.
         """
         k = idx.shape[-1]
         if k > self.length:
             raise ValueError("cannot keep more tokens than are stored")
         shrink = self.capacity > k + 2 * self.slack(k)
         cap = k + self.slack(k)
+        m = self.length - k  # tokens dropped per head
 
         # one index set shared by every head (an expanded [1, 1, K] index): index_select is ~10x
-        # faster than a gather with an expanded index
+        # faster than a gather with an expanded index (batch > 1 only: at batch 1 the flat path below)
         shared = idx.shape[0] == 1 and (idx.shape[1] == 1 or idx.stride(1) == 0)
-
-        flat = None
-        if not shared and idx.shape[0] == 1:
-            # per-head index sets: one index_select over the [heads * capacity] rows of the buffer
-            # (several times faster than a gather with an expanded index)
-            offsets = torch.arange(idx.shape[1], device=idx.device).unsqueeze(1) * self.capacity
-            flat = (idx[0] + offsets).reshape(-1)
+        # Without re-allocation only part of the slots move: either the kept slots after the leading
+        # ones that stay in place (``lead``), or the kept slots before the trailing ones that only
+        # shift down by m (``tail``): those are then moved up by m and the buffers start m slots later
+        # (a view; the m dead slots are freed at the next re-allocation). StreamingLLM drops the
+        # token after its sinks: the sinks move, not the window.
+        lead, tail = 0, k
+        if not shrink and k:
+            slots = torch.arange(k, device=idx.device)
+            moved = (idx != slots).reshape(-1, k).any(dim=0).to(torch.int8)
+            lead = int(moved.argmax()) if bool(moved.any()) else k
+            shifted = (idx != slots + m).reshape(-1, k).any(dim=0).to(torch.int8)
+            tail = k - int(shifted.flip(0).argmax()) if bool(shifted.any()) else 0
+        from_front = self.phase == "decode" and idx.shape[0] == 1 and m > 0 and tail < k - lead
+        part = slice(0, tail) if from_front else slice(lead, k)  # the new slots written
+        sub = idx[..., part]  # their old slots
+        n_sub = sub.shape[-1]
 
         def take(t: torch.Tensor) -> torch.Tensor:
-            src = t[:, :, : self.length]
-            if shared:
-                got = src.index_select(2, idx[0, 0])
-            elif flat is not None and t.is_contiguous() and t.shape[2] == self.capacity:
-                rows = t.reshape(t.shape[1] * t.shape[2], -1).index_select(0, flat)
-                got = rows.view(1, t.shape[1], k, *t.shape[3:])
+            if n_sub == 0:
+                return t[:, :, m:] if from_front else t
+            if idx.shape[0] == 1 and t.stride(-1) == 1:
+                # batch 1, per-head or shared index sets: one index_select over the rows of the
+                # buffer (several times faster than a gather with an expanded index, and than an
+                # index_select along the slot axis of a buffer with spare capacity)
+                rows, per = buffer_rows(t)
+                h = t.shape[1]
+                flat = (sub[0].expand(h, -1) + torch.arange(h, device=idx.device).unsqueeze(1) * per).reshape(-1)
+                got = rows.index_select(0, flat).view(1, h, n_sub, *t.shape[3:])
+            elif shared:
+                got = t[:, :, : self.length].index_select(2, sub[0, 0])
             else:
-                ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
-                got = torch.gather(src, 2, ix)
-            new = t.new_empty(*t.shape[:2], cap, *t.shape[3:]) if shrink else t
-            new[:, :, :k] = got
+                ix = sub if t.dim() == 3 else sub.unsqueeze(-1).expand(*sub.shape, t.shape[-1])
+                got = torch.gather(t[:, :, : self.length], 2, ix)
+            if from_front:
+                new = t[:, :, m:]
+            else:
+                new = t.new_empty(*t.shape[:2], cap, *t.shape[3:]) if shrink else t
+            new[:, :, part] = got
             return new
 
         assert self._k is not None and self._v is not None and self._pos is not None
@@ -320,12 +392,61 @@ class CompressedLayer(CacheLayerMixin):
             self._rot = take(self._rot)
             do_reassign = self.cache.position_policy == "reassigned" if reassign is None else reassign
             if do_reassign:
-                target = torch.arange(k, device=idx.device).expand_as(idx)
-                delta = target - self._rot[:, :, :k]
-                if bool((delta != 0).any()):
+                rot = self._rot[:, :, :k]
+                slots = torch.arange(k, device=idx.device)
+
+                def span(offset: int) -> tuple[int, int, torch.Tensor]:
+                    """The slots whose rotation changes for this offset, as a range, and the deltas."""
+                    delta = (slots + offset) - rot
+                    per_slot = (delta != 0).reshape(-1, k).any(dim=0).to(torch.int8)
+                    if not bool(per_slot.any()):
+                        return 0, 0, delta
+                    return int(per_slot.argmax()), k - int(per_slot.flip(0).argmax()), delta
+
+                # after a prompt: positions 0..K-1; during decoding keep the oldest key's rotation (as
+                # before offsets existed: slots before an eviction stay bit for bit), or the newest
+                # key's where that re-rotates at most a quarter as many keys (see the docstring)
+                offset = 0 if self.phase != "decode" or not k else int(rot[0, 0, 0])
+                first, stop, delta = span(offset)
+                if self.phase == "decode" and stop > first:
+                    newest = int(rot[0, 0, k - 1]) - (k - 1)
+                    alt = span(newest)
+                    if 4 * (alt[1] - alt[0]) <= stop - first:
+                        offset, (first, stop, delta) = newest, alt
+                if stop > first:
                     assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
-                    self._k[:, :, :k] = self.cache.rotary.rotate(self._k[:, :, :k], delta)
-                    self._rot[:, :, :k] = target
+                    span_ = slice(first, stop)
+                    self._k[:, :, span_] = self.cache.rotary.rotate(self._k[:, :, span_], delta[:, :, span_])
+                    self._rot[:, :, :k] = slots + offset
+                self.rot_offset = offset
+        self.length = k
+
+    def drop_slots(self, drop: torch.Tensor) -> None:
+        """Remove the slots ``drop`` (``[1, H, m]``, distinct per head, few) by moving the newest
+        stored tokens into the holes: ``m`` rows per head move instead of every token after the
+        first hole (``keep_indices``). The kept set is the same; the slots then no longer hold the
+        tokens in stream order (``positions`` stays exact per slot), so this is only for the ``true``
+        position policy (re-assigned rotations follow the slot order) and for policies that do not
+        read meaning into the slot order (``Policy.stream_ordered_slots``).
+        """
+        if self._rot is not None:
+            raise ValueError("drop_slots needs the 'true' position policy (rotations follow the slot order)")
+        if drop.shape[0] != 1:
+            raise ValueError("drop_slots supports batch 1")
+        h, m = drop.shape[1], drop.shape[2]
+        n = self.length
+        k = n - m
+        dropped = torch.zeros(h, n, dtype=torch.bool, device=drop.device).scatter_(-1, drop[0], True)
+        holes = dropped[:, :k].nonzero()  # [r, 2] (head, slot), head-major: the same count per head as
+        fill = (~dropped[:, k:]).nonzero()  # the kept tokens beyond the new length, also head-major
+
+        def move(t: torch.Tensor) -> None:
+            rows, per = buffer_rows(t)
+            rows[holes[:, 0] * per + holes[:, 1]] = rows[fill[:, 0] * per + k + fill[:, 1]]
+
+        assert self._k is not None and self._v is not None and self._pos is not None
+        for t in (self._k, self._v, self._pos, *self.token_state.values()):
+            move(t)
         self.length = k
 
     def replace(self, keys: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> None:
@@ -336,15 +457,16 @@ class CompressedLayer(CacheLayerMixin):
         self._v[:, :, : self.length] = values
 
     def nbytes(self) -> int:
-        """Resident bytes of this layer's key and value buffers (allocated capacity)."""
+        """Resident bytes of this layer's key and value buffers (allocated capacity, including the
+        slots a decode eviction left before the start of a buffer until its next re-allocation)."""
         if self._k is None or self._v is None:
             return 0
-        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
+        return self._k.untyped_storage().nbytes() + self._v.untyped_storage().nbytes()
 
     def index_nbytes(self) -> int:
         """Bytes of kvtrim's bookkeeping (positions, rotations, policy state) for this layer."""
         ts = [self._pos, self._rot, *self.token_state.values()]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.untyped_storage().nbytes() for t in ts if t is not None)
 
     # --- persistence -----------------------------------------------------------------------------
     PHASES = ("prefill", "turn", "decode")
@@ -445,6 +567,8 @@ class CompressedLayer(CacheLayerMixin):
         self.device = dev
         self._k, self._v, self._pos = buf(k), buf(v.to(dev)), buf(pos)
         self._rot = buf(index["rotations"]) if rotated else None
+        if rotated and n and self.cache.position_policy == "reassigned":
+            self.rot_offset = int(index["rotations"][0, 0, -1]) - (n - 1)  # the newest key's (keep_indices)
         self.token_state = {x: buf(t) for x, t in states.items()}
         self.length = n
         self.is_initialized = True

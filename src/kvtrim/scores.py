@@ -36,6 +36,23 @@ def window_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, window:
     return torch.softmax(logits, dim=-1)
 
 
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one decode query over all keys, with its probabilities.
+
+    ``query [B, Hq, 1, D]``, ``key [B, Hkv, S, D]``, ``value [B, Hkv, S, Dv]`` (no mask: one query
+    sees every stored key). Returns ``(out, probs)``: ``out [B, 1, Hq, Dv]`` in the query's dtype
+    (transformers' attention-function layout) and ``probs [B, Hkv, G, 1, S]`` float32, exactly
+    ``window_probs(query, key, scaling, 1)``, so a method that scores a decode step from these
+    probabilities keeps the tokens it kept when it recomputed them. Both products run in float32;
+    like SDPA for one query row it reads every key and value once.
+    """
+    probs = window_probs(query, key, scaling, 1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", probs, value.float())
+    b, hq, q, _ = query.shape
+    return out.reshape(b, hq, q, value.shape[-1]).transpose(1, 2).contiguous().to(query.dtype), probs
+
+
 def causal_prob_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, chunk: int = 256):
     """Causal softmax rows of all ``q`` queries, ``chunk`` queries at a time.
 

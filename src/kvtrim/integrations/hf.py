@@ -29,6 +29,7 @@ import torch
 
 from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache, cache_keyword
 from kvtrim.errors import KVTrimError
+from kvtrim.scores import decode_attention
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +95,22 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
     res = None
     if prefill is not None and layer.phase == "prefill" and query.shape[-2] > 1:
         res = prefill(module, query, key, value, attention_mask, scale, **kwargs)  # None: run dense
+    bias = layer.token_state.get(LOGIT_BIAS)
+    if (res is None and bias is None and attention_mask is None and query.shape[-2] == 1 and layer.phase == "decode"
+            and _BASE.get(id(module.config), "sdpa") == "sdpa" and binding.cache.policy.wants_decode_probs(layer)):
+        # the policy scores this step from its attention: compute it here and hand the
+        # probabilities over instead of running SDPA and recomputing q @ K in the policy
+        res = decode_attention(query, key, value, scale)
+        res, layer.decode_probs = (res[0], None), res[1]
     if res is None:
-        bias = layer.token_state.get(LOGIT_BIAS)
         if bias is not None:
             attention_mask = with_logit_bias(attention_mask, bias[:, :, : key.shape[-2]], query)
         res = base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     out, weights = res
-    binding.cache.after_attention(layer, query, key, scale)
+    try:
+        binding.cache.after_attention(layer, query, key, scale)
+    finally:
+        layer.decode_probs = None
     return out, weights
 
 

@@ -40,7 +40,7 @@ import torch
 
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
-from kvtrim.scores import causal_column_sums
+from kvtrim.scores import causal_column_sums, window_probs
 
 if TYPE_CHECKING:
     from kvtrim.cache import CompressedLayer
@@ -111,6 +111,11 @@ class Policy:
     #: its prefill scores depend on the prompt only, not on the budget, so several budgets of the
     #: method on one prompt can compute them once: see :meth:`share_prefill_scores`
     shares_prefill_scores: ClassVar[bool] = False
+    #: relies on the cache's slots holding its tokens in stream order (index arithmetic on slots,
+    #: merges, a fixed eviction slot). A method that does not (H2O: scores and positions per slot)
+    #: lets a decode step that drops a few tokens move the newest into the holes
+    #: (``CompressedLayer.drop_slots``) instead of shifting every later token, under ``true`` positions
+    stream_ordered_slots: ClassVar[bool] = True
     #: ``max_tokens`` used when neither ``keep`` nor ``max_tokens`` is given (methods that take a
     #: budget only); None: the method has no default budget (its budget is optional)
     default_max_tokens: ClassVar[int | None] = DEFAULT_MAX_TOKENS
@@ -246,8 +251,9 @@ class Policy:
         mask = self.first_mask(layer, self.n_sinks)
         return mask | self.recent_mask(layer, n_recent) if n_recent > 0 else mask
 
-    def select(self, scores: torch.Tensor, protected: torch.Tensor | None, budget: int) -> torch.Tensor:
-        """Slots to keep: the top-``budget`` of ``scores`` with protected tokens forced in, ascending."""
+    def ranking(self, scores: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
+        """The float32 scores :meth:`select` ranks: averaged over heads unless ``per_head``, protected
+        tokens at +inf."""
         s = scores.float()
         if not self.per_head:
             s = s.mean(dim=1, keepdim=True).expand_as(scores)
@@ -255,15 +261,43 @@ class Policy:
                 protected = protected.any(dim=1, keepdim=True).expand_as(scores)
         if protected is not None:
             s = s.masked_fill(protected, float("inf"))
+        return s
+
+    @staticmethod
+    def few_dropped(s: torch.Tensor, budget: int) -> torch.Tensor | None:
+        """When keeping the top-``budget`` of ``s [B, H, S]`` drops only a few tokens (at most 1/64 of
+        them, or one: a decode step), those slots ``[B, H, S - budget]``; else None. Finding the
+        bottom few costs less than ranking the top-``budget`` and sorting them; the set is the same
+        (up to the order of exact ties)."""
+        n_drop = s.shape[-1] - budget
+        if 0 < n_drop <= max(1, s.shape[-1] // 64):
+            return torch.topk(s, n_drop, dim=-1, largest=False, sorted=False).indices
+        return None
+
+    def select(self, scores: torch.Tensor, protected: torch.Tensor | None, budget: int) -> torch.Tensor:
+        """Slots to keep: the top-``budget`` of ``scores`` with protected tokens forced in, ascending."""
+        s = self.ranking(scores, protected)
+        drop = self.few_dropped(s, budget)
+        if drop is not None:
+            keep = torch.ones(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, drop, False)
+            return keep.nonzero()[:, -1].view(*s.shape[:-1], budget)
         idx = torch.topk(s, budget, dim=-1, sorted=False).indices
         return idx.sort(dim=-1).values
 
     def evict_by_score(self, layer, query, key, scaling, budget: int | None = None) -> torch.Tensor | None:
-        """Score the stored tokens and keep the top-``budget``; returns the kept slots or None."""
+        """Score the stored tokens and keep the top-``budget``; returns the kept slots, or None when
+        nothing was evicted or a decode step dropped a few tokens in place (``stream_ordered_slots``)."""
         budget = self.budget(layer.seen) if budget is None else budget
         if layer.length <= budget:
             return None
-        idx = self.select(self.score(layer, query, key, scaling), self.protected(layer), budget)
+        scores, protected = self.score(layer, query, key, scaling), self.protected(layer)
+        if not self.stream_ordered_slots and layer.phase == "decode" and layer.cache.position_policy == "true":
+            s = self.ranking(scores, protected)
+            drop = self.few_dropped(s, budget)
+            if drop is not None and drop.shape[0] == 1:
+                layer.drop_slots(drop)
+                return None
+        idx = self.select(scores, protected, budget)
         layer.keep_indices(idx)
         return idx
 
@@ -303,6 +337,23 @@ class Policy:
         """Causal softmax column sums of a prefill, ``[B, Hkv, G, S]`` (``kvtrim.scores.causal_column_sums``),
         shared through the memo of :meth:`share_prefill_scores` (H2O and Elastic Cache use the same sums)."""
         return self.prefill_scores(layer, "column_sums", lambda: causal_column_sums(query, key, scaling))
+
+    def wants_decode_probs(self, layer: "CompressedLayer") -> bool:
+        """True when this decode step's hook reads the step's attention probabilities. kvtrim's
+        attention function then computes the step's attention itself
+        (:func:`kvtrim.scores.decode_attention`) and leaves the probabilities in
+        ``layer.decode_probs`` while the hook runs, so the method does not compute ``q @ K`` a second
+        time (:meth:`decode_probs` reads them, or computes them where no attention function gave
+        them). Default: False (the attention stays the model's SDPA)."""
+        return False
+
+    @staticmethod
+    def decode_probs(layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+        """This decode step's softmax row ``[B, Hkv, G, 1, S]``: the attention's own when it handed
+        them over (:meth:`wants_decode_probs`), else computed from ``query`` and ``key``."""
+        if layer.decode_probs is not None:
+            return layer.decode_probs
+        return window_probs(query, key, scaling, 1)
 
     def take_hidden_state_keep(self, cache) -> "tuple[int, torch.Tensor] | None":
         """For ``rewrites_forward`` policies: ``(layer_idx, keep)`` once the policy decided, during this

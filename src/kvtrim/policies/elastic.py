@@ -319,9 +319,12 @@ class Elastic(Policy):
         acc = layer.state_view("elastic_importance")[0, 0, self.n_sinks : layer.length - 1]
         return self.n_sinks + int(torch.argmin(acc))
 
+    def wants_decode_probs(self, layer) -> bool:
+        return self.eviction == "frequency"
+
     def on_decode(self, layer, query, key, scaling) -> None:
         if self.eviction == "frequency":
-            row = window_probs(query, key, scaling, 1)[..., 0, :].mean(dim=(1, 2))  # [B, S]
+            row = self.decode_probs(layer, query, key, scaling)[..., 0, :].mean(dim=(1, 2))  # [B, S]
             layer.state_view("elastic_importance")[:] += row.unsqueeze(1)
         budget = self.budget(layer.seen)
         b, h = layer.keys.shape[:2]

@@ -6,7 +6,8 @@ H2O's accuracy tables used future queries, kvtrim does not). The cache keeps the
 ``budget * (1 - recent_ratio)`` highest-accumulated tokens plus the ``budget * recent_ratio``
 most recent ones (the attention sinks always among the kept, ``Policy``; the recent share leaves
 room for at least one heavy hitter), and evicts at every step, as the paper's streaming variant does.
-Prefill scores are all-row column sums, computed in chunks of queries from q and k.
+Prefill scores are all-row column sums, computed in chunks of queries from q and k; a decode
+step's scores are the probabilities of the step's own attention (``Policy.wants_decode_probs``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from kvtrim import validate
 from kvtrim.policies.base import Policy
-from kvtrim.scores import group_reduce, window_probs
+from kvtrim.scores import group_reduce
 
 
 @dataclass
@@ -29,6 +30,7 @@ class H2O(Policy):
     description = "heavy hitters (accumulated attention per KV head) + recent tokens, evicts every step"
     supports_streaming = True
     shares_prefill_scores = True
+    stream_ordered_slots = False  # scores and positions live per slot: a decode eviction fills its hole
 
     def __post_init__(self) -> None:
         self.recent_ratio = validate.number(self.recent_ratio, "h2o: recent_ratio", minimum=0.0, maximum=1.0, max_open=True)
@@ -44,11 +46,14 @@ class H2O(Policy):
     def _accumulate(self, layer, query, key, scaling) -> None:
         acc = layer.new_token_state("h2o_acc")
         if query.shape[-2] == 1:
-            got = group_reduce(window_probs(query, key, scaling, 1).sum(dim=-2), "sum")
+            got = group_reduce(self.decode_probs(layer, query, key, scaling).sum(dim=-2), "sum")
         else:  # the prompt's sums do not depend on the budget: shared across budgets (share_prefill_scores)
             got = self.prefill_scores(
                 layer, "h2o", lambda: group_reduce(self.prefill_column_sums(layer, query, key, scaling), "sum"))
         acc[:, :, : layer.length] += got
+
+    def wants_decode_probs(self, layer) -> bool:
+        return True  # every decode step adds the step's attention to the accumulated scores
 
     def score(self, layer, query, key, scaling):
         return layer.state_view("h2o_acc")

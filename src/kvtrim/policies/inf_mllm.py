@@ -44,20 +44,24 @@ from kvtrim.policies.base import Policy
 from kvtrim.scores import group_reduce, window_probs
 
 
-def retrieval_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
+def retrieval_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int,
+                     probs: torch.Tensor | None = None) -> torch.Tensor:
     """Causal-normalised average attention of the last ``window`` queries, per KV head.
 
     Args:
         query: ``[B, Hq, q, D]`` post-RoPE queries of the new prompt (the window is its last
             ``min(window, q)`` rows).
         key: ``[B, Hkv, S, D]`` all stored keys, the new prompt's last.
+        probs: ``window_probs(query, key, scaling, window)`` when already at hand (a decode step's
+            own attention), else computed here.
     Returns:
         ``[B, Hkv, S]`` float32: each key's softmax column averaged over the window queries that
         can see it, then averaged over the query heads of its group.
     """
     w = min(window, query.shape[-2])
     s = key.shape[-2]
-    probs = window_probs(query, key, scaling, w)  # [B, Hkv, G, w, S]
+    if probs is None:
+        probs = window_probs(query, key, scaling, w)  # [B, Hkv, G, w, S]
     col = probs.sum(dim=-2)
     seen_by = torch.clamp(s - torch.arange(s, device=key.device), max=w).to(col.dtype)
     return group_reduce(col / seen_by, "mean")
@@ -123,11 +127,14 @@ class InfMLLM(Policy):
     def on_prefill(self, layer, query, key, scaling) -> None:
         self.evict_by_score(layer, query, key, scaling)
 
+    def wants_decode_probs(self, layer) -> bool:
+        return layer.length > self.budget(layer.seen) + self.decode_cap  # a trim step (on_decode)
+
     def on_decode(self, layer, query, key, scaling) -> None:
         budget = self.budget(layer.seen)
         if layer.length > budget + self.decode_cap:
             # One batch trim per decode_cap tokens: score by this step's query (window of one row).
-            att = retrieval_scores(query, key, scaling, 1)
+            att = retrieval_scores(query, key, scaling, 1, self.decode_probs(layer, query, key, scaling))
             s = att.shape[-1]
             scores = att * s + bias_ramp(s, self.bias, att.device)
             keep_recent = max(1, math.floor(self.recent_share * budget))

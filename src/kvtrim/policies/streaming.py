@@ -5,11 +5,17 @@ Positions are ``reassigned`` by default: kept keys are re-rotated to positions `
 so a stream can run past the model's trained context. No attention scores are needed; the
 "score" of a token is its stream index (newer is better), which makes the kept set exactly the
 top-k of that score with the sinks forced in.
+
+Slots hold the tokens in stream order, so that top-k is the first stored sinks and the last
+``budget - sinks`` slots: a decode step builds that index directly (one index set shared by all
+heads) instead of ranking the positions, and the cache re-rotates only the sinks (``keep_indices``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from kvtrim import validate
 from kvtrim.policies.base import Policy
@@ -38,4 +44,13 @@ class StreamingLLM(Policy):
         return layer.positions.float()
 
     def on_decode(self, layer, query, key, scaling) -> None:
-        self.evict_by_score(layer, query, key, scaling)
+        budget = self.budget(layer.seen)
+        if layer.length <= budget:
+            return
+        # the same set as evict_by_score (top-budget stream indices, sinks forced in), read off the
+        # slot order: sinks first, then the newest; positions are the same in every head
+        n_sinks = min(int((layer.positions[0, 0] < self.n_sinks).sum()), budget)
+        dev = layer.positions.device
+        idx = torch.cat([torch.arange(n_sinks, device=dev), torch.arange(layer.length - (budget - n_sinks), layer.length, device=dev)])
+        b, h = layer.positions.shape[:2]
+        layer.keep_indices(idx.view(1, 1, -1).expand(b, h, -1))

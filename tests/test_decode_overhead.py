@@ -1,0 +1,155 @@
+"""The cheap decode paths give what the plain ones gave (tiny random GQA Llama, CPU, fp32).
+
+A decode step of a compressing method avoids work that does not change its result: H2O (and Elastic
+Cache's ``frequency`` eviction, Inf-MLLM's trim step) score the step from its own attention instead
+of computing ``q @ K`` again (``kvtrim.scores.decode_attention``); a few evicted tokens move one side
+of the hole instead of the whole cache (``CompressedLayer.keep_indices``, ``drop_slots``); under
+``reassigned`` positions only the keys that change place relative to the others are re-rotated
+(``rot_offset``). Each test pits a cheap path against the plain one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kvtrim
+from kvtrim.cache import KVTrimCache
+from kvtrim.policies.h2o import H2O
+from kvtrim.rope import find_inv_freq, rotate
+from kvtrim.scores import decode_attention, window_probs
+
+
+def greedy(model, ids, cache, steps):
+    """Prefill + greedy decode inside ``attach``; returns the tokens and the last-position logits."""
+    tokens, logits = [], []
+    with torch.no_grad(), kvtrim.attach(model):
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            nxt = out.logits[:, -1:].argmax(-1)
+            tokens.append(int(nxt))
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return tokens, logits
+
+
+@dataclass
+class PlainH2O(H2O):
+    """H2O on the plain paths: SDPA plus a second ``q @ K`` pass, evictions through ``keep_indices``."""
+
+    stream_ordered_slots = True
+
+    def wants_decode_probs(self, layer) -> bool:
+        return False
+
+
+def test_decode_attention_matches_sdpa_and_gives_window_probs():
+    """Output within the tolerance rule of SDPA's (error against float64 at most twice SDPA's), and
+    probabilities bit for bit those a policy computed before (``window_probs`` of the one row)."""
+    g = torch.Generator().manual_seed(0)
+    for s, d, n_kv, groups in ((63, 64, 2, 3), (500, 128, 1, 4), (4001, 64, 3, 3)):
+        q = torch.randn(1, n_kv * groups, 1, d, generator=g)
+        k, v = torch.randn(1, n_kv, s, d, generator=g), torch.randn(1, n_kv, s, d, generator=g)
+        scale = d ** -0.5
+        out, probs = decode_attention(q, k, v, scale)
+        assert torch.equal(probs, window_probs(q, k, scale, 1))
+        kr, vr = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        ref = F.scaled_dot_product_attention(q.double(), kr.double(), vr.double(), scale=scale).transpose(1, 2)
+        sdpa = F.scaled_dot_product_attention(q, kr, vr, scale=scale).transpose(1, 2)
+        assert out.shape == sdpa.shape == (1, 1, n_kv * groups, d)
+        err, err_sdpa = (out.double() - ref).abs().max(), (sdpa.double() - ref).abs().max()
+        assert err <= 2 * err_sdpa, (s, d, float(err), float(err_sdpa))
+
+
+def test_h2o_cheap_decode_keeps_what_the_plain_path_keeps(model, prompt):
+    """Scores from the decode attention and holes filled by the newest token: the same tokens are
+    generated and the same token set is kept per head, with the same accumulated scores."""
+    fast, plain = KVTrimCache(model, H2O(max_tokens=40)), KVTrimCache(model, PlainH2O(max_tokens=40))
+    got, _ = greedy(model, prompt, fast, 12)
+    want, _ = greedy(model, prompt, plain, 12)
+    assert got == want
+    for a, b in zip(fast.compressed_layers, plain.compressed_layers):
+        assert a.length == b.length == 40
+        order_a, order_b = a.positions.argsort(dim=-1), b.positions.argsort(dim=-1)
+        assert torch.equal(a.positions.gather(-1, order_a), b.positions.gather(-1, order_b))
+        torch.testing.assert_close(a.state_view("h2o_acc").gather(-1, order_a), b.state_view("h2o_acc").gather(-1, order_b),
+                                   rtol=1e-5, atol=1e-6)
+    # the holes were filled from the end: the slots no longer follow the stream everywhere
+    assert any(bool((layer.positions.diff(dim=-1) < 0).any()) for layer in fast.compressed_layers)
+
+
+def test_streaming_decode_keys_sit_at_in_cache_positions_plus_the_offset(model, prompt):
+    """After decode-time evictions the kept keys are the model's own keys at in-cache positions
+    ``rot_offset + 0..K-1`` (StreamingLLM re-rotated only its sinks), and the next step's logits equal
+    those of the same cache re-rotated to ``0..K-1`` (the query is rotated by the offset)."""
+    cache = KVTrimCache(model, "streaming_llm", max_tokens=24)
+    tokens, _ = greedy(model, prompt, cache, 8)
+    full = kvtrim.KVTrimCache(model, "full")
+    with torch.no_grad(), kvtrim.attach(model):
+        model(input_ids=prompt, past_key_values=full, use_cache=True)
+    inv = find_inv_freq(model)
+    t = prompt.shape[1]
+    for li, layer in enumerate(cache.compressed_layers):
+        assert layer.rot_offset > 0
+        assert torch.equal(layer.rotations[0, 0], torch.arange(24) + layer.rot_offset)
+        # the prompt's keys (the decoded ones depend on the compressed history): sinks and the oldest
+        # of the window, each rotated where its in-cache position plus the offset says
+        raw = rotate(full.layers[li].keys.double(), -torch.arange(t).double().expand(1, 1, t), inv)
+        from_prompt = layer.positions[0, 0] < t
+        assert int(from_prompt.sum()) > 4  # the sinks and some of the window
+        kept = layer.positions[0, 0][from_prompt]
+        expect = rotate(raw[:, :, kept], layer.rotations[:, :, from_prompt].double(), inv).float()
+        torch.testing.assert_close(layer.keys[:, :, from_prompt], expect, atol=1e-5, rtol=1e-5)
+
+    # the same cache with keys re-rotated to 0..K-1 (no offset) predicts the same next token
+    tensors, meta = cache.state_dict(), cache.state_meta()
+    for li, layer in enumerate(cache.compressed_layers):
+        tensors[f"layers.{li}.keys"] = rotate(layer.keys, torch.full(layer.rotations.shape, -layer.rot_offset), inv)
+        tensors[f"layers.{li}.rotations"] = layer.rotations - layer.rot_offset
+    plain = KVTrimCache(model, "streaming_llm", max_tokens=24)
+    plain.load_state_dict(tensors, meta)
+    assert all(layer.rot_offset == 0 for layer in plain.compressed_layers)
+    nxt = torch.tensor([[tokens[-1]]])
+    with torch.no_grad(), kvtrim.attach(model):
+        a = model(input_ids=nxt, past_key_values=cache, use_cache=True, position_ids=torch.tensor([[24]])).logits
+        b = model(input_ids=nxt, past_key_values=plain, use_cache=True, position_ids=torch.tensor([[24]])).logits
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_evictions_near_the_start_move_the_start_and_keep_the_allocation(model, prompt):
+    """A decode eviction just after the sinks moves the sinks up (the buffers then start later in the
+    same allocation); the kept keys, values and positions equal a plain gather, the allocated bytes
+    do not change, and once the end is reached the slots move back without a re-allocation."""
+    with torch.inference_mode():
+        _evict_near_the_start(model, prompt)
+
+
+def _evict_near_the_start(model, prompt):
+    cache = KVTrimCache(model, "full")
+    with kvtrim.attach(model):
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    layer = cache.compressed_layers[0]
+    layer.phase = "decode"
+    n, h = layer.length, layer.keys.shape[1]
+    before = layer.nbytes()
+    for step in range(3):
+        idx = torch.cat([torch.arange(4), torch.arange(5, layer.length)]).view(1, 1, -1).expand(1, h, -1)
+        want = [torch.gather(t, 2, idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1]))
+                for t in (layer.keys, layer.values, layer.positions)]
+        layer.keep_indices(idx)
+        assert layer.length == n - 1 - step
+        assert all(torch.equal(got, w) for got, w in zip((layer.keys, layer.values, layer.positions), want))
+        assert layer.nbytes() == before
+    assert layer.keys.storage_offset() > 0  # the buffers start later in the same allocation
+    kept = [t.clone() for t in (layer.keys, layer.values, layer.positions)]
+    storage = layer.keys.untyped_storage().data_ptr()
+    layer.awaiting_attention = False
+    extra = layer.capacity - layer.length + 1  # one more than fits after the moved start
+    k_new = torch.randn(1, h, extra, layer.keys.shape[-1])
+    layer.update(k_new, k_new.clone())
+    assert layer.keys.untyped_storage().data_ptr() == storage and layer.keys.storage_offset() == 0
+    assert layer.nbytes() == before
+    assert all(torch.equal(t[:, :, : n - 3], w) for t, w in zip((layer.keys, layer.values, layer.positions), kept))
+    assert torch.equal(layer.keys[:, :, n - 3 :], k_new)
