@@ -154,6 +154,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="a small random-weight Llama with SmolLM2's tokenizer and KV layout per layer (mechanism check: "
                          "memory, RSS, speed over very long streams; its perplexity means nothing)")
+    ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2; e.g. qwen2.5-0.5b)")
     ap.add_argument("--no-ppl", action="store_true", help="skip perplexity (only the last logits are computed)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     ap.add_argument("--tenths", action="store_true", help="with --table: one row per tenth of the stream")
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     from kvtrim.registry import create_policy
     from kvtrim.session import Session, peak_rss_bytes, rss_bytes
 
-    lm = load_model(None)
+    lm = load_model(args.model)
     if args.tiny:
         lm.model, lm.source = tiny_model(lm.model), "tiny random Llama (4 layers, hidden 288, SmolLM2 vocab and KV heads)"
     ids, src = stream_ids(lm.tokenizer, args)
