@@ -38,6 +38,17 @@ def fact_retention(session, sample) -> list[float]:
     return out
 
 
+def table(r: dict) -> str:
+    """Markdown table of a retention result: mean fraction of the fact turns' tokens still stored."""
+    n = len(r["samples"])
+    lengths = [s["conversation_tokens"] for s in r["samples"]]
+    lines = [f"{r['model']}, budget {r['budget']} tokens per layer and KV head; {n} conversations of {min(lengths)}-{max(lengths)} "
+             f"tokens before the questions; fraction of the fact turns' tokens still stored (mean over facts, layers and KV heads).", "",
+             "| config | facts kept |", "|---|---:|"]
+    lines += [f"| {label} | {v:.1%} |" for label, v in r["mean_retention"].items()]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None)])
     ap.add_argument("--samples", type=int, default=2)
@@ -50,7 +61,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context-turns", type=int, default=2)
     ap.add_argument("--context-tokens", type=int, default=300)
     args = ap.parse_args(argv)
-    harness.start(ap, args)
+    if harness.start(ap, args, table=table):
+        return 0
 
     from kvtrim.eval.recall import recall_sample
     from kvtrim.models import load_model

@@ -138,6 +138,15 @@ def tenths_table(r: dict) -> str:
             out += ["", f"RSS at {at100k['seen']:,} tokens {at100k['rss_bytes'] / mib:.1f} MiB, at {c[-1]['seen']:,} tokens "
                         f"{c[-1]['rss_bytes'] / mib:.1f} MiB ({(c[-1]['rss_bytes'] / at100k['rss_bytes'] - 1):+.2%}); highest after "
                         f"100k {peak / mib:.1f} MiB ({(peak / at100k['rss_bytes'] - 1):+.2%}).", ""]
+        elif at100k is None:  # a shorter stream: RSS from the first chunk after the budget is full
+            full = next((i for i, x in enumerate(c) if x["stored"] >= r["max_tokens"]), None)
+            if full is not None and full + 1 < len(c):
+                ref = c[full + 1]
+                peak = max(x["rss_bytes"] for x in c[full + 1 :])
+                out += ["", f"Budget full from chunk {full + 1}; RSS after chunk {full + 2} ({ref['seen']:,} tokens) "
+                            f"{ref['rss_bytes'] / mib:.1f} MiB, at {c[-1]['seen']:,} tokens {c[-1]['rss_bytes'] / mib:.1f} MiB "
+                            f"({(c[-1]['rss_bytes'] / ref['rss_bytes'] - 1):+.2%}); highest after it {peak / mib:.1f} MiB "
+                            f"({(peak / ref['rss_bytes'] - 1):+.2%}).", ""]
     return "\n".join(out)
 
 

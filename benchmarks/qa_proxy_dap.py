@@ -37,7 +37,7 @@ from kvtrim import harness
 from kvtrim.cache import KVTrimCache
 from kvtrim.eval.tasks import passkey
 from kvtrim.generation import generate_ids
-from kvtrim.models import load_model
+from kvtrim.models import load_model, resolve_model
 from kvtrim.registry import create_policy
 from kvtrim.spans import Span, SpanSet
 
@@ -94,15 +94,36 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1")
     ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2; e.g. qwen2.5-0.5b)")
     ap.add_argument("--ddes-keeps", default="", help="comma-separated cache budgets (keep) for the DDES comparison")
+    ap.add_argument("--rows-from", metavar="LOG",
+                    help="run nothing: build the result from the per-sample rows a stopped run printed to stderr "
+                         "(same --points/--ddes-keeps/--length/--model as that run)")
     ap.add_argument("--points", default="0.0015:0.0005,0.0015:0.01,0.005:0.05",
                     help="DAP operating points r:alpha (the first is the default pair)")
     args = ap.parse_args(argv)
     if harness.start(ap, args, table=table):
         return 0
     machine = harness.machine_record()
+    ddes_keeps = [float(k) for k in args.ddes_keeps.split(",") if k]
+    rows: list[dict] = []
+    if args.rows_from:
+        with open(args.rows_from, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.startswith('{"seed"')]
+        if not rows:
+            ap.error(f"--rows-from: no sample rows in {args.rows_from}")
+        source = resolve_model(args.model)[1]
+    else:
+        rows, source = run_samples(args, ddes_keeps)
+    out = summarise(args, ddes_keeps, rows, source, machine)
+    out["stopped_early"] = bool(args.rows_from)
+    harness.write_json(args.out, out)
+    print(table(out))
+    return 0
+
+
+def run_samples(args, ddes_keeps: list[float]) -> tuple[list[dict], str]:
+    """Run every sample (printing each row to stderr as it completes); returns the rows and the model's name."""
     lm = load_model(args.model)
     tok = lm.tokenizer
-    ddes_keeps = [float(k) for k in args.ddes_keeps.split(",") if k]
     rows = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for depth in [float(d) for d in args.depths.split(",")]:
@@ -140,6 +161,11 @@ def main(argv=None) -> int:
                 row[f"ddes@{keep:g}"] = cell
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+    return rows, lm.source
+
+
+def summarise(args, ddes_keeps: list[float], rows: list[dict], source: str, machine: dict) -> dict:
+    """The result record: per-point and per-budget counts over ``rows``."""
     summary = {"full": sum(r["full"]["correct"] for r in rows), "n": len(rows)}
     for point in args.points.split(","):
         r, alpha = (float(x) for x in point.split(":"))
@@ -153,12 +179,10 @@ def main(argv=None) -> int:
         summary[k] = {m: sum(row[k][m]["correct"] for row in rows) for m in ("hae", "h2o", "snapkv")}
     out = {
         "benchmark": "qa_proxy_dap", "proxy": "text model; document tagged as a second modality (not a VLM result)",
-        "model": lm.source, "length": args.length, "date": machine["date"],
+        "model": source, "length": args.length, "date": machine["date"],
         "machine": harness.finish_record(machine), "summary": summary, "rows": rows,
     }
-    harness.write_json(args.out, out)
-    print(table(out))
-    return 0
+    return out
 
 
 if __name__ == "__main__":
