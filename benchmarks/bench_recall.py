@@ -22,13 +22,26 @@ import time
 from kvtrim import harness
 
 
-def configs(budgets: list[int], biases: list[float]) -> list[tuple[str, str, dict]]:
-    """(label, method, parameters): the full cache once, then every method at every budget."""
+def configs(budgets: list[int], biases: list[float], histories: tuple[float, ...] = (),
+            baselines: tuple[str, ...] = ("streaming_llm", "h2o"),
+            history_biases: tuple[float, ...] | None = None) -> list[tuple[str, str, dict]]:
+    """(label, method, parameters): the full cache once, then every method at every budget.
+
+    ``histories``: ``inf_mllm``'s saddle memory (``history``), each with every bias of
+    ``history_biases`` (default: ``biases``), after the plain ``inf_mllm`` rows; ``baselines``: the
+    other methods (``snapkv`` may be added).
+    """
+    hb = biases if history_biases is None else history_biases
     out = [("full", "full", {})]
     for budget in budgets:
         out += [(f"inf_mllm(bias={b:g})@{budget}", "inf_mllm", {"max_tokens": budget, "bias": b}) for b in biases]
-        out += [(f"streaming_llm@{budget}", "streaming_llm", {"max_tokens": budget}),
-                (f"h2o@{budget}", "h2o", {"max_tokens": budget, "position": "reassigned"})]
+        out += [(f"inf_mllm(bias={b:g},history={h:g})@{budget}", "inf_mllm", {"max_tokens": budget, "bias": b, "history": h})
+                for h in histories for b in hb]
+        for m in baselines:
+            kw: dict = {"max_tokens": budget}
+            if m == "h2o":
+                kw["position"] = "reassigned"
+            out.append((f"{m}@{budget}", m, kw))
     return out
 
 
@@ -52,6 +65,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budgets", default="256", help="comma-separated max_tokens budgets")
     ap.add_argument("--biases", default="0,1,8")
+    ap.add_argument("--histories", default="", help="comma-separated inf_mllm saddle-memory values (history) to add")
+    ap.add_argument("--history-biases", default=None, help="biases for the --histories rows (default: --biases)")
+    ap.add_argument("--baselines", default="streaming_llm,h2o", help="comma-separated methods beside inf_mllm")
+    ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2; e.g. qwen2.5-0.5b)")
     ap.add_argument("--n-facts", type=int, default=3)
     ap.add_argument("--context-turns", type=int, default=2)
     ap.add_argument("--context-tokens", type=int, default=300)
@@ -66,9 +83,12 @@ def main(argv=None) -> int:
     from kvtrim.registry import create_policy
     from kvtrim.session import Session
 
-    lm = load_model(None)
+    lm = load_model(args.model)
     budgets = [int(b) for b in args.budgets.split(",")]
-    cfgs = configs(budgets, [float(b) for b in args.biases.split(",")])
+    cfgs = configs(budgets, [float(b) for b in args.biases.split(",")],
+                   tuple(float(h) for h in args.histories.split(",") if h),
+                   tuple(m for m in args.baselines.split(",") if m),
+                   None if args.history_biases is None else tuple(float(b) for b in args.history_biases.split(",")))
     by_label = {c[0]: c for c in cfgs}
     result = {"benchmark": "recall", "model": lm.source, "dtype": "float32", "info": harness.machine_record(),
               "task": {"n_facts": args.n_facts, "context_turns": args.context_turns, "context_tokens": args.context_tokens,

@@ -38,24 +38,41 @@ def fact_retention(session, sample) -> list[float]:
     return out
 
 
+def table(r: dict) -> str:
+    """Markdown table of a retention result: mean fraction of the fact turns' tokens still stored."""
+    n = len(r["samples"])
+    lengths = [s["conversation_tokens"] for s in r["samples"]]
+    lines = [f"{r['model']}, budget {r['budget']} tokens per layer and KV head; {n} conversations of {min(lengths)}-{max(lengths)} "
+             f"tokens before the questions; fraction of the fact turns' tokens still stored (mean over facts, layers and KV heads).", "",
+             "| config | facts kept |", "|---|---:|"]
+    lines += [f"| {label} | {v:.1%} |" for label, v in r["mean_retention"].items()]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None)])
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--biases", default="0,0.25,1,4,16")
+    ap.add_argument("--histories", default="", help="comma-separated inf_mllm saddle-memory values (history) to add")
+    ap.add_argument("--baselines", default="streaming_llm,h2o", help="comma-separated methods beside inf_mllm")
+    ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2; e.g. qwen2.5-0.5b)")
     ap.add_argument("--context-turns", type=int, default=2)
     ap.add_argument("--context-tokens", type=int, default=300)
     args = ap.parse_args(argv)
-    harness.start(ap, args)
+    if harness.start(ap, args, table=table):
+        return 0
 
     from kvtrim.eval.recall import recall_sample
     from kvtrim.models import load_model
     from kvtrim.registry import create_policy
     from kvtrim.session import Session
 
-    lm = load_model(None)
-    cfgs = [c for c in configs([args.budget], [float(b) for b in args.biases.split(",")]) if c[1] != "full"]
+    lm = load_model(args.model)
+    cfgs = [c for c in configs([args.budget], [float(b) for b in args.biases.split(",")],
+                               tuple(float(h) for h in args.histories.split(",") if h),
+                               tuple(m for m in args.baselines.split(",") if m)) if c[1] != "full"]
     res = {"benchmark": "recall_retention", "model": lm.source, "info": harness.machine_record(), "budget": args.budget,
            "task": {"n_facts": 3, "context_turns": args.context_turns, "context_tokens": args.context_tokens},
            "samples": []}

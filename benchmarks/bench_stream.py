@@ -138,6 +138,15 @@ def tenths_table(r: dict) -> str:
             out += ["", f"RSS at {at100k['seen']:,} tokens {at100k['rss_bytes'] / mib:.1f} MiB, at {c[-1]['seen']:,} tokens "
                         f"{c[-1]['rss_bytes'] / mib:.1f} MiB ({(c[-1]['rss_bytes'] / at100k['rss_bytes'] - 1):+.2%}); highest after "
                         f"100k {peak / mib:.1f} MiB ({(peak / at100k['rss_bytes'] - 1):+.2%}).", ""]
+        elif at100k is None:  # a shorter stream: RSS from the first chunk after the budget is full
+            full = next((i for i, x in enumerate(c) if x["stored"] >= r["max_tokens"]), None)
+            if full is not None and full + 1 < len(c):
+                ref = c[full + 1]
+                peak = max(x["rss_bytes"] for x in c[full + 1 :])
+                out += ["", f"Budget full from chunk {full + 1}; RSS after chunk {full + 2} ({ref['seen']:,} tokens) "
+                            f"{ref['rss_bytes'] / mib:.1f} MiB, at {c[-1]['seen']:,} tokens {c[-1]['rss_bytes'] / mib:.1f} MiB "
+                            f"({(c[-1]['rss_bytes'] / ref['rss_bytes'] - 1):+.2%}); highest after it {peak / mib:.1f} MiB "
+                            f"({(peak / ref['rss_bytes'] - 1):+.2%}).", ""]
     return "\n".join(out)
 
 
@@ -154,6 +163,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="a small random-weight Llama with SmolLM2's tokenizer and KV layout per layer (mechanism check: "
                          "memory, RSS, speed over very long streams; its perplexity means nothing)")
+    ap.add_argument("--model", default=None, help="model (default: the embedded SmolLM2; e.g. qwen2.5-0.5b)")
     ap.add_argument("--no-ppl", action="store_true", help="skip perplexity (only the last logits are computed)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads")
     ap.add_argument("--tenths", action="store_true", help="with --table: one row per tenth of the stream")
@@ -169,7 +179,7 @@ def main(argv=None) -> int:
     from kvtrim.registry import create_policy
     from kvtrim.session import Session, peak_rss_bytes, rss_bytes
 
-    lm = load_model(None)
+    lm = load_model(args.model)
     if args.tiny:
         lm.model, lm.source = tiny_model(lm.model), "tiny random Llama (4 layers, hidden 288, SmolLM2 vocab and KV heads)"
     ids, src = stream_ids(lm.tokenizer, args)

@@ -119,6 +119,64 @@ def test_large_bias_keeps_newer_tokens_than_zero_bias(model):
     assert not torch.equal(zero, large)
 
 
+@pytest.mark.parametrize("history", [0.5, 1.0])
+def test_history_keeps_max_of_decayed_and_current_scores(model, history):
+    """Saddle memory: every prompt scores the cache (also below the budget); a token's attention
+    term is max(history * previous, current), carried through evictions with the token."""
+    n1, n2, n3, budget, window = 30, 20, 10, 40, 8
+    pol = InfMLLM(max_tokens=budget, window=window, bias=0.5, history=history)
+    torch.manual_seed(3)
+    cache = KVTrimCache(model, pol)
+    layer = cache.compressed_layers[0]
+    hkv, hq, d = cache.num_kv_heads, cache.num_heads, cache.head_dim
+    sc = d**-0.5
+    memory = None
+    for n in (n1, n2):  # 30 then 50 tokens: the first prompt fits, the second is scored and trimmed
+        keys, _ = layer.update(torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d))
+        keys = keys.clone()
+        q = torch.randn(1, hq, n, d)
+        cur = reference_scores(q, keys, sc, window) * keys.shape[2]
+        if memory is None:
+            memory = cur
+        else:
+            memory = torch.maximum(torch.cat([memory * history, torch.zeros(1, hkv, n, dtype=torch.float64)], -1), cur)
+        pol.after_attention(layer, q, keys, sc)
+    s = n1 + n2
+    ref = memory + torch.arange(s).double() / (s - 1) * 0.5
+    ref[..., n1:] = float("inf")  # the new prompt (20 <= budget / 2) is kept whole
+    ref[..., :SINKS] = float("inf")
+    expect = torch.topk(ref, budget, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(layer.positions, expect)
+    # the memory follows the kept tokens
+    kept_memory = torch.gather(memory, 2, expect).float()
+    torch.testing.assert_close(layer.state_view("inf_mllm_saddle"), kept_memory, atol=1e-5, rtol=1e-5)
+    # the next prompt decays it once more and takes the maximum with its own scores
+    keys, _ = layer.update(torch.randn(1, hkv, n3, d), torch.randn(1, hkv, n3, d))
+    keys = keys.clone()
+    q = torch.randn(1, hq, n3, d)
+    cur = reference_scores(q, keys, sc, window) * keys.shape[2]
+    prev = torch.cat([kept_memory.double() * history, torch.zeros(1, hkv, n3, dtype=torch.float64)], -1)
+    got = pol.score(layer, q, keys, sc) - bias_ramp(budget + n3, 0.5).double()
+    torch.testing.assert_close(got.double(), torch.maximum(prev, cur), atol=1e-5, rtol=1e-5)
+
+
+def test_history_zero_is_the_plain_method(model):
+    """history=0 (the default) keeps no state and selects exactly as before."""
+    def run(**kw):
+        pol = InfMLLM(max_tokens=40, window=8, **kw)
+        torch.manual_seed(9)
+        cache = KVTrimCache(model, pol)
+        layer = cache.compressed_layers[0]
+        hkv, hq, d = cache.num_kv_heads, cache.num_heads, cache.head_dim
+        for n in (30, 25, 12):
+            keys, _ = layer.update(torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d))
+            pol.after_attention(layer, torch.randn(1, hq, n, d), keys.clone(), d**-0.5)
+        return layer
+
+    plain, explicit = run(), run(history=0.0)
+    assert torch.equal(plain.positions, explicit.positions) and not plain.token_state
+
+
 def _record_lengths(cache):
     seen = []
     orig = cache.after_attention
@@ -181,6 +239,8 @@ def test_generate_with_inf_mllm_evicts_per_prompt_only(model, prompt):
         ({"max_tokens": 64, "bias": float("nan")}, "bias must be a finite number >= 0"),
         ({"max_tokens": 64, "recent_share": 0.0}, r"recent_share must be in \(0, 1\]"),
         ({"max_tokens": 64, "decode_cap": -1}, "decode_cap must be a non-negative integer"),
+        ({"max_tokens": 64, "history": 1.5}, r"history must be .*1"),
+        ({"max_tokens": 64, "history": -0.1}, r"history must be .*0"),
     ],
 )
 def test_bad_parameters(kw, message):
@@ -191,6 +251,7 @@ def test_bad_parameters(kw, message):
 def test_defaults_documented():
     p = InfMLLM()
     assert (p.window, p.bias, p.recent_share, p.decode_cap, p.position_policy) == (32, 1.0, 0.5, 256, "reassigned")
+    assert p.history == 0.0
     # no budget given: the default max_tokens (1024), so the default configuration streams
     assert p.max_tokens == 1024 and p.can_stream() is True
     assert InfMLLM(keep=0.5).can_stream() is False and InfMLLM(max_tokens=64, position="true").can_stream() is False

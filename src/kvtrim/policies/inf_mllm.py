@@ -43,6 +43,9 @@ from kvtrim import validate
 from kvtrim.policies.base import Policy
 from kvtrim.scores import group_reduce, window_probs
 
+#: name of the per-token saddle memory (``history > 0``) in the layer's token state
+SADDLE_STATE = "inf_mllm_saddle"
+
 
 def retrieval_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int,
                      probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,12 +89,20 @@ class InfMLLM(Policy):
             (default 0.5): a new prompt that fits in it is kept whole, a longer one keeps its last
             ``floor(recent_share * budget)`` tokens and competes on score for the rest.
         decode_cap: decoded tokens allowed beyond the budget inside one turn (default 256).
+        history: saddle memory across prompts (default 0.0: off, each prompt scores the cache by
+            its own retrieval window only). With ``history = h > 0`` every prompt scores every
+            stored token (also when nothing is evicted) and a token's attention term becomes
+            ``max(h * previous, current)``: a token that was a saddle for an earlier prompt (a fact
+            when its own turn was read) keeps that score, decaying by ``h`` per prompt, instead of
+            being judged only by what the newest passage attends to. The bias is added afterwards.
+            ``h`` in [0, 1].
     """
 
     window: int = 32
     bias: float = 1.0
     recent_share: float = 0.5
     decode_cap: int = 256
+    history: float = 0.0
 
     name = "inf_mllm"
     description = "per-prompt eviction: retrieval-window attention saddles + recency bias, reassigned positions"
@@ -103,6 +114,7 @@ class InfMLLM(Policy):
         self.bias = validate.number(self.bias, "inf_mllm: bias", minimum=0.0)
         self.recent_share = validate.number(self.recent_share, "inf_mllm: recent_share", minimum=0.0, maximum=1.0, min_open=True)
         self.decode_cap = validate.integer(self.decode_cap, "inf_mllm: decode_cap", minimum=0)
+        self.history = validate.number(self.history, "inf_mllm: history", minimum=0.0, maximum=1.0)
         super().__post_init__()
 
     @property
@@ -119,12 +131,20 @@ class InfMLLM(Policy):
     def score(self, layer, query, key, scaling):
         att = retrieval_scores(query, key, scaling, self.window)
         s = att.shape[-1]
-        return att * s + bias_ramp(s, self.bias, att.device)
+        att = att * s
+        if self.history > 0:
+            memory = layer.new_token_state(SADDLE_STATE)[:, :, :s]
+            memory.copy_(torch.maximum(memory * self.history, att))
+            att = memory.clone()
+        return att + bias_ramp(s, self.bias, att.device)
 
     def window_tokens(self, layer):
         return self.n_recent(layer, self.budget(layer.seen))
 
     def on_prefill(self, layer, query, key, scaling) -> None:
+        if self.history > 0 and layer.length <= self.budget(layer.seen):
+            self.score(layer, query, key, scaling)  # nothing to evict: only the saddle memory is updated
+            return
         self.evict_by_score(layer, query, key, scaling)
 
     def wants_decode_probs(self, layer) -> bool:
