@@ -59,30 +59,30 @@ _WORDINGS = {
     "code": (
         ("Before she left for the winter, {who} told her brother that the code for the {what} was {answer}.",
          "What was the code for the {what}? Reply with the code only."),
-        ("Nobody else knew it, but {who} had set the lock on the {what} to {answer} years before.",
-         "What had {who} set the lock on the {what} to? Reply with the code only."),
+        ("The lock on the {what} opens with the code {answer}, which {who} chose years ago.",
+         "Which code opens the lock on the {what}? Reply with the code only."),
     ),
     "compound": (
         ("On the last morning {who} hid the spare key under the {answer} by the kitchen door.",
-         "Where did {who} hide the spare key? Answer with one word."),
-        ("Of all the things in the yard, the one {who} painted blue that summer was the {answer}.",
-         "What did {who} paint blue that summer? Answer with one word."),
+         "Where did {who} hide the spare key?"),
+        ("That summer {who} painted the {answer} in the yard a bright blue.",
+         "Which thing in the yard did {who} paint blue that summer?"),
     ),
     "name": (
         ("The man who came every spring to repair the {what} was called {answer}.",
-         "What was the name of the man who repaired the {what}? Reply with his full name."),
-        ("{who} sold the {what} to a stranger named {answer}, and never saw it again.",
-         "To whom did {who} sell the {what}? Reply with the full name."),
+         "What was the name of the man who repaired the {what}? Reply with the full name."),
+        ("{who} sold the {what} to a stranger named {answer} and never saw it again.",
+         "What was the name of the stranger who bought the {what}? Reply with the full name."),
     ),
     "phrase": (
-        ("To open the {what}, {who} had to say the words {answer} out loud.",
-         "Which words did {who} have to say to open the {what}? Reply with the three words."),
-        ("Written in pencil inside the lid of the {what} were the words {answer}, in {who}'s hand.",
-         "Which words were written inside the lid of the {what}? Reply with the three words."),
+        ("The password for the {what} was {answer}, and only {who} knew it.",
+         "What was the password for the {what}? Reply with the password only."),
+        ("Inside the lid of the {what}, {who} had written the words {answer}.",
+         "Which words had {who} written inside the lid of the {what}? Reply with the words only."),
     ),
 }
 
-INSTRUCTION = "Read the story below. A question about one detail of it follows."
+INSTRUCTION = "Read the story below, then answer the question at the end."
 
 
 def _draw_answer(family: str, rng, window: str, code_digits: int) -> str:

@@ -41,7 +41,7 @@ import torch
 
 from kvtrim import validate
 from kvtrim.policies.base import Policy
-from kvtrim.scores import group_reduce, window_probs
+from kvtrim.scores import chunk_selection, group_reduce, window_probs
 
 
 def retrieval_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, window: int) -> torch.Tensor:
@@ -82,12 +82,15 @@ class InfMLLM(Policy):
             (default 0.5): a new prompt that fits in it is kept whole, a longer one keeps its last
             ``floor(recent_share * budget)`` tokens and competes on score for the rest.
         decode_cap: decoded tokens allowed beyond the budget inside one turn (default 256).
+        chunk: 1 (default) selects tokens; ``c > 1`` keeps whole chunks of ``c`` consecutive
+            stored tokens, ranked by their best score (``kvtrim.scores.chunk_priority``).
     """
 
     window: int = 32
     bias: float = 1.0
     recent_share: float = 0.5
     decode_cap: int = 256
+    chunk: int = 1
 
     name = "inf_mllm"
     description = "per-prompt eviction: retrieval-window attention saddles + recency bias, reassigned positions"
@@ -99,6 +102,7 @@ class InfMLLM(Policy):
         self.bias = validate.number(self.bias, "inf_mllm: bias", minimum=0.0)
         self.recent_share = validate.number(self.recent_share, "inf_mllm: recent_share", minimum=0.0, maximum=1.0, min_open=True)
         self.decode_cap = validate.integer(self.decode_cap, "inf_mllm: decode_cap", minimum=0)
+        self.chunk = validate.integer(self.chunk, "inf_mllm: chunk", minimum=1)
         super().__post_init__()
 
     @property
@@ -119,6 +123,9 @@ class InfMLLM(Policy):
 
     def window_tokens(self, layer):
         return self.n_recent(layer, self.budget(layer.seen))
+
+    def select(self, scores, protected, budget):
+        return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)
 
     def on_prefill(self, layer, query, key, scaling) -> None:
         self.evict_by_score(layer, query, key, scaling)
