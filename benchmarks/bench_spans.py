@@ -12,6 +12,7 @@ last digit, "flower" for "flowerpot") is counted as ``cut``.
         --lengths 1700,3200 --samples 8 --out benchmarks/results/spans/smollm2.json
     OMP_NUM_THREADS=1 python benchmarks/bench_spans.py --model qwen2.5-0.5b ... --out benchmarks/results/spans/qwen.json
     python benchmarks/bench_spans.py --table benchmarks/results/spans/smollm2.json
+    python benchmarks/bench_spans.py --merge benchmarks/results/spans/*.json   # the table in docs/methods.md
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def table(r: dict) -> str:
     """Markdown: one row per configuration, one column per task@length (correct where full is correct)."""
     s = r["summary"]
     cols = list(dict.fromkeys(k.split("|")[0] for k in s))
-    cfgs = list(dict.fromkeys(k.split("|")[1] for k in s))
+    rank = {lab: i for i, (lab, _, _) in enumerate(VARIANTS)}
+    cfgs = sorted(dict.fromkeys(k.split("|")[1] for k in s),
+                  key=lambda c: (c != "full", c.rsplit("@", 1)[-1], rank.get(c.rsplit("@", 1)[0], len(rank)), c))
     lines = [f"{r['model']}; {r['samples']} samples per task and length; cells: correct / samples the full cache "
              "answers (misses that kept the answer's start, 'cut', in brackets)", "",
              "| config | " + " | ".join(cols) + " | total |", "|---|" + "---:|" * (len(cols) + 1)]
@@ -92,7 +95,15 @@ def main(argv=None) -> int:
     ap.add_argument("--keeps", default="0.2")
     ap.add_argument("--variants", default=None, help="comma-separated labels of VARIANTS (default: all)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--merge", nargs="+", metavar="FILE", help="print one table of several result files and stop")
     args = ap.parse_args(argv)
+    if args.merge:
+        parts = [harness.read_result(f) for f in args.merge]
+        for model in dict.fromkeys(p["model"] for p in parts):
+            rows = [row for p in parts if p["model"] == model for row in p["rows"]]
+            n = "/".join(sorted({str(p["samples"]) for p in parts if p["model"] == model}))
+            print(table({"model": model, "samples": n, "summary": summarize(rows)}) + "\n")
+        return 0
     if harness.start(ap, args, table=table):
         return 0
     import torch
