@@ -30,7 +30,7 @@ def tok():
 
 def test_registry_lists_every_task():
     assert set(TASKS) == {"passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
-                          "vt", "cwe", "fwe", "multiturn"}
+                          "vt", "cwe", "fwe", "multiturn", "niah_phrase"}
     assert set(SCORERS) == set(TASKS)
     assert set(DEPTH_TASKS) == set(TASKS) - {"cwe", "fwe"}
 
@@ -52,6 +52,13 @@ def _check_recoverable(s):
         _check_needles(s)
         assert key in s.meta["needles"][0]
         assert key not in ctx.replace(s.meta["needles"][0], "")  # only at its insertion point
+    elif s.task == "niah_phrase":
+        (answer,) = s.answers
+        _check_needles(s)
+        needle = s.meta["needles"][0]
+        assert answer in needle and ctx.count(answer) == 1  # only in its needle
+        assert answer.lower() not in ctx.replace(needle, "").lower()
+        assert answer not in s.question
     elif s.task.startswith("niah"):
         _check_needles(s)
         values = [v for vs in s.meta["values"].values() for v in vs]
@@ -269,3 +276,41 @@ def test_task_options(tok):
     m = make_samples("multiturn", tok, 2000, n=1, seed=7, n_questions=6)[0]
     assert len(m.turns) == 6
     _check_recoverable(m)
+
+
+# ----------------------------------------------------------------------------- niah_phrase
+
+
+def test_niah_phrase_families(tok):
+    from kvtrim.eval.needles import FAMILIES
+
+    mixed = make_samples("niah_phrase", tok, 1000, n=8, seed=2)
+    assert [s.meta["family"] for s in mixed[:4]] == [FAMILIES[s.seed % 4] for s in mixed[:4]]
+    assert {s.meta["family"] for s in mixed} == set(FAMILIES)  # consecutive samples rotate the families
+    for family in FAMILIES:
+        for s in make_samples("niah_phrase", tok, 1500, n=3, seed=5, family=family):
+            assert s.meta["family"] == family
+            assert abs(s.n_tokens - 1500) <= 0.02 * 1500
+            _check_recoverable(s)
+            (answer,) = s.answers
+            assert len(tok(" " + answer, add_special_tokens=False)["input_ids"]) >= 2  # several tokens
+            if family == "code":
+                assert re.fullmatch(r"\d{4}", answer)
+                assert score(s, f"It was {answer}.") == 1.0 and score(s, f"It was {answer[:-1]}.") == 0.0
+            elif family == "compound":
+                assert score(s, f"Under the {answer}.") == 1.0 and score(s, f"Under the {answer[:-3]}.") == 0.0
+            else:
+                assert len(answer.split()) == (2 if family == "name" else 3)
+                assert score(s, answer.rsplit(" ", 1)[0]) == 0.0
+    six = make_samples("niah_phrase", tok, 1000, n=1, family="code", code_digits=6)[0]
+    assert re.fullmatch(r"\d{6}", six.answers[0])
+
+
+def test_niah_phrase_reproducible_and_refusals(tok):
+    a, b, c = (make_samples("niah_phrase", tok, 1200, n=2, seed=s) for s in (7, 7, 8))
+    assert [x.prompt for x in a] == [x.prompt for x in b]
+    assert [x.prompt for x in a] != [x.prompt for x in c]
+    with pytest.raises(KVTrimError, match="family must be one of"):
+        make_samples("niah_phrase", tok, 1000, family="poem")
+    with pytest.raises(KVTrimError, match="code_digits"):
+        make_samples("niah_phrase", tok, 1000, code_digits=1)

@@ -155,7 +155,7 @@ def add_eval_commands(sub) -> None:
 
     e = sub.add_parser("eval", help="resumable quality sweep: tasks x lengths x methods x budgets, JSONL per sample")
     e.add_argument("tasks", help="comma-separated tasks: passkey, niah_single, niah_multikey, niah_multivalue, "
-                                 "niah_multiquery, vt, cwe, fwe, multiturn, ppl, labelfree")
+                                 "niah_multiquery, niah_phrase, vt, cwe, fwe, multiturn, ppl, labelfree")
     e.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
     e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods; full is always included")
     e.add_argument("--keep", default=",".join(map(str, DEFAULT_KEEPS)), help="comma-separated budgets in (0, 1) (default 0.1,0.25,0.5)")

@@ -92,3 +92,44 @@ def group_reduce(x: torch.Tensor, how: str = "mean") -> torch.Tensor:
     if how == "sum":
         return x.sum(dim=2)
     raise ValueError(f"unknown group reduction {how!r}; allowed: 'mean', 'sum'")
+
+
+def chunk_priority(scores: torch.Tensor, chunk: int, protected: torch.Tensor | None = None) -> torch.Tensor:
+    """Priorities ``[B, H, S]`` (float32) whose top-k keeps whole chunks of ``chunk`` consecutive slots.
+
+    The slots are cut into chunks ``[0, chunk), [chunk, 2 chunk), ...``; a chunk's score is the
+    highest score among its tokens that are not ``protected`` (those are kept by rule anyway, so a
+    chunk holding the attention sinks does not ride on them). Tokens are ranked by their chunk's
+    score (ties: the earlier chunk), then by their own score, and get priorities ``S, S - 1, ..., 1``
+    in that order. The top ``k`` of the priorities are therefore whole chunks, best first, plus
+    the best-scored tokens of one partly kept chunk; a budget is still met exactly.
+    """
+    b, h, s = scores.shape
+    x = scores.float()
+    if chunk <= 1:
+        return x
+    own = x if protected is None else x.masked_fill(protected, float("-inf"))
+    n_chunks = -(-s // chunk)
+    padded = torch.nn.functional.pad(own, (0, n_chunks * chunk - s), value=float("-inf"))
+    per_chunk = padded.reshape(b, h, n_chunks, chunk).amax(dim=-1)
+    chunk_id = torch.arange(s, device=x.device) // chunk
+    # lexicographic order by stable sorts, least significant key first: own score, chunk index, chunk score
+    order = torch.sort(x, dim=-1, descending=True, stable=True).indices
+    order = order.gather(-1, torch.sort(chunk_id[order], dim=-1, stable=True).indices)
+    by_chunk = per_chunk.gather(-1, chunk_id[order])
+    order = order.gather(-1, torch.sort(by_chunk, dim=-1, descending=True, stable=True).indices)
+    rank = torch.arange(s, 0, -1, device=x.device, dtype=torch.float32).expand(b, h, s)
+    return torch.empty_like(x).scatter_(-1, order, rank)
+
+
+def chunk_selection(scores: torch.Tensor, protected: torch.Tensor | None, chunk: int,
+                    per_head: bool = True) -> torch.Tensor:
+    """``chunk_priority`` for a policy's ``select``: with ``per_head=False`` (one token set per
+    layer) the head mean of ``scores`` is chunked, so every head ranks the same chunks."""
+    if chunk <= 1:
+        return scores
+    if not per_head:
+        scores = scores.float().mean(dim=1, keepdim=True).expand_as(scores)
+        if protected is not None:
+            protected = protected.any(dim=1, keepdim=True).expand_as(scores)
+    return chunk_priority(scores, chunk, protected)

@@ -327,6 +327,12 @@ def _draw_unique(rng: random.Random, k: int, window: str, draw, taken: set[str] 
     raise KVTrimError(f"could not draw {k} {what} absent from the haystack")
 
 
+def unique_values(rng: random.Random, k: int, window: str, draw: Callable[[random.Random], str], what: str,
+                  taken: set[str] | None = None) -> list[str]:
+    """``k`` distinct values from ``draw(rng)`` that occur nowhere in ``window`` (case-insensitive)."""
+    return _draw_unique(rng, k, window, draw, taken, what)
+
+
 def unique_numbers(rng: random.Random, k: int, digits: int, window: str, taken: set[str] | None = None) -> list[str]:
     """``k`` distinct ``digits``-digit numbers that occur nowhere in ``window``."""
     return _draw_unique(rng, k, window, lambda r: str(r.randint(10 ** (digits - 1), 10**digits - 1)), taken, "numbers")

@@ -22,7 +22,8 @@ ALL_TASKS = {**TASKS, **LONGTEXT_TASKS}
 
 #: greedy tokens per answer (per turn for multiturn); ppl teacher-forces instead of generating
 MAX_NEW_TOKENS = {"passkey": 12, "niah_single": 28, "niah_multikey": 28, "niah_multivalue": 64,
-                  "niah_multiquery": 64, "vt": 40, "cwe": 64, "fwe": 32, "multiturn": 24, "labelfree": 32, "ppl": 0}
+                  "niah_multiquery": 64, "vt": 40, "cwe": 64, "fwe": 32, "multiturn": 24, "labelfree": 32, "ppl": 0,
+                  "niah_phrase": 28}
 # (the model restates the question before the answer: "The special magic number for X mentioned in the
 # provided text is 1234567" is ~25 tokens; this tokenizer splits numbers into single digits)
 

@@ -53,15 +53,17 @@ def turn_tail(tokenizer, question: str, plain: bool = False) -> list[int]:
 
 
 def config_program(model, tokenizer, sample, recording, method: str, keep: float | None, memo: dict | None,
-                   reference: list[int] | None = None, reference_key=None, plain: bool = False):
+                   reference: list[int] | None = None, reference_key=None, plain: bool = False,
+                   params: dict | None = None):
     """Program (``kvtrim.decoding``) for one (method, keep) on one recorded sample: replay, then
     decode/teacher-force and score; returns the line's fields. For ``labelfree`` a compressed
     configuration needs the full cache's answer: ``reference``, or the result of the program
     registered under ``reference_key``. ``plain``: later turns in kvtrim's plain format (as the
-    prompt, :func:`prompt_ids`)."""
+    prompt, :func:`prompt_ids`). ``params``: further policy parameters (a benchmark's variants;
+    ``kvtrim eval`` runs every method with its defaults)."""
     from kvtrim.eval.replay import make_policy, replay
 
-    params = {} if keep is None else {"keep": keep}
+    params = ({} if keep is None else {"keep": keep}) | dict(params or {})
     eos = getattr(tokenizer, "eos_token_id", None)
     stop = () if eos is None else (eos,)
     t0 = time.perf_counter()

@@ -15,6 +15,8 @@ Tasks (``TASKS``):
   5-digit number."``
 - RULER families (:mod:`kvtrim.eval.ruler`): ``niah_single``, ``niah_multikey``,
   ``niah_multivalue``, ``niah_multiquery``, ``vt``, ``cwe``, ``fwe``.
+- ``niah_phrase`` (:mod:`kvtrim.eval.needles`): one needle written as a sentence of a story, whose
+  answer spans several tokens (a code, a compound noun, a full name, a three-word phrase).
 - ``multiturn`` (the SCBench idea): one context with several facts at evenly spread depths, then
   one question per turn (``Sample.turns``; ``Sample.turn_prompts()`` gives the user messages).
 
@@ -48,6 +50,7 @@ from kvtrim.eval.common import (
     unique_numbers,
     word_pool,
 )
+from kvtrim.eval.needles import niah_phrase
 from kvtrim.eval.ruler import cwe, fwe, niah_multikey, niah_multiquery, niah_multivalue, niah_single, vt
 
 PASSKEY_INSTRUCTION = "Read the text and find the pass key."
@@ -137,6 +140,7 @@ TASKS: dict[str, Callable[..., Sample]] = {
     "cwe": cwe,
     "fwe": fwe,
     "multiturn": multiturn,
+    "niah_phrase": niah_phrase,
 }
 
 #: tasks whose samples place needles at the requested depth
@@ -144,7 +148,7 @@ DEPTH_TASKS = tuple(t for t in TASKS if t not in ("cwe", "fwe"))
 
 _METRIC_OF = {"passkey": "contains", "niah_single": "contains", "niah_multikey": "contains",
               "niah_multivalue": "recall", "niah_multiquery": "recall", "vt": "recall", "cwe": "recall",
-              "fwe": "recall", "multiturn": "contains"}
+              "fwe": "recall", "multiturn": "contains", "niah_phrase": "contains"}
 
 #: per-task scorer: ``SCORERS[task](prediction, answers) -> float in [0, 1]``
 SCORERS: dict[str, Callable[[str, Sequence[str]], float]] = {t: metrics.METRICS[m] for t, m in _METRIC_OF.items()}

@@ -41,7 +41,7 @@ import torch
 
 from kvtrim import validate
 from kvtrim.policies.base import Policy
-from kvtrim.scores import group_reduce, window_probs
+from kvtrim.scores import chunk_selection, group_reduce, window_probs
 
 #: name of the per-token saddle memory (``history > 0``) in the layer's token state
 SADDLE_STATE = "inf_mllm_saddle"
@@ -96,6 +96,8 @@ class InfMLLM(Policy):
             when its own turn was read) keeps that score, decaying by ``h`` per prompt, instead of
             being judged only by what the newest passage attends to. The bias is added afterwards.
             ``h`` in [0, 1].
+        chunk: 1 (default) selects tokens; ``c > 1`` keeps whole chunks of ``c`` consecutive
+            stored tokens, ranked by their best score (``kvtrim.scores.chunk_priority``).
     """
 
     window: int = 32
@@ -103,6 +105,7 @@ class InfMLLM(Policy):
     recent_share: float = 0.5
     decode_cap: int = 256
     history: float = 0.0
+    chunk: int = 1
 
     name = "inf_mllm"
     description = "per-prompt eviction: retrieval-window attention saddles + recency bias, reassigned positions"
@@ -115,6 +118,7 @@ class InfMLLM(Policy):
         self.recent_share = validate.number(self.recent_share, "inf_mllm: recent_share", minimum=0.0, maximum=1.0, min_open=True)
         self.decode_cap = validate.integer(self.decode_cap, "inf_mllm: decode_cap", minimum=0)
         self.history = validate.number(self.history, "inf_mllm: history", minimum=0.0, maximum=1.0)
+        self.chunk = validate.integer(self.chunk, "inf_mllm: chunk", minimum=1)
         super().__post_init__()
 
     @property
@@ -140,6 +144,9 @@ class InfMLLM(Policy):
 
     def window_tokens(self, layer):
         return self.n_recent(layer, self.budget(layer.seen))
+
+    def select(self, scores, protected, budget):
+        return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)
 
     def on_prefill(self, layer, query, key, scaling) -> None:
         if self.history > 0 and layer.length <= self.budget(layer.seen):

@@ -19,16 +19,19 @@ import torch.nn.functional as F
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.scores import group_reduce, window_probs
+from kvtrim.scores import chunk_selection, group_reduce, window_probs
 
 
 @dataclass
 class SnapKV(Policy):
-    """Args: ``window`` (32), ``kernel`` (7; odd, 1 = no pooling), ``pooling`` ("max" or "avg")."""
+    """Args: ``window`` (32), ``kernel`` (7; odd, 1 = no pooling), ``pooling`` ("max" or "avg"),
+    ``chunk`` (1 = per-token selection; ``c > 1`` keeps whole chunks of ``c`` consecutive tokens,
+    ranked by their best pooled score: ``kvtrim.scores.chunk_priority``)."""
 
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
+    chunk: int = 1
 
     name = "snapkv"
     description = "observation window of the last 32 queries, pooled scores, per KV head, at each prompt"
@@ -39,6 +42,7 @@ class SnapKV(Policy):
         if self.kernel % 2 == 0:
             raise KVTrimError(f"snapkv: kernel must be a positive odd integer, got {self.kernel!r}")
         validate.choice(self.pooling, "snapkv: pooling", ("avg", "max"))
+        self.chunk = validate.integer(self.chunk, "snapkv: chunk", minimum=1)
         super().__post_init__()
 
     @property
@@ -61,6 +65,9 @@ class SnapKV(Policy):
                 flat = F.max_pool1d(flat, self.kernel, stride=1, padding=pad)
             s = flat.reshape(b, h, n)
         return s
+
+    def select(self, scores, protected, budget):
+        return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)
 
     def window_tokens(self, layer):
         return min(self.window, layer.n_new)
