@@ -18,7 +18,15 @@ from conftest import tiny_llama
 from test_model_loading import private_caches, save_tiny_llama, write_tiny_gguf  # noqa: F401 - the fixture is autouse
 
 import kvtrim
-from kvtrim.attention import AShape, BlockSparse, VerticalSlash, dense_layout, layout_to_mask, masked_attention, sparse_attention_cpu
+from kvtrim.attention import (
+    AShape,
+    BlockSparse,
+    VerticalSlash,
+    dense_layout,
+    layout_to_mask,
+    masked_attention,
+    sparse_attention_cpu,
+)
 from kvtrim.attention.triton import triton_available
 from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError

@@ -565,7 +565,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
     with model_load_errors("load the model", where):
         m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa", trust_remote_code=False)
         if dev.type != "cpu":
-            m = m.to(dev)
+            m = m.to(dev)  # type: ignore[arg-type]  # transformers types .to as a decorated method
     m.eval()
     return LoadedModel(model=m, tokenizer=tok, source=label)
 

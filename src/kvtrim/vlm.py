@@ -267,7 +267,7 @@ def load_vlm(path: str | os.PathLike, dtype: torch.dtype | str | None = torch.fl
     with model_load_errors("load the model", str(path)):
         model = AutoModelForImageTextToText.from_pretrained(
             str(p), dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
-        ).to(dev).eval()
+        ).to(dev).eval()  # type: ignore[arg-type]  # transformers types .to as a decorated method
     with model_load_errors("load the processor", str(path)):
         try:
             proc = AutoProcessor.from_pretrained(str(p), backend="pil", trust_remote_code=False)
