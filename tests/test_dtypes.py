@@ -302,3 +302,16 @@ def test_triton_kernel_within_twice_sdpa_error(t, d, name, dtype):
     # larger of the two baselines; on a GPU and in float16 the baseline is SDPA's alone.
     cpu_bf16 = dev == "cpu" and dtype == torch.bfloat16
     _assert_rule(out, q, k, v, layout, rounded_p_baseline=cpu_bf16)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", LOW)
+def test_native_vertical_slash_scores_read_low_precision_keys(dtype):
+    """The fused index estimation takes bf16/fp16 keys as they are and computes in float32: the same
+    sums as the PyTorch version on the same (rounded) inputs, up to float32 rounding."""
+    q, k, _ = _inputs(300, 64, dtype)
+    vert, slash = VerticalSlash.scores(q, k, native=True)
+    want_v, want_s = VerticalSlash.scores(q, k, native=False)
+    assert vert.dtype == slash.dtype == torch.float32
+    torch.testing.assert_close(vert, want_v, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(slash, want_s, rtol=1e-5, atol=1e-5)
