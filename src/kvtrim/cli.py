@@ -60,6 +60,31 @@ def quality_choice(args, method: str, model, prompt_tokens: int | None):
     return choice
 
 
+def model_options(sp) -> None:
+    """``--dtype`` and ``--device`` for a command that loads a model (read by :func:`load_from_args`)."""
+    from kvtrim.models import DTYPES
+
+    sp.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                    help="weight and KV-cache dtype (default float32; bfloat16 halves the KV bytes and runs the matrix "
+                         "work in bf16 where the CPU has it; kvtrim's scores stay float32)")
+    sp.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+
+
+def check_model_options(args) -> None:
+    """Refuse a bad --dtype/--device before anything slow runs."""
+    from kvtrim.models import resolve_device, resolve_dtype
+
+    resolve_dtype(getattr(args, "dtype", None))
+    resolve_device(getattr(args, "device", None))
+
+
+def load_from_args(args):
+    """``kvtrim.models.load_model`` with the command's --model, --dtype and --device."""
+    from kvtrim.models import load_model
+
+    return load_model(args.model, dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
+
+
 def cmd_methods(args) -> int:
     from kvtrim.registry import methods
 
@@ -116,7 +141,7 @@ def _prefill_from_args(args, model=None):
 
 def cmd_generate(args) -> int:
     from kvtrim.generation import generate_ids
-    from kvtrim.models import build_prompt_ids, load_model
+    from kvtrim.models import build_prompt_ids
     from kvtrim.registry import check_text_prompt
 
     if args.prompts_file is not None:  # several prompts together (batch > 1)
@@ -124,6 +149,7 @@ def cmd_generate(args) -> int:
 
         return cmd_generate_batch(args, _prefill_from_args)
     policy = _policy_from_args(args)  # validate before the slow model load
+    check_model_options(args)
     _prefill_from_args(args)
     integer(args.max_new_tokens, "--max-new-tokens", minimum=0, unit="tokens")
     if args.sample:
@@ -152,7 +178,7 @@ def cmd_generate(args) -> int:
         if not args.prompt.strip():
             raise KVTrimError("the prompt is empty; pass a non-empty --prompt")
         text, chat = (f"{context}\n\n{args.prompt}" if context else args.prompt), False
-    lm = load_model(args.model)
+    lm = load_from_args(args)
     prefill = _prefill_from_args(args, lm.model)
     ids = build_prompt_ids(lm.tokenizer, text, chat=chat, plain=args.plain_prompt)
     choice = None
@@ -202,7 +228,7 @@ def cmd_demo(args) -> int:
     from kvtrim.eval.common import check_depth, check_length
     from kvtrim.eval.tasks import passkey
     from kvtrim.generation import generate_ids
-    from kvtrim.models import build_prompt_ids, load_model
+    from kvtrim.models import build_prompt_ids
     from kvtrim.registry import check_text_prompt, create_policy, get_policy_class, method_names
 
     # the demo's prompt is text: by default, the methods that act on text (needs_spans ones are for images)
@@ -226,8 +252,9 @@ def cmd_demo(args) -> int:
               "(see kvtrim generate --image)", file=sys.stderr)
     check_length("passkey", args.length)  # before the model loads
     check_depth("passkey", args.depth)
+    check_model_options(args)
     print(f"kvtrim demo: loading {args.model or 'the embedded model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
-    lm = load_model(args.model)
+    lm = load_from_args(args)
     sample = passkey(lm.tokenizer, args.length, depth=args.depth, seed=args.seed)
     key = sample.answers[0]
     ids = build_prompt_ids(lm.tokenizer, sample.prompt, plain=args.plain_prompt)
@@ -253,7 +280,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_search_patterns(args) -> int:
-    from kvtrim.models import load_model
     from kvtrim.tools.search_patterns import search_patterns
 
     try:
@@ -273,7 +299,8 @@ def cmd_search_patterns(args) -> int:
         raise KVTrimError(f"--out: directory {str(out.parent)!r} does not exist")
     if not os.access(out if out.exists() else out.parent, os.W_OK):
         raise KVTrimError(f"--out {args.out!r} is not writable")
-    lm = load_model(args.model)
+    check_model_options(args)
+    lm = load_from_args(args)
     tags = [args.tag] if args.tag else []
     cfg = search_patterns(lm.model, lm.tokenizer, length=args.length, target_density=levels, seed=args.seed, model_tags=tags,
                           max_error=args.max_error)
@@ -355,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object (with --prompts-file: every field on each line)")
     g.add_argument("--max-rows", type=int, default=64, help="with --prompts-file: most rows decoded in one forward (default 64)")
     g.add_argument("--no-progress", action="store_true", help="with --prompts-file: no progress bar")
+    model_options(g)
     sp = g.add_argument_group("sparse prefill (MInference)")
     sp.add_argument("--prefill", default="dense", help="dense (default), minference (per-head config), a_shape, vertical_slash, block_sparse")
     sp.add_argument("--pattern-config", help="per-head pattern config for --prefill minference (default: the one shipped for the model)")
@@ -370,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tag", help="model name substring the shipped config matches (packaging only)")
     s.add_argument("--out", required=True, help="output JSON file")
+    model_options(s)
     s.set_defaults(func=cmd_search_patterns)
 
     d = sub.add_parser("demo", help="pass-key retrieval on a long context with every method")
@@ -384,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--methods", help="comma-separated methods (default: all registered that act on text)")
     d.add_argument("--plain-prompt", action="store_true",
                    help="kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat template")
+    model_options(d)
     d.set_defaults(func=cmd_demo)
 
     from kvtrim.cli_session import add_session_commands

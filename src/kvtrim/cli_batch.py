@@ -124,11 +124,14 @@ def cmd_generate_batch(args, prefill_from_args) -> int:
     """``kvtrim generate --prompts-file FILE`` (``prefill_from_args``: the generate command's sparse-prefill builder)."""
     from kvtrim.decoding import max_context
     from kvtrim.generation import check_prompt, generate_batch
-    from kvtrim.models import build_prompt_ids, load_model
+    from kvtrim.models import build_prompt_ids, load_model, resolve_device, resolve_dtype
     from kvtrim.validate import integer, number
 
     if getattr(args, "image", None):
         raise KVTrimError("--prompts-file takes text prompts; --image runs one prompt at a time")
+    if getattr(args, "quality", None) is not None:
+        raise KVTrimError("--quality is not supported with --prompts-file; give each line its own \"keep\" (or --keep for all)")
+    dtype, device = resolve_dtype(getattr(args, "dtype", None)), resolve_device(getattr(args, "device", None))
     integer(args.max_new_tokens, "--max-new-tokens", minimum=0, unit="tokens")
     integer(args.max_rows, "--max-rows", minimum=1)
     if args.sample:
@@ -144,7 +147,7 @@ def cmd_generate_batch(args, prefill_from_args) -> int:
     if args.plain_prompt and not all(p.chat for p in lines):
         raise KVTrimError('--plain-prompt formats questions; a "prompt" line is raw text')
     context = "" if args.context_file is None else _read_context(args.context_file)
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=dtype, device=device)
     prefill = prefill_from_args(args, lm.model)
     max_ctx = max_context(lm.model)
     prompts, limits = [], []

@@ -22,10 +22,10 @@ def _shard(text: str | None) -> tuple[int, int]:
 
 
 def cmd_eval(args) -> int:
+    from kvtrim.cli import check_model_options, load_from_args
     from kvtrim.eval.plan import make_plan
     from kvtrim.eval.store import check_out_dir
     from kvtrim.eval.sweep import run_eval
-    from kvtrim.models import load_model
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
                      prefill=args.prefill, haystack=args.haystack, plain=args.plain_prompt)
@@ -35,7 +35,8 @@ def cmd_eval(args) -> int:
 
         haystack_text(args.haystack)  # an unknown haystack is refused before the model loads
     check_out_dir(args.out)  # fail on an unwritable directory before the model loads
-    lm = load_model(args.model)
+    check_model_options(args)
+    lm = load_from_args(args)
     summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet, batch=not args.unbatched)
     cells = summary["cells"]
     print(f"kvtrim eval: {summary['n_lines']} result lines, {len(cells)} cells in {args.out} "
@@ -89,7 +90,8 @@ def cmd_bench(args) -> int:
     from kvtrim import harness
     from kvtrim.eval.bench import make_bench_plan, run_bench, table
 
-    plan = make_bench_plan(args.methods, args.keep, args.lengths, args.reps, args.new_tokens, args.prefill, args.threads)
+    plan = make_bench_plan(args.methods, args.keep, args.lengths, args.reps, args.new_tokens, args.prefill, args.threads,
+                           dtype=args.dtype, device=args.device)
     out = harness.check_out(args.out, force=args.force) if args.out else None  # before any work: nothing measured is lost
     result = run_bench(args.model, plan, rss=not args.no_rss, progress=not args.quiet)
     if out is not None:
@@ -151,6 +153,7 @@ def cmd_calibrate(args) -> int:
 
 
 def add_eval_commands(sub) -> None:
+    from kvtrim.cli import model_options
     from kvtrim.eval.plan import DEFAULT_KEEPS, DEFAULT_METHODS
 
     e = sub.add_parser("eval", help="resumable quality sweep: tasks x lengths x methods x budgets, JSONL per sample")
@@ -173,6 +176,7 @@ def add_eval_commands(sub) -> None:
                         "(used anyway for a model without one)")
     e.add_argument("--quiet", action="store_true", help="no progress bar")
     e.add_argument("--out", required=True, help="output directory (created; a rerun resumes)")
+    model_options(e)
     e.set_defaults(func=cmd_eval)
 
     r = sub.add_parser("report", help="markdown tables and PNG plots from kvtrim eval result directories")
@@ -220,4 +224,5 @@ def add_eval_commands(sub) -> None:
     b.add_argument("--quiet", action="store_true")
     b.add_argument("--out", help="write the JSON result here (checked before the run; an existing file is refused)")
     b.add_argument("--force", action="store_true", help="replace an existing --out")
+    model_options(b)
     b.set_defaults(func=cmd_bench)

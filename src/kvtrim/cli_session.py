@@ -66,7 +66,7 @@ def _mib(n: int) -> str:
 def cmd_chat(args) -> int:
     from transformers import TextStreamer
 
-    from kvtrim.models import load_model
+    from kvtrim.cli import check_model_options, load_from_args
     from kvtrim.session import Session, check_save_target
 
     if args.save:
@@ -87,7 +87,8 @@ def cmd_chat(args) -> int:
         raise KVTrimError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.sample and not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise KVTrimError(f"--temperature must be a finite number > 0, got {args.temperature!r}")
-    lm = load_model(args.model)
+    check_model_options(args)
+    lm = load_from_args(args)
     if policy is None:
         s = Session.load(args.load, lm.model, lm.tokenizer)
     else:
@@ -143,7 +144,7 @@ def cmd_chat(args) -> int:
 def cmd_stream(args) -> int:
     from tqdm import tqdm
 
-    from kvtrim.models import load_model
+    from kvtrim.cli import check_model_options, load_from_args
     from kvtrim.session import Session, check_save_target, peak_rss_bytes
     from kvtrim.textio import read_text_file
 
@@ -155,7 +156,8 @@ def cmd_stream(args) -> int:
         raise KVTrimError(f"--limit must be a positive number of tokens, got {args.limit}")
     text = read_text_file(args.file, "file")
     policy = _policy(args, streaming=True)
-    lm = load_model(args.model)
+    check_model_options(args)
+    lm = load_from_args(args)
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if args.limit is not None:
         ids = ids[: args.limit]
@@ -189,6 +191,8 @@ def cmd_stream(args) -> int:
 
 def add_session_commands(sub) -> None:
     """Add the ``chat`` and ``stream`` sub-commands to kvtrim's parser."""
+    from kvtrim.cli import model_options
+
     c = sub.add_parser("chat", help="interactive multi-turn chat over a bounded cache (one line per turn)")
     c.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
     c.add_argument("--method", help=f"KV method supporting turns (default {DEFAULT_METHOD})")
@@ -208,6 +212,7 @@ def add_session_commands(sub) -> None:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--load", help="continue a session saved in this directory")
     c.add_argument("--save", help="save the session into this directory at the end")
+    model_options(c)
     c.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("stream", help="feed a long text file through a bounded cache, chunk by chunk")
@@ -221,4 +226,5 @@ def add_session_commands(sub) -> None:
     s.add_argument("--json", action="store_true", help="one JSON object per chunk, then a summary object")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.add_argument("--save", help="save the session into this directory at the end")
+    model_options(s)
     s.set_defaults(func=cmd_stream)

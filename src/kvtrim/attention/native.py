@@ -6,6 +6,10 @@ machine (per CPU capability: it is built with ``-march=native``) with
 into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), then loaded from there.
 
+The kernel takes float32, bfloat16 and float16 inputs as they are (no converted copy of q, k or
+v) and computes in float32: each task converts the tiles it reads, accumulates in float32 and
+writes its output in the input dtype, rounding once.
+
 ``KVTRIM_CPU_KERNEL`` picks the CPU path: ``auto`` (default: the native kernel, or the PyTorch
 path with one warning if it cannot be built), ``native`` (fail with the build error instead),
 ``torch`` (always the PyTorch path). :func:`cpu_kernel` says which one runs; the prefill stats
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NATIVE_BLOCK", "cpu_kernel", "kernel_for", "load_native", "native_sparse_attention", "native_vertical_slash_layout",
+__all__ = ["NATIVE_BLOCK", "NATIVE_DTYPES", "cpu_kernel", "kernel_for", "load_native", "native_sparse_attention", "native_vertical_slash_layout",
            "native_vertical_slash_scores", "writable_in_place"]
 
 NATIVE_BLOCK = 64  # the kernel's query/key block (kBlock in the source)
@@ -97,7 +101,7 @@ def kernel_for(x: torch.Tensor, kernel: str = "auto") -> str:
     """The CPU path for inputs like ``x``: ``kernel`` checked, ``"auto"`` resolved.
 
     ``"auto"`` is :func:`cpu_kernel` for float32/float16/bfloat16 CPU tensors and ``"torch"`` for
-    float64 or non-CPU ones (the native kernel computes in float32 on CPU only).
+    float64 or non-CPU ones (the native kernel runs on CPU and computes in float32).
     """
     if kernel not in _CHOICES:
         raise ValueError(f"kernel must be 'auto', 'native' or 'torch'; got {kernel!r}")
@@ -106,16 +110,28 @@ def kernel_for(x: torch.Tensor, kernel: str = "auto") -> str:
     return cpu_kernel() if (x.dtype != torch.float64 and x.device.type == "cpu") else "torch"
 
 
-def _f32_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as float32 with a contiguous last dimension; no copy when it already is (any other strides)."""
-    x = x if x.dtype == torch.float32 else x.float()
+#: The input dtypes the native kernel reads directly (it computes in float32 for all of them).
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` with a contiguous last dimension; no copy when it already is (any other strides)."""
+    x = x if x.dtype == dtype else x.to(dtype)
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _native_dtype(q: torch.Tensor) -> torch.dtype:
+    if q.dtype not in NATIVE_DTYPES:
+        raise ValueError(f"the native kernel takes float32, bfloat16 or float16 inputs; got {q.dtype}")
+    return q.dtype
+
+
 def writable_in_place(out: torch.Tensor, *inputs: torch.Tensor) -> bool:
-    """True when the kernel may write ``out`` directly: float32, last dimension contiguous, no two
-    elements at one address (checked on the strides), and no storage shared with ``inputs``."""
-    if out.dtype != torch.float32 or out.device.type != "cpu" or (out.numel() and out.stride(-1) != 1):
+    """True when the kernel may write ``out`` directly: a dtype it takes (that of ``inputs[0]`` when
+    given), last dimension contiguous, no two elements at one address (checked on the strides), and
+    no storage shared with ``inputs``."""
+    want = inputs[0].dtype if inputs else out.dtype
+    if out.dtype != want or out.dtype not in NATIVE_DTYPES or out.device.type != "cpu" or (out.numel() and out.stride(-1) != 1):
         return False
     span = 1
     for size, stride in sorted(zip(out.shape, out.stride()), key=lambda p: p[1]):
@@ -133,13 +149,14 @@ def native_sparse_attention(q, k, v, heads, head_kv, block_idx, block_cnt, col_i
     head ``heads[i]`` and reads KV head ``head_kv[i]``.
 
     Layout tensors are ``[H, n_blocks, ...]`` (``H = len(heads)``); ``n_init``/``n_local`` ``[H]``
-    (negative: no A-shape window). Computed in float32. q, k, v are read through their strides
-    (float32 inputs with a contiguous last dimension are not copied).
+    (negative: no A-shape window). q, k, v are float32, bfloat16 or float16 (k and v are taken
+    in q's dtype) and read through their strides (not copied when their last dimension is
+    contiguous); the kernel computes in float32 and writes the output in q's dtype.
 
     Returns:
-        with ``out`` (float32 ``[Hq, T, D]``, last dimension contiguous, e.g. a view of a
+        with ``out`` (``[Hq, T, D]`` in q's dtype, last dimension contiguous, e.g. a view of a
         ``[T, Hq, D]`` buffer), ``out[heads[i]]`` is written in place and ``out`` returned;
-        without it, a new ``[H, T, D]`` float32 tensor whose row ``i`` is head ``heads[i]``.
+        without it, a new ``[H, T, D]`` tensor in q's dtype whose row ``i`` is head ``heads[i]``.
     """
     if not load_native():
         raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
@@ -148,16 +165,17 @@ def native_sparse_attention(q, k, v, heads, head_kv, block_idx, block_cnt, col_i
         return torch.as_tensor(x, dtype=torch.int32).contiguous()
 
     heads = i32(heads)
+    dt = _native_dtype(q)
     if out is None:
-        out = torch.empty(len(heads), q.shape[1], q.shape[2], dtype=torch.float32)
+        out = torch.empty(len(heads), q.shape[1], q.shape[2], dtype=dt)
         out_head = torch.arange(len(heads), dtype=torch.int32)
     else:
         if out.shape != q.shape or not writable_in_place(out, q, k, v):
-            raise ValueError("out must be shaped like q, float32 on CPU with a contiguous last dimension, "
+            raise ValueError("out must be shaped like q, in q's dtype on CPU with a contiguous last dimension, "
                              "without overlapping elements, and must not share memory with q, k or v")
         out_head = heads
     torch.ops.kvtrim_native.sparse_attention_out(
-        _f32_rows(q), _f32_rows(k), _f32_rows(v), heads, i32(head_kv), i32(block_idx), i32(block_cnt),
+        _rows(q, dt), _rows(k, dt), _rows(v, dt), heads, i32(head_kv), i32(block_idx), i32(block_cnt),
         i32(col_idx), i32(col_cnt), i32(n_init), i32(n_local), float(scale), out, out_head,
     )
     return out
@@ -166,7 +184,8 @@ def native_sparse_attention(q, k, v, heads, head_kv, block_idx, block_cnt, col_i
 def native_vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, scale: float, last_q: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`VerticalSlash.scores <kvtrim.attention.patterns.VerticalSlash.scores>` for one batch row, fused.
 
-    ``q [Hq, T, D]``, ``k [Hkv, T, D]``; returns ``(vert, slash)`` ``[Hq, T]`` float32.
+    ``q [Hq, T, D]``, ``k [Hkv, T, D]`` (float32, bfloat16 or float16: k is read as it is, the last
+    ``last_q`` query rows are converted to float32); returns ``(vert, slash)`` ``[Hq, T]`` float32.
     """
     if not load_native():
         raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
@@ -174,7 +193,7 @@ def native_vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, scale: float,
     lq = min(last_q, t)
     head_kv = (torch.arange(hq) // (hq // k.shape[0])).to(torch.int32)
     return torch.ops.kvtrim_native.vertical_slash_scores(
-        q[:, t - lq :].float().contiguous(), _f32_rows(k), head_kv, float(scale)
+        q[:, t - lq :].float().contiguous(), _rows(k, _native_dtype(k)), head_kv, float(scale)
     )
 
 

@@ -37,10 +37,14 @@ class BenchPlan:
     new_tokens: int = 32
     prefill: str = "dense"
     threads: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
 
 
-def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dense", threads=None) -> BenchPlan:
+def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dense", threads=None, *,
+                    dtype="float32", device="cpu") -> BenchPlan:
     from kvtrim.integrations.prefill import PREFILL_MODES
+    from kvtrim.models import resolve_device, resolve_dtype
     from kvtrim.registry import check_text_prompt, get_policy_class
 
     names = comma_list(methods, "--methods")
@@ -60,7 +64,9 @@ def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dens
     threads = validate.optional_integer(threads, "--threads", minimum=1)
     if prefill not in PREFILL_MODES:
         raise KVTrimError(f"unknown --prefill {prefill!r}; choose one of: {', '.join(PREFILL_MODES)}")
-    return BenchPlan(list(dict.fromkeys(names)), float(keep), lens, reps, new_tokens, prefill, threads)
+    dtype_name = str(resolve_dtype(dtype)).removeprefix("torch.")
+    device_name = str(resolve_device(device))
+    return BenchPlan(list(dict.fromkeys(names)), float(keep), lens, reps, new_tokens, prefill, threads, dtype_name, device_name)
 
 
 def _policy(method: str, keep: float):
@@ -103,7 +109,7 @@ def run_bench(model: str | None, plan: BenchPlan, rss: bool = True, progress: bo
 
     if plan.threads:
         torch.set_num_threads(plan.threads)
-    lm = load_model(model)
+    lm = load_model(model, dtype=plan.dtype, device=plan.device)
     hook = None
     if plan.prefill != "dense":
         from kvtrim.integrations.prefill import make_prefill
@@ -178,7 +184,7 @@ def _one(spec: str) -> None:
     plan = BenchPlan(**d["plan"])
     if plan.threads:
         torch.set_num_threads(plan.threads)
-    lm = load_model(d["model"])
+    lm = load_model(d["model"], dtype=plan.dtype, device=plan.device)
     hook = None
     if plan.prefill != "dense":
         from kvtrim.integrations.prefill import make_prefill

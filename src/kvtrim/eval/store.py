@@ -39,9 +39,11 @@ def line_key(d: dict) -> tuple:
             d.get("prefill", "dense"))
 
 
-def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, plain: bool = False) -> Path:
-    """Create ``out`` (and ``out/runs``), check it is writable and belongs to this model and prompt format
-    (``plain``: ``--plain-prompt``; a directory holds one format, its lines do not record it)."""
+def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, plain: bool = False,
+                  dtype: str = "float32") -> Path:
+    """Create ``out`` (and ``out/runs``), check it is writable and belongs to this model, weight dtype and
+    prompt format (``plain``: ``--plain-prompt``; a directory holds one format and one dtype, its lines
+    do not record them; ``config.json`` names a dtype other than float32)."""
     path = Path(out)
     try:
         (path / "runs").mkdir(parents=True, exist_ok=True)
@@ -52,11 +54,12 @@ def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, pl
         raise KVTrimError(f"cannot write to the output directory {str(path)!r}: {e.strerror or e}") from None
     cfg = path / "config.json"
     if model_source is not None:
-        held_plain = False
+        held_plain, held_dtype = False, "float32"
         if cfg.is_file():
             try:
                 d = json.loads(cfg.read_text())
                 held, held_plain = d.get("model"), bool(d.get("plain_prompt", False))
+                held_dtype = str(d.get("dtype", "float32"))
             except (OSError, json.JSONDecodeError, AttributeError):
                 held = None
             if held is not None and held != model_source:
@@ -68,8 +71,11 @@ def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, pl
                     f"{str(path)!r} holds a sweep {'with' if held_plain else 'without'} --plain-prompt; its prompts "
                     "differ, so use another --out directory (or " + ("add" if held_plain else "drop") + " --plain-prompt)"
                 )
-        cfg.write_text(json.dumps({"model": model_source, "format": 1} | ({"plain_prompt": True} if plain else {}),
-                                  indent=2) + "\n")
+            if held is not None and held_dtype != dtype:
+                raise KVTrimError(f"{str(path)!r} holds a sweep of the model in {held_dtype}, not {dtype}; use another "
+                                  f"--out directory (or --dtype {held_dtype})")
+        cfg.write_text(json.dumps({"model": model_source, "format": 1} | ({"plain_prompt": True} if plain else {})
+                                  | ({"dtype": dtype} if dtype != "float32" else {}), indent=2) + "\n")
     return path
 
 

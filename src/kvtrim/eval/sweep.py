@@ -67,7 +67,8 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     from kvtrim.integrations.hf import attach
 
     check_lengths(plan, lm.tokenizer, lm.max_context)  # before config.json is written: a refused plan leaves nothing
-    out_path = check_out_dir(out, lm.source, plain=plan.plain)
+    dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
+    out_path = check_out_dir(out, lm.source, plain=plan.plain, dtype=dtype)
     idx, n_shards = shard
     if not (0 <= idx < n_shards):
         raise KVTrimError(f"--shard must be I/N with 0 <= I < N; got {idx}/{n_shards}")
@@ -129,5 +130,6 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     bar.close()
     summary = summarize(read_lines(result_files(out_path)))
     summary["machine"] = machine()
+    summary["dtype"] = dtype
     (out_path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary

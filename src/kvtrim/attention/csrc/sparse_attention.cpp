@@ -16,10 +16,19 @@
 // Masked scores are set to a large finite negative number (not -inf) so that the file can be
 // built with -ffast-math; a row whose maximum in a segment
 // is that sentinel has no visible key there and is skipped.
+//
+// Inputs may be float32, bfloat16 or float16 (q, k, v and out all of one dtype). The arithmetic is
+// float32 throughout: a bfloat16/float16 task converts its query block and each key/value segment
+// into thread-local float32 tiles as it reads them (the same buffers the gathered columns use),
+// accumulates in float32 and rounds once when it writes its output rows. No whole-tensor copy is
+// made, and the output is written in the input dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +38,7 @@
 #include <cstring>
 #include <numeric>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
@@ -80,9 +90,34 @@ inline int row_stride(const at::Tensor& x, int d, const char* name) {
 }
 
 struct Scratch {
-  std::vector<float> s, o, m, l, kc, vc;
-  explicit Scratch(int d) : s(kBlock * kSeg), o(kBlock * d), m(kBlock), l(kBlock), kc(kSeg * d), vc(kSeg * d) {}
+  std::vector<float> s, o, m, l, kc, vc, qc;
+  explicit Scratch(int d)
+      : s(kBlock * kSeg), o(kBlock * d), m(kBlock), l(kBlock), kc(kSeg * d), vc(kSeg * d), qc(kBlock * d) {}
 };
+
+// n rows of d elements (row stride ld) as float32 into dst[n, d] (contiguous).
+template <typename T>
+inline void rows_to_f32(const T* src, int64_t ld, int n, int d, float* dst) {
+  for (int r = 0; r < n; ++r) {
+    const T* a = src + r * ld;
+    float* b = dst + static_cast<int64_t>(r) * d;
+    for (int c = 0; c < d; ++c) b[c] = static_cast<float>(a[c]);
+  }
+}
+
+// A row-major [n, d] operand with leading dimension ld, as float32: the rows themselves when T is
+// float (no copy), else converted into buf (leading dimension d).
+template <typename T>
+inline std::pair<const float*, int> f32_tile(const T* src, int ld, int n, int d, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    (void)n;
+    (void)buf;
+    return {src, ld};
+  } else {
+    rows_to_f32(src, ld, n, d, buf);
+    return {buf, d};
+  }
+}
 
 // Online-softmax update of rows [0, nr) with the scores s[nr, n] (row-major) of the keys whose
 // values are v[n, d] (row-major, leading dimension ldv).
@@ -125,20 +160,18 @@ inline void update(Scratch& w, int nr, int n, int d, const float* v, int ldv) {
 
 }  // namespace
 
-// q [Hq, T, D], k/v [Hkv, T, D], out [Ho, T, D]: float32, any strides with the last dimension
-// contiguous (so the [B, T, H, D] tensors of a transformers layer are read and written in place,
+// q [Hq, T, D], k/v [Hkv, T, D], out [Ho, T, D]: element type T (float, BFloat16, Half), any
+// strides with the last dimension contiguous (so the [B, T, H, D] tensors of a transformers layer are read and written in place,
 // with the row stride as the BLAS leading dimension). Task row h (H rows) is query head
 // q_head[h], reads KV head head_kv[h] and writes out[out_head[h]]; rows with no visible key are
 // written as zeros. Scores are scaled by `scale`.
 // block_idx [H, nb, maxb], block_cnt [H, nb], col_idx [H, nb, maxc], col_cnt [H, nb] (int32).
 // n_init / n_local [H] (int32): the A-shape window of row h; negative: no window.
-void sparse_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_head,
-                          const at::Tensor& head_kv, const at::Tensor& block_idx, const at::Tensor& block_cnt,
-                          const at::Tensor& col_idx, const at::Tensor& col_cnt, const at::Tensor& n_init,
-                          const at::Tensor& n_local, double scale, at::Tensor& out, const at::Tensor& out_head) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be [heads, T, D]");
-  for (const at::Tensor* x : {&q, &k, &v, static_cast<const at::Tensor*>(&out)})
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->stride(2) == 1, "q, k, v, out must be float32 with a contiguous last dimension");
+template <typename T>
+void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_head,
+                           const at::Tensor& head_kv, const at::Tensor& block_idx, const at::Tensor& block_cnt,
+                           const at::Tensor& col_idx, const at::Tensor& col_cnt, const at::Tensor& n_init,
+                           const at::Tensor& n_local, double scale, at::Tensor& out, const at::Tensor& out_head) {
   for (const at::Tensor* x : {&q_head, &head_kv, &out_head, &block_idx, &block_cnt, &col_idx, &col_cnt, &n_init, &n_local})
     TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(), "layout tensors must be contiguous int32");
   const int hq_all = q.size(0), t = q.size(1), d = q.size(2), hkv = k.size(0), ho = out.size(0);
@@ -168,14 +201,14 @@ void sparse_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Te
             ldo = row_stride(out, d, "out");
   const int64_t sq = q.stride(0), sk = k.stride(0), sv = v.stride(0), so = out.stride(0);
 
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
   const int32_t* bidx = block_idx.data_ptr<int32_t>();
   const int32_t* bcnt = block_cnt.data_ptr<int32_t>();
   const int32_t* cidx = col_idx.data_ptr<int32_t>();
   const int32_t* ccnt = col_cnt.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();
 
   // Bounds are checked once here, so the kernel never reads outside k/v.
   for (int64_t i = 0; i < block_cnt.numel(); ++i) {
@@ -208,11 +241,12 @@ void sparse_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Te
       const bool window = initp[h] >= 0 && localp[h] >= 0;
       const int64_t n_init = initp[h], n_local = localp[h];
       const int r0 = qb * kBlock, nr = std::min(kBlock, t - r0);
-      const float* kh = kp + static_cast<int64_t>(kvh) * sk;
-      const float* vh = vp + static_cast<int64_t>(kvh) * sv;
+      const T* kh = kp + static_cast<int64_t>(kvh) * sk;
+      const T* vh = vp + static_cast<int64_t>(kvh) * sv;
       // q k^T is scaled after the product (BLAS alpha), as dense attention does: pre-scaling q
       // would round it once more when the scale is not a power of two (head_dim 128).
-      const float* qh = qp + static_cast<int64_t>(qhp[h]) * sq + static_cast<int64_t>(r0) * ldq;
+      const auto [qh, ldqh] = f32_tile(qp + static_cast<int64_t>(qhp[h]) * sq + static_cast<int64_t>(r0) * ldq, ldq, nr,
+                                       d, w.qc.data());
       std::fill(w.o.begin(), w.o.end(), 0.0f);
       std::fill(w.m.begin(), w.m.end(), kMasked);
       std::fill(w.l.begin(), w.l.end(), 0.0f);
@@ -226,7 +260,8 @@ void sparse_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Te
         const int n = k1 - k0;
         float* s = w.s.data();
         // s[nr, n] = scale * q[nr, d] @ k[k0:k1]^T
-        gemm('T', 'N', n, nr, d, fscale, kh + static_cast<int64_t>(k0) * ldk, ldk, qh, ldq, 0.0f, s, n);
+        const auto [kt, ldkt] = f32_tile(kh + static_cast<int64_t>(k0) * ldk, ldk, n, d, w.kc.data());
+        gemm('T', 'N', n, nr, d, fscale, kt, ldkt, qh, ldqh, 0.0f, s, n);
         if (k1 - 1 > r0) {  // the segment reaches the query block: causal mask
           for (int i = 0; i < nr; ++i)
             for (int c = std::max(0, r0 + i + 1 - k0); c < n; ++c) s[i * n + c] = kMasked;
@@ -238,19 +273,20 @@ void sparse_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Te
               s[i * n + (c - k0)] = kMasked;
           }
         }
-        update(w, nr, n, d, vh + static_cast<int64_t>(k0) * ldv, ldv);
+        const auto [vt, ldvt] = f32_tile(vh + static_cast<int64_t>(k0) * ldv, ldv, n, d, w.vc.data());
+        update(w, nr, n, d, vt, ldvt);
         j = e;
       }
       // Single columns, gathered kSeg at a time.
       const int32_t* cols = cidx + task * maxc;
       for (int c0 = 0; c0 < ccnt[task]; c0 += kSeg) {
         const int n = std::min(kSeg, ccnt[task] - c0);
-        for (int c = 0; c < n; ++c) {
-          std::copy_n(kh + static_cast<int64_t>(cols[c0 + c]) * ldk, d, w.kc.data() + static_cast<int64_t>(c) * d);
-          std::copy_n(vh + static_cast<int64_t>(cols[c0 + c]) * ldv, d, w.vc.data() + static_cast<int64_t>(c) * d);
+        for (int c = 0; c < n; ++c) {  // gathered (and, for bf16/fp16, converted) into float32 rows
+          rows_to_f32(kh + static_cast<int64_t>(cols[c0 + c]) * ldk, 0, 1, d, w.kc.data() + static_cast<int64_t>(c) * d);
+          rows_to_f32(vh + static_cast<int64_t>(cols[c0 + c]) * ldv, 0, 1, d, w.vc.data() + static_cast<int64_t>(c) * d);
         }
         float* s = w.s.data();
-        gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qh, ldq, 0.0f, s, n);
+        gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qh, ldqh, 0.0f, s, n);
         for (int i = 0; i < nr; ++i) {
           const int64_t row = r0 + i;
           for (int c = 0; c < n; ++c) {
@@ -260,27 +296,52 @@ void sparse_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Te
         }
         update(w, nr, n, d, w.vc.data(), d);
       }
-      float* oh = op + static_cast<int64_t>(ohp[h]) * so + static_cast<int64_t>(r0) * ldo;
+      T* oh = op + static_cast<int64_t>(ohp[h]) * so + static_cast<int64_t>(r0) * ldo;
       for (int i = 0; i < nr; ++i) {
-        float* dst = oh + static_cast<int64_t>(i) * ldo;
-        if (w.l[i] <= 0.0f)  // no visible key: the row is 0
-          std::fill(dst, dst + d, 0.0f);
-        else
-          std::copy_n(w.o.data() + static_cast<int64_t>(i) * d, d, dst);
+        T* dst = oh + static_cast<int64_t>(i) * ldo;
+        if (w.l[i] <= 0.0f) {  // no visible key: the row is 0
+          std::fill(dst, dst + d, T(0.0f));
+        } else {
+          const float* src = w.o.data() + static_cast<int64_t>(i) * d;
+          for (int c = 0; c < d; ++c) dst[c] = static_cast<T>(src[c]);  // the one rounding to T
+        }
       }
     }
   });
 }
 
+// q [Hq, T, D], k/v [Hkv, T, D], out [Ho, T, D]: float32, bfloat16 or float16 (all one dtype), any
+// strides with the last dimension contiguous. See sparse_attention_impl.
+void sparse_attention_out(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_head,
+                          const at::Tensor& head_kv, const at::Tensor& block_idx, const at::Tensor& block_cnt,
+                          const at::Tensor& col_idx, const at::Tensor& col_cnt, const at::Tensor& n_init,
+                          const at::Tensor& n_local, double scale, at::Tensor& out, const at::Tensor& out_head) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be [heads, T, D]");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "q must be float32, bfloat16 or float16");
+  for (const at::Tensor* x : {&q, &k, &v, static_cast<const at::Tensor*>(&out)})
+    TORCH_CHECK(x->scalar_type() == dt && x->stride(2) == 1,
+                "q, k, v, out must have one dtype and a contiguous last dimension");
+  if (dt == at::kFloat)
+    sparse_attention_impl<float>(q, k, v, q_head, head_kv, block_idx, block_cnt, col_idx, col_cnt, n_init, n_local, scale,
+                                 out, out_head);
+  else if (dt == at::kBFloat16)
+    sparse_attention_impl<c10::BFloat16>(q, k, v, q_head, head_kv, block_idx, block_cnt, col_idx, col_cnt, n_init,
+                                         n_local, scale, out, out_head);
+  else
+    sparse_attention_impl<c10::Half>(q, k, v, q_head, head_kv, block_idx, block_cnt, col_idx, col_cnt, n_init, n_local,
+                                     scale, out, out_head);
+}
+
 // Vertical-slash index estimation, fused: for each query head, the softmax of its last lq queries
 // (rows T-lq..T-1) over all keys (causal in the corner), summed per column ("vertical" scores)
 // and per diagonal offset i - j ("slash" scores). One head per task, one BLAS call per head.
-// q_last [H, lq, D] float32 contiguous, k [Hkv, T, D] float32 with a contiguous last dimension
-// (any other strides); returns (vert [H, T], slash [H, T]) float32.
-std::tuple<at::Tensor, at::Tensor> vertical_slash_scores(const at::Tensor& q_last, const at::Tensor& k,
-                                                         const at::Tensor& head_kv, double scale) {
-  TORCH_CHECK(q_last.dim() == 3 && k.dim() == 3, "q_last must be [H, lq, D] and k [Hkv, T, D]");
-  TORCH_CHECK(q_last.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat, "q_last and k must be float32");
+// q_last [H, lq, D] float32 contiguous, k [Hkv, T, D] float32, bfloat16 or float16 with a contiguous
+// last dimension (any other strides; a bfloat16/float16 head is converted into a thread-local
+// float32 buffer when a task first needs it); returns (vert [H, T], slash [H, T]) float32.
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> vertical_slash_impl(const at::Tensor& q_last, const at::Tensor& k,
+                                                       const at::Tensor& head_kv, double scale) {
   TORCH_CHECK(q_last.is_contiguous() && k.stride(2) == 1, "q_last must be contiguous and k's last dimension contiguous");
   TORCH_CHECK(head_kv.scalar_type() == at::kInt && head_kv.is_contiguous() && head_kv.numel() == q_last.size(0),
               "head_kv must be int32 [H]");
@@ -293,17 +354,31 @@ std::tuple<at::Tensor, at::Tensor> vertical_slash_scores(const at::Tensor& q_las
   at::Tensor vert = at::zeros({h_n, t}, q_last.options());
   at::Tensor slash = at::zeros({h_n, t}, q_last.options());
   const float* qp = q_last.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
+  const T* kp = k.data_ptr<T>();
   float* vp = vert.data_ptr<float>();
   float* sp = slash.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   std::atomic<int> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> s(static_cast<size_t>(lq) * t);
+    std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : static_cast<size_t>(t) * d);
+    int held = -1;  // the KV head kbuf holds (query heads of one group come one after another)
     for (int h = next.fetch_add(1); h < h_n; h = next.fetch_add(1)) {
       const float* qh = qp + static_cast<int64_t>(h) * lq * d;
+      const T* kh = kp + static_cast<int64_t>(hkvp[h]) * sk;
+      const float* kt;
+      int ldkt;
+      if constexpr (std::is_same_v<T, float>) {
+        kt = kh;
+        ldkt = ldk;
+      } else {
+        if (held != hkvp[h]) rows_to_f32(kh, ldk, t, d, kbuf.data());
+        held = hkvp[h];
+        kt = kbuf.data();
+        ldkt = d;
+      }
       // s[lq, T] = scale * q[lq, d] @ k^T
-      gemm('T', 'N', t, lq, d, fscale, kp + static_cast<int64_t>(hkvp[h]) * sk, ldk, qh, d, 0.0f, s.data(), t);
+      gemm('T', 'N', t, lq, d, fscale, kt, ldkt, qh, d, 0.0f, s.data(), t);
       float* vh = vp + static_cast<int64_t>(h) * t;
       float* sh = sp + static_cast<int64_t>(h) * t;
       for (int r = 0; r < lq; ++r) {
@@ -324,6 +399,17 @@ std::tuple<at::Tensor, at::Tensor> vertical_slash_scores(const at::Tensor& q_las
     }
   });
   return {vert, slash};
+}
+
+std::tuple<at::Tensor, at::Tensor> vertical_slash_scores(const at::Tensor& q_last, const at::Tensor& k,
+                                                         const at::Tensor& head_kv, double scale) {
+  TORCH_CHECK(q_last.dim() == 3 && k.dim() == 3, "q_last must be [H, lq, D] and k [Hkv, T, D]");
+  const auto dt = k.scalar_type();
+  TORCH_CHECK(q_last.scalar_type() == at::kFloat && (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf),
+              "q_last must be float32 and k float32, bfloat16 or float16");
+  if (dt == at::kFloat) return vertical_slash_impl<float>(q_last, k, head_kv, scale);
+  if (dt == at::kBFloat16) return vertical_slash_impl<c10::BFloat16>(q_last, k, head_kv, scale);
+  return vertical_slash_impl<c10::Half>(q_last, k, head_kv, scale);
 }
 
 // Vertical-slash layout build (the same result as kvtrim.attention.patterns' PyTorch builder):

@@ -6,6 +6,13 @@ the blocks vertical-slash slashes cross) followed by the listed single key colum
 verticals, gathered 64 at a time), with an online softmax in float32 (running max and sum, exp2).
 The causal mask is applied in every tile; ``WINDOW`` adds A-shape's element-wise sink/local window.
 
+Dtypes: float16, bfloat16 or float32 inputs; both products take the input dtype's operands
+(``p`` is rounded to it before ``p @ v``, as flash-attention does) and accumulate in float32; the
+output is written in the input dtype. Triton's CPU interpreter (3.9) multiplies bfloat16 operands
+wrongly in ``tl.dot`` (a 16x16 product came out off by 2e10), so on CPU bfloat16 operands are
+widened to float32 just before each product (``UPCAST_DOT``): exact, since a bf16 x bf16 product
+fits a float32, so the interpreter computes what the GPU's bf16 dot with float32 accumulation does.
+
 Layouts: ``q``/``o`` ``[B, Hq, T, D]``, ``k``/``v`` ``[B, Hkv, T, D]`` (any strides), ``Hq = Hkv * G``;
 query head ``h`` reads KV head ``h // G``. ``D`` must be a power of two (64, 128).
 Reference: :func:`kvtrim.attention.reference.masked_attention` with
@@ -28,16 +35,22 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_update(q, k, v, mask, qk_scale, m_i, l_i, acc):
+def _tile_update(q, k, v, mask, qk_scale, m_i, l_i, acc, UPCAST_DOT: tl.constexpr):
     """Online-softmax update with one key tile; ``k`` is ``[D, N]``, ``v`` ``[N, D]``."""
-    qk = tl.dot(q, k) * qk_scale
+    if UPCAST_DOT:
+        qk = tl.dot(q.to(tl.float32), k.to(tl.float32)) * qk_scale
+    else:
+        qk = tl.dot(q, k) * qk_scale
     qk = tl.where(mask, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
     p = tl.math.exp2(qk - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if UPCAST_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
@@ -48,6 +61,7 @@ def _sparse_prefill_fwd(
     s_bib, s_bih, s_bin, s_bcb, s_bch, s_cib, s_cih, s_cin, s_ccb, s_cch,
     T, H, G, qk_scale, n_init, n_local,
     BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, WINDOW: tl.constexpr, HAS_COLS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
 ):
     qb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -76,7 +90,7 @@ def _sparse_prefill_fwd(
         mask = key_ok[None, :] & (keys[None, :] <= offs_m[:, None])
         if WINDOW:
             mask = mask & ((keys[None, :] < n_init) | (offs_m[:, None] - keys[None, :] < n_local))
-        m_i, l_i, acc = _tile_update(q, k, v, mask, qk_scale, m_i, l_i, acc)
+        m_i, l_i, acc = _tile_update(q, k, v, mask, qk_scale, m_i, l_i, acc, UPCAST_DOT)
 
     if HAS_COLS:
         n_col = tl.load(CCNT + b * s_ccb + h * s_cch + qb)
@@ -87,7 +101,7 @@ def _sparse_prefill_fwd(
             k = tl.load(k_base + keys[None, :] * s_kt + offs_d[:, None], mask=slot_ok[None, :], other=0.0)
             v = tl.load(v_base + keys[:, None] * s_vt + offs_d[None, :], mask=slot_ok[:, None], other=0.0)
             mask = slot_ok[None, :] & (keys[None, :] <= offs_m[:, None])
-            m_i, l_i, acc = _tile_update(q, k, v, mask, qk_scale, m_i, l_i, acc)
+            m_i, l_i, acc = _tile_update(q, k, v, mask, qk_scale, m_i, l_i, acc, UPCAST_DOT)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows with no key -> 0
     tl.store(O + b * s_ob + h * s_oh + offs_m[:, None] * s_ot + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -96,7 +110,8 @@ def _sparse_prefill_fwd(
 def sparse_attention_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: SparseLayout, scaling: float | None = None
 ) -> torch.Tensor:
-    """Run the kernel: ``[B, Hq, T, D]`` x ``[B, Hkv, T, D]`` -> ``[B, Hq, T, D]`` in ``q.dtype``.
+    """Run the kernel: ``[B, Hq, T, D]`` x ``[B, Hkv, T, D]`` -> ``[B, Hq, T, D]`` in ``q.dtype``
+    (float16, bfloat16 or float32; k and v in the same dtype; float32 accumulation).
 
     The last dimension of q, k, v must be contiguous; the layout must have ``block_size`` 16..128,
     a power of two, and ``[B or 1, Hq]`` rows (a batch-1 layout is broadcast).
@@ -113,6 +128,8 @@ def sparse_attention_triton(
     lb, lh = layout.block_cnt.shape[:2]
     if lh != hq or lb not in (1, b):
         raise ValueError(f"layout rows [{lb}, {lh}] do not match [B={b}, Hq={hq}]")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share one dtype of float16, bfloat16, float32; got {q.dtype}, {k.dtype}, {v.dtype}")
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     dev = q.device
     bidx, bcnt = layout.block_idx.to(dev, torch.int32).contiguous(), layout.block_cnt.to(dev, torch.int32).contiguous()
@@ -136,5 +153,6 @@ def sparse_attention_triton(
         t, hq, g, scale * _LOG2E,
         layout.n_init if window else 0, layout.n_local if window else 0,
         BLOCK=bs, HEAD_DIM=d, WINDOW=window, HAS_COLS=has_cols,
+        UPCAST_DOT=q.dtype == torch.bfloat16 and dev.type == "cpu",  # CPU = the interpreter (see the module doc)
     )
     return o
