@@ -93,7 +93,7 @@ def test_load_model_refuses_a_bad_dtype_or_device_before_loading(tmp_path):
             load_model(tmp_path / "does-not-exist", device="cuda")
 
 
-MODEL_COMMANDS = ["generate", "search-patterns", "demo", "chat", "stream", "eval", "bench"]
+MODEL_COMMANDS = ["generate", "search-patterns", "demo", "chat", "stream", "eval", "bench", "calibrate"]
 
 
 def test_every_command_that_loads_a_model_takes_dtype_and_device():

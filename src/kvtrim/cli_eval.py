@@ -111,14 +111,15 @@ def cmd_calibrate(args) -> int:
 
     from kvtrim import reference_models
     from kvtrim.budget import model_fingerprint
+    from kvtrim.cli import check_model_options, load_from_args
     from kvtrim.eval.calibrate import build_calibration, read_sweeps
     from kvtrim.eval.plan import make_plan
     from kvtrim.eval.store import check_out_dir
     from kvtrim.eval.sweep import run_eval
-    from kvtrim.models import load_model
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
                      plain=args.plain_prompt)
+    check_model_options(args)
     if "ppl" in plan.tasks:
         raise KVTrimError("ppl has no answer to compare with the full cache's; calibrate on tasks with answers "
                           "(passkey, niah_*, vt, cwe, fwe, multiturn, labelfree)")
@@ -135,7 +136,7 @@ def cmd_calibrate(args) -> int:
         path, source = resolve_model(args.model)
         net = AutoConfig.from_pretrained(str(path))
     else:
-        lm = load_model(args.model)
+        lm = load_from_args(args)
         source, net = lm.source, lm.model
     for d in args.extra or []:
         read_sweeps([d], source)  # refused before the sweep runs: another model, corrupted lines
@@ -209,6 +210,7 @@ def add_eval_commands(sub) -> None:
                                                             "--extra (a partial sweep gives a calibration from fewer samples)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--out", required=True, help="the calibration JSON to write (pass it to --calibration)")
+    model_options(c)
     c.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="speed and memory: prefill vs length, decode per token, resident KV bytes, peak RSS")
