@@ -223,6 +223,7 @@ class KVTrimBuilder(CPUAttentionMetadataBuilder):
                     new_table, new_seq = table.clone(), cm.seq_lens.clone()
                 new_table[r] = plan.compacted_row(table[r], first, stop)
                 new_seq[r] -= (stop - first) * bs
+                _once(f"{s.cfg.method}: attention reads the kept blocks only")
         if new_table is not None and new_seq is not None:
             cm = dataclasses.replace(cm, block_table_tensor=new_table, seq_lens=new_seq,
                                      max_seq_len=int(new_seq.max()))
