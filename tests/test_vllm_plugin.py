@@ -48,6 +48,7 @@ def _model_dir() -> str:
 
 def _env() -> dict:
     env = dict(os.environ, KVTRIM_VLLM_MODEL=_model_dir(), OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV pool: plenty for these prompts, small for a shared machine
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     return env
 
