@@ -62,6 +62,18 @@ def table(d: dict) -> str:
             f"| {name} | " + " | ".join(cells) + f" | {v['passkey_correct']}/{v['passkey_samples']} | {v['passkey_vs_dense']:.0%} | "
             + " | ".join(ppl) + f" | {v['mean_density']:.2f} |"
         )
+    # prefill time of the pass-key prompts: same process, configurations alternating per sample
+    import statistics
+
+    times = []
+    for n in lengths:
+        med = {name: statistics.median(r["prefill_seconds"] for r in d["rows"]
+                                       if r["kind"] == "passkey" and r["prefill"] == name and r["length"] == n)
+               for name in s}
+        times.append(f"{n}: " + ", ".join(f"{name} {med[name]:.1f} s" + ("" if name == "dense" else f" ({med['dense'] / med[name]:.2f}x)")
+                                          for name in s))
+    lines += ["", "Median prefill seconds of the pass-key prompts (each sample ran every configuration in turn, one "
+              "process; a check, not the timing benchmark): " + "; ".join(times) + "."]
     return "\n".join(lines)
 
 
