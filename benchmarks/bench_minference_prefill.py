@@ -56,7 +56,7 @@ def table(d: dict) -> str:
     """The markdown table of a prefill result (docs/minference.md, README)."""
     m = d["machine"]
     lines = [
-        f"SmolLM2-135M-Instruct, float32, torch {d.get('versions', m)['torch']}, {m.get('torch_threads')} threads, {d['date'][:10]}; "
+        f"{d.get('model') or 'SmolLM2-135M-Instruct'}, float32, torch {d.get('versions', m)['torch']}, {m.get('torch_threads')} threads, {d['date'][:10]}; "
         "median wall seconds of one prefill forward (reps per row), configurations interleaved"
         + ("; every forward in its own process." if d.get("isolated") else "."),
         "",
