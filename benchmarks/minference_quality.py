@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 
 import torch
@@ -63,8 +64,6 @@ def table(d: dict) -> str:
             + " | ".join(ppl) + f" | {v['mean_density']:.2f} |"
         )
     # prefill time of the pass-key prompts: same process, configurations alternating per sample
-    import statistics
-
     times = []
     for n in lengths:
         med = {name: statistics.median(r["prefill_seconds"] for r in d["rows"]

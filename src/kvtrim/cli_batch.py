@@ -122,16 +122,17 @@ def write_line(d: dict) -> None:
 
 def cmd_generate_batch(args, prefill_from_args) -> int:
     """``kvtrim generate --prompts-file FILE`` (``prefill_from_args``: the generate command's sparse-prefill builder)."""
+    from kvtrim.cli import check_model_options, load_from_args
     from kvtrim.decoding import max_context
     from kvtrim.generation import check_prompt, generate_batch
-    from kvtrim.models import build_prompt_ids, load_model, resolve_device, resolve_dtype
+    from kvtrim.models import build_prompt_ids
     from kvtrim.validate import integer, number
 
     if getattr(args, "image", None):
         raise KVTrimError("--prompts-file takes text prompts; --image runs one prompt at a time")
     if getattr(args, "quality", None) is not None:
         raise KVTrimError("--quality is not supported with --prompts-file; give each line its own \"keep\" (or --keep for all)")
-    dtype, device = resolve_dtype(getattr(args, "dtype", None)), resolve_device(getattr(args, "device", None))
+    check_model_options(args)  # a bad --dtype/--device is refused before the file is read
     integer(args.max_new_tokens, "--max-new-tokens", minimum=0, unit="tokens")
     integer(args.max_rows, "--max-rows", minimum=1)
     if args.sample:
@@ -147,7 +148,7 @@ def cmd_generate_batch(args, prefill_from_args) -> int:
     if args.plain_prompt and not all(p.chat for p in lines):
         raise KVTrimError('--plain-prompt formats questions; a "prompt" line is raw text')
     context = "" if args.context_file is None else _read_context(args.context_file)
-    lm = load_model(args.model, dtype=dtype, device=device)
+    lm = load_from_args(args)
     prefill = prefill_from_args(args, lm.model)
     max_ctx = max_context(lm.model)
     prompts, limits = [], []
