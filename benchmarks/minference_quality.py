@@ -5,8 +5,8 @@
   sparse prefill (``minference`` = the shipped or given per-head config, plus any single-pattern
   modes asked for). Sparse prefill is forced on every prompt (``min_length=1``), so short prompts
   are judged too. Decode is dense in every case (MInference is a prefill method).
-- Perplexity: the first ``--ppl-tokens`` tokens of a package text, one prefill forward with all
-  logits, dense vs sparse.
+- Perplexity: the first ``--ppl-tokens`` tokens of a package text, one prefill forward, dense vs
+  sparse (the loss forms the logits in chunks of positions).
 
 Output (:mod:`kvtrim.harness`): JSON (machine record, per-sample rows, summary). Example::
 
@@ -86,16 +86,35 @@ def _hooks(model, args) -> dict[str, SparsePrefill | None]:
     return hooks
 
 
+#: Prompt positions whose logits are formed at once when computing the perplexity loss.
+LOSS_CHUNK = 1024
+
+
 @torch.inference_mode()
 def perplexity(model, ids: list[int], hook) -> tuple[float, dict | None]:
-    """Perplexity of ``ids`` from one prefill forward with all logits (dense or sparse prefill)."""
+    """Perplexity of ``ids`` from one prefill forward (dense or sparse prefill).
+
+    The forward returns the final hidden states (the output head is swapped for an identity while it
+    runs); the loss then forms the logits ``LOSS_CHUNK`` positions at a time, so a 32k-token prompt
+    never holds a ``[32k, vocab]`` float32 matrix (19.5 GB for Qwen's 152k vocabulary).
+    """
     cache = KVTrimCache(model, "full")
     if hook is not None:
         hook.reset_stats()
-    with attach(model, prefill_attention=hook):
-        logits = decoding.run(model, decoding.prefill(cache, ids, all_logits=True))[:-1]
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]), reduction="mean")
-    return math.exp(float(nll)), (hook.stats() if hook is not None else None)
+    head = model.get_output_embeddings()
+    model.set_output_embeddings(torch.nn.Identity())
+    try:
+        with attach(model, prefill_attention=hook):
+            hidden = decoding.run(model, decoding.prefill(cache, ids, all_logits=True))[:-1]
+    finally:
+        model.set_output_embeddings(head)
+    target = torch.tensor(ids[1:], device=hidden.device)
+    total = 0.0
+    for i in range(0, len(target), LOSS_CHUNK):
+        logits = head(hidden[i:i + LOSS_CHUNK].to(head.weight.dtype)).float()
+        total += float(torch.nn.functional.cross_entropy(logits, target[i:i + LOSS_CHUNK], reduction="sum"))
+    nll = total / len(target)
+    return math.exp(nll), (hook.stats() if hook is not None else None)
 
 
 def main(argv: list[str] | None = None) -> int:
