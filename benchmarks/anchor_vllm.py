@@ -146,9 +146,10 @@ def worker_main(args) -> None:
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
+    extra = {"hf_overrides": json.loads(args.hf_overrides)} if args.hf_overrides else {}
     llm = LLM(
-        model=args.model_dir, dtype=args.dtype, enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=MAX_MODEL_LEN, max_num_seqs=1, seed=0, disable_log_stats=False,
+        model=args.model_dir, dtype=args.dtype, enable_prefix_caching=False, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_model_len, max_num_seqs=1, seed=0, disable_log_stats=False, **extra,
     )
     load_s = time.perf_counter() - t0
     eng = llm.llm_engine
@@ -169,6 +170,7 @@ def worker_main(args) -> None:
         "max_num_batched_tokens": eng.vllm_config.scheduler_config.max_num_batched_tokens,
         "max_model_len": mc.max_model_len,
         "compilation_mode": str(eng.vllm_config.compilation_config.mode),
+        "rope_parameters": getattr(hf, "rope_parameters", None), "hf_overrides": extra.get("hf_overrides"),
         "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "LD_PRELOAD")},
         "layers": n_layers, "kv_heads": kv_heads, "head_dim": head_dim,
     }
@@ -275,14 +277,19 @@ def vllm_preload() -> list[str]:
 class VLLMWorker:
     """The vLLM subprocess (in ``.venv-vllm``), one JSON command per line."""
 
-    def __init__(self, model_dir: str, dtype: str, threads: int, kv_space_gib: int, log: Path, preload: bool = True):
+    def __init__(self, model_dir: str, dtype: str, threads: int, kv_space_gib: int, log: Path, preload: bool = True,
+                 max_model_len: int = MAX_MODEL_LEN, hf_overrides: dict | None = None):
+        """``max_model_len`` is also vLLM's ``max_num_batched_tokens`` (a prompt up to it prefills in one
+        step); ``hf_overrides`` go to ``LLM(hf_overrides=...)`` (e.g. a scaled ``rope_parameters``)."""
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         if preload:
             env["LD_PRELOAD"] = ":".join(vllm_preload() + [env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else vllm_preload())
         cmd = [str(VPY), str(Path(__file__).resolve()), "--vllm-worker", "--model-dir", model_dir, "--dtype", dtype,
-               "--threads", str(threads), "--kv-space-gib", str(kv_space_gib)]
+               "--threads", str(threads), "--kv-space-gib", str(kv_space_gib), "--max-model-len", str(max_model_len)]
+        if hf_overrides:
+            cmd += ["--hf-overrides", json.dumps(hf_overrides)]
         self.log = open(log, "a")  # noqa: SIM115 - the worker's stderr for its whole life
         self.log.write(f"\n=== {' '.join(cmd)}\n")
         self.log.flush()
@@ -325,6 +332,27 @@ def _prefix_match(a: list, b: list) -> int:
     return n
 
 
+def kvtrim_generate(model, tok, ids: list, policy, prefill, n_new: int) -> dict:
+    """One ``generate_ids`` call (greedy, ``n_new`` tokens, no EOS stop): its timings, KV bytes and tokens.
+
+    CPU seconds of this process: prefill = up to the end of the first forward (a forward hook),
+    decode = the rest.
+    """
+    from kvtrim.generation import generate_ids
+
+    marks = [time.process_time()]
+    hook = model.register_forward_hook(lambda *_: marks.append(time.process_time()))
+    try:
+        res = generate_ids(model, tok, ids, policy, max_new_tokens=n_new, stop_at_eos=False, prefill=prefill)
+    finally:
+        hook.remove()
+    return {"prefill_cpu_seconds": marks[1] - marks[0], "decode_cpu_seconds": marks[-1] - marks[1],
+            "prefill_seconds": res.prefill_seconds, "decode_seconds": res.decode_seconds,
+            "decode_steps": res.decode_steps, "kv_bytes": res.kv_bytes, "kv_bytes_stored": res.kv_bytes_stored,
+            "kv_bytes_full": res.kv_bytes_full, "stored_tokens": res.stored_tokens, "token_ids": res.token_ids,
+            "prefill_stats": res.prefill}
+
+
 def run(args) -> dict:
     versions = setup_env()
     import torch
@@ -335,7 +363,6 @@ def run(args) -> dict:
     import kvtrim
     from kvtrim import harness
     from kvtrim.eval import make_samples
-    from kvtrim.generation import generate_ids
     from kvtrim.integrations.prefill import make_prefill
     from kvtrim.models import build_prompt_ids, load_model, resolve_model
     from kvtrim.registry import create_policy
@@ -394,19 +421,8 @@ def run(args) -> dict:
                 pol = create_policy(name, **dict(methods)[name])
                 pre = make_prefill(model, prefill_mode) if prefill_mode else None
                 n_new = min(args.max_new, 9) if warm else args.max_new
-                marks = [time.process_time()]
-                hook = model.register_forward_hook(lambda *_: marks.append(time.process_time()))
-                try:
-                    res = generate_ids(model, tok, ids, pol, max_new_tokens=n_new, stop_at_eos=False, prefill=pre)
-                finally:
-                    hook.remove()
-                # CPU seconds of this process: prefill = up to the end of the first forward, decode = the rest
-                rec.update(prefill_cpu_seconds=marks[1] - marks[0], decode_cpu_seconds=marks[-1] - marks[1])
-                rec.update(method=name + (" + minference prefill" if pre else ""), dtype=kt_dtype,
-                           prefill_seconds=res.prefill_seconds, decode_seconds=res.decode_seconds,
-                           decode_steps=res.decode_steps, kv_bytes=res.kv_bytes, kv_bytes_stored=res.kv_bytes_stored,
-                           kv_bytes_full=res.kv_bytes_full, stored_tokens=res.stored_tokens, token_ids=res.token_ids,
-                           prefill_stats=res.prefill)
+                rec.update(kvtrim_generate(model, tok, ids, pol, pre, n_new))
+                rec.update(method=name + (" + minference prefill" if pre else ""), dtype=kt_dtype)
             rec["loadavg_after"] = list(os.getloadavg())
             rec["kvtrim_process_cpu_seconds"] = time.process_time() - c0
             rec["vllm_worker_cpu_seconds"] = {d: w.cpu_seconds() - cpu_w0[d] for d, w in workers.items()}
@@ -442,6 +458,27 @@ def run(args) -> dict:
             w.close()
     harness.finish_record(out["machine"])
     return summarize(out)
+
+
+def vllm_kv(info: dict, tokens: int, warm: list) -> dict:
+    """The KV bytes one vLLM request holding ``tokens`` tokens occupies, from the worker's ``info``.
+
+    Blocks in use x block bytes, read from the ``kv_cache_usage`` gauge recorded in the warm-up
+    measurements ``warm`` when there is one, else computed as ceil(tokens / block_size) x block bytes.
+    """
+    bb, bs = info.get("block_bytes"), info["block_size"]
+    row: dict = {"kv_tokens": tokens, "kv_pool_bytes": info.get("pool_bytes")}
+    if bb:
+        row["kv_bytes_computed"] = math.ceil(tokens / bs) * bb
+    usage = [u for m in warm for u in m.get("kv_usage", []) if u.get("kv_cache_usage") is not None]
+    if usage and info.get("num_blocks") and bb:
+        blocks = round(usage[-1]["kv_cache_usage"] * info["num_blocks"])
+        row["kv_blocks_used_gauge"] = blocks
+        row["kv_bytes_gauge"] = blocks * bb
+    row["kv_bytes"] = row.get("kv_bytes_gauge") or row.get("kv_bytes_computed")
+    row["kv_bytes_source"] = "vLLM kv_cache_usage gauge x pool blocks x block bytes" if row.get(
+        "kv_bytes_gauge") else "computed: ceil(tokens / block_size) x block bytes"
+    return row
 
 
 def summarize(out: dict) -> dict:
@@ -485,21 +522,8 @@ def summarize(out: dict) -> dict:
                 row["engine_prefill_seconds"] = statistics.median(e["prefill_seconds"] for e in em)
                 row["engine_decode_ms_per_token"] = statistics.median(
                     1000 * e["decode_seconds"] / max(1, e["num_generation_tokens"] - 1) for e in em)
-            bb, bs = info.get("block_bytes"), info["block_size"]
             warm = [m for m in out["measurements"] if m["length"] == L and m["engine"] == eng and m.get("warmup")]
-            tokens = int(row["prompt_tokens"]) + out["setting"]["max_new_tokens"] - 1
-            row["kv_tokens"] = tokens
-            row["kv_pool_bytes"] = info.get("pool_bytes")
-            if bb:
-                row["kv_bytes_computed"] = math.ceil(tokens / bs) * bb
-            usage = [u for m in warm for u in m.get("kv_usage", []) if u.get("kv_cache_usage") is not None]
-            if usage and info.get("num_blocks") and bb:
-                blocks = round(usage[-1]["kv_cache_usage"] * info["num_blocks"])
-                row["kv_blocks_used_gauge"] = blocks
-                row["kv_bytes_gauge"] = blocks * bb
-            row["kv_bytes"] = row.get("kv_bytes_gauge") or row.get("kv_bytes_computed")
-            row["kv_bytes_source"] = "vLLM kv_cache_usage gauge x pool blocks x block bytes" if row.get(
-                "kv_bytes_gauge") else "computed: ceil(tokens / block_size) x block bytes"
+            row.update(vllm_kv(info, int(row["prompt_tokens"]) + out["setting"]["max_new_tokens"] - 1, warm))
         else:
             row["kv_bytes"] = statistics.median(m["kv_bytes"] for m in sel)
             row["kv_bytes_stored"] = statistics.median(m["kv_bytes_stored"] for m in sel)
@@ -630,6 +654,8 @@ def main() -> None:
     p.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN, help=argparse.SUPPRESS)
+    p.add_argument("--hf-overrides", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.vllm_worker:
         worker_main(args)

@@ -81,9 +81,9 @@ def table(d: dict) -> str:
 
 
 def scale_rope(model, length: int, base_ctx: int) -> None:
-    """Linear RoPE scaling so ``length`` positions map into the trained range (timing only)."""
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    """Linear RoPE scaling so ``length`` positions map into the trained range (timing only).
 
+    The model's rotary module is rebuilt, as its own class, from the changed config."""
     cfg = model.config
     factor = max(1.0, length / base_ctx)
     if factor == 1.0 and not getattr(model, "_kvtrim_rope_scaled", False):
@@ -91,7 +91,7 @@ def scale_rope(model, length: int, base_ctx: int) -> None:
     theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     cfg.rope_parameters = {"rope_type": "linear" if factor > 1 else "default", "factor": factor, "rope_theta": theta}
     cfg.max_position_embeddings = max(base_ctx, length)
-    model.model.rotary_emb = LlamaRotaryEmbedding(cfg)
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
     model._kvtrim_rope_scaled = True
 
 
