@@ -323,7 +323,8 @@ class VLLMWorker:
         self.log.close()
 
 
-def _prefix_match(a: list, b: list) -> int:
+def prefix_match(a: list, b: list) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -533,7 +534,7 @@ def summarize(out: dict) -> dict:
         for m in sel:
             ref = next((f for f in full if f["rep"] == m["rep"]), None)
             if ref is not None:
-                agree.append(_prefix_match(m["token_ids"], ref["token_ids"]))
+                agree.append(prefix_match(m["token_ids"], ref["token_ids"]))
         row["greedy_prefix_match_vs_kvtrim_full"] = agree
         rows.append(row)
     for r in rows:

@@ -28,6 +28,9 @@ trained context: kvtrim through ``bench_minference_prefill.scale_rope``, vLLM th
 max-length check multiplies into the trained context. Lengths within the context use the model's
 own RoPE. vLLM's ``max_model_len`` (= ``max_num_batched_tokens``) is the context those lengths
 need; a vLLM worker is started per (model, RoPE factor) and closed when its lengths are done.
+``--rope-context N`` runs every length as if it needed N tokens of context, which exercises the
+scaled path on short prompts (a ``full`` config beside shows whether both sides scale alike: its
+greedy tokens then match vLLM's).
 
 Repetitions: one warm-up round, then ``--reps`` rounds, vLLM and kvtrim interleaved with the order
 alternating (:func:`kvtrim.harness.interleave`). Medians are reported with ``os.getloadavg()``.
@@ -90,7 +93,7 @@ def run(args) -> dict:
             "label": args.label, "models": args.model, "lengths": args.lengths, "reps": args.reps, "warmup": 1,
             "max_new_tokens": args.max_new, "threads": args.threads, "keep": args.keep,
             "kvtrim_configs": [c["name"] for c in configs], "kvtrim_dtype": args.kvtrim_dtype,
-            "vllm_dtype": args.vllm_dtype, "min_length": args.min_length, "kv_space_gib": args.kv_space_gib,
+            "vllm_dtype": args.vllm_dtype, "min_length": args.min_length, "rope_context": args.rope_context, "kv_space_gib": args.kv_space_gib,
             "task": "passkey (kvtrim.eval.make_samples, seed 0); rep r answers sample r; prompt ids given to both engines",
             "greedy": True, "vllm_prefix_caching": False, "vllm_thread_binding": "nobind",
             "vllm_ld_preload": not args.no_preload, "kv_target": KV_TARGET,
@@ -129,7 +132,7 @@ def run_model(name: str, args, configs: list, out: dict) -> None:
     for L in args.lengths:
         samples[L] = make_samples("passkey", tok, L, n=args.reps, seed=0)
         prompts[L] = [build_prompt_ids(tok, s.prompt) for s in samples[L]]
-        plans[L] = rope_plan(needed_context(max(map(len, prompts[L])), args.max_new), base_ctx)
+        plans[L] = rope_plan(max(needed_context(max(map(len, prompts[L])), args.max_new), args.rope_context), base_ctx)
     unscaled = max((p["context"] for p in plans.values() if p["factor"] == 1.0), default=base_ctx)
     out["models"][label] = {"arg": name, "model_dir": str(model_dir), "trained_context": base_ctx,
                             "kvtrim_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
@@ -213,6 +216,7 @@ def summarize(out: dict) -> dict:
         row = {"model": model, "length": L, "engine": eng, "config": sel[0]["config"], "dtype": sel[0]["dtype"],
                "n": len(sel), "prompt_tokens": statistics.median(m["prompt_tokens"] for m in sel), **med,
                "correct": sum(bool(m["correct"]) for m in sel), "correct_by_rep": {str(m["rep"]): m["correct"] for m in sel},
+               "tokens_by_rep": {str(m["rep"]): m["token_ids"] for m in sel},
                "loadavg_1min_median": statistics.median(m["loadavg_before"][0] for m in sel)}
         if eng.startswith("vllm:"):
             warm = [m for m in out["measurements"] if m["warmup"] and (m["model"], m["length"], m["engine"]) == (model, L, eng)]
@@ -238,10 +242,13 @@ def compare(rows: list) -> list:
         if v is None:
             continue
         kept = [rep for rep, ok in v["correct_by_rep"].items() if ok]
+        agree = [av.prefix_match(k["tokens_by_rep"][rep], v["tokens_by_rep"][rep]) for rep in k["tokens_by_rep"]
+                 if rep in v["tokens_by_rep"]]
         c = {"model": k["model"], "length": k["length"], "prompt_tokens": k["prompt_tokens"], "kvtrim": k["config"],
              "vllm": v["engine"], "kv_ratio": k["kv_bytes"] / v["kv_bytes"] if v.get("kv_bytes") else None,
              "correct_kvtrim": k["correct"], "correct_vllm": v["correct"], "n": k["n"],
-             "answers_kept": all(k["correct_by_rep"].get(rep) for rep in kept)}
+             "answers_kept": all(k["correct_by_rep"].get(rep) for rep in kept),
+             "greedy_prefix_match_vs_vllm": agree, "new_tokens": len(next(iter(k["tokens_by_rep"].values())))}
         for q in ("e2e_seconds", "prefill_seconds", "decode_ms_per_token"):
             c[f"{q}_vllm_over_kvtrim"] = v[q] / k[q]  # > 1: kvtrim is faster
         c["target_e2e"] = k["e2e_seconds"] < v["e2e_seconds"]
@@ -280,8 +287,8 @@ def table(res: dict) -> str:
     lines += [
         "",
         f"| model | length | kvtrim config | end to end: faster | prefill: faster | decode: faster | KV kvtrim / vLLM "
-        f"| pass key kvtrim / vLLM | target (end to end < vLLM, KV <= {KV_TARGET}x, answers kept) |",
-        "|---|---:|---|---|---|---|---:|---:|---|",
+        f"| pass key kvtrim / vLLM | same greedy tokens as vLLM | target (end to end < vLLM, KV <= {KV_TARGET}x, answers kept) |",
+        "|---|---:|---|---|---|---|---:|---:|---:|---|",
     ]
     for c in res["comparison"]:
         kvr = f"{c['kv_ratio']:.3f}x" if c["kv_ratio"] is not None else "-"
@@ -289,10 +296,11 @@ def table(res: dict) -> str:
         lines.append(f"| {c['model']} | {c['length']} | {c['kvtrim']} | {winner(c['e2e_seconds_vllm_over_kvtrim'])} | "
                      f"{winner(c['prefill_seconds_vllm_over_kvtrim'])} | {winner(c['decode_ms_per_token_vllm_over_kvtrim'])} | "
                      f"{kvr} | {c['correct_kvtrim']}/{c['n']} / {c['correct_vllm']}/{c['n']} | "
+                     f"{', '.join(map(str, c['greedy_prefix_match_vs_vllm']))} of {c['new_tokens']} | "
                      + ("met" if c["target_met"] else "missed: " + ", ".join(missed)) + " |")
     lines += ["", "faster = the engine that took less time, by (slower time / faster time). vLLM KV = blocks the "
               "request occupies (prompt + generated tokens) x block bytes; kvtrim KV = resident key/value tensors "
-              "after generation. prefill density = share of the causal attention blocks the sparse prefill computed. "
+              "after generation. same greedy tokens = leading generated tokens equal to vLLM's, per rep. prefill density = share of the causal attention blocks the sparse prefill computed. "
               "answers kept = kvtrim answers every sample that dense vLLM answers."]
     rope = [f"{m} at {L}: linear x{p['factor']:g}" for m, d in res.get("models", {}).items()
             for L, p in d["rope"].items() if p["factor"] > 1]
@@ -318,6 +326,9 @@ def main() -> None:
                    help="METHOD[@KEEP][+minference], e.g. snapkv+minference snapkv@0.1+minference full")
     p.add_argument("--keep", type=float, default=0.25, help="KEEP of a config that names none")
     p.add_argument("--min-length", type=int, default=4096, help="MInference: shorter prompts prefill dense")
+    p.add_argument("--rope-context", type=int, default=0,
+                   help="run every length with the context this asks for (linear RoPE scaling on both sides when it "
+                        "exceeds the trained context; checks the scaled path on short prompts); default: what each length needs")
     p.add_argument("--kv-space-gib", type=int, default=2, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--no-preload", action="store_true", help="do not LD_PRELOAD tcmalloc/libiomp5 for vLLM")
     p.add_argument("--label", default="", help="a line the table prints first (e.g. that a run is a smoke run)")

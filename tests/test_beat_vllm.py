@@ -44,7 +44,8 @@ def _m(engine, rep, prefill, decode_s, correct, *, warm=False, kv=None, usage=No
     m = {"model": "M", "length": 100, "prompt_tokens": 130, "rep": rep, "warmup": warm, "engine": engine,
          "config": "dense" if engine.startswith("vllm") else engine.split(":", 1)[1], "dtype": "bfloat16",
          "prefill_seconds": prefill, "decode_seconds": decode_s, "decode_steps": 4, "e2e_seconds": prefill + decode_s,
-         "decode_ms_per_token": 1000 * decode_s / 4, "correct": correct, "loadavg_before": [1.0, 1, 1]}
+         "decode_ms_per_token": 1000 * decode_s / 4, "correct": correct, "loadavg_before": [1.0, 1, 1],
+         "token_ids": [1, 2, 3, 4, 5] if engine.startswith("vllm") or rep else [1, 2, 9, 4, 5]}
     if engine.startswith("vllm"):
         m.update(vllm_worker="M|rope x1", kv_usage=usage or [])
     else:
@@ -82,7 +83,7 @@ def test_summary_comparison_and_table(mod):
     text = mod.table(res)
     assert text.startswith("**SMOKE**")
     assert "| M | 100 | 130 | vllm | dense (bfloat16) | 3.00 | 1 (dense) | 100.0 | 3.40 | 0.0 | 1/2 | 1.00 |" in text
-    assert ("| M | 100 | snapkv@0.25+minference | kvtrim 2.83x | kvtrim 3.00x | kvtrim 2.00x | 0.278x | 2/2 / 1/2 | met |"
+    assert ("| M | 100 | snapkv@0.25+minference | kvtrim 2.83x | kvtrim 3.00x | kvtrim 2.00x | 0.278x | 2/2 / 1/2 | 2, 5 of 5 | met |"
             in text)
 
 
@@ -92,4 +93,4 @@ def test_targets_missed_are_named(mod):
     (c,) = res["comparison"]
     assert not c["target_e2e"] and not c["target_kv"] and not c["answers_kept"] and not c["target_met"]
     row = next(line for line in mod.table(res).splitlines() if "snapkv@0.25+minference | vLLM" in line)
-    assert "| vLLM 1.53x | vLLM 1.67x | kvtrim 2.00x | 0.444x | 1/2 / 1/2 | missed: end to end, KV, answers |" in row
+    assert "| vLLM 1.53x | vLLM 1.67x | kvtrim 2.00x | 0.444x | 1/2 / 1/2 | 2, 5 of 5 | missed: end to end, KV, answers |" in row
