@@ -77,6 +77,52 @@ def parse_config(text: str, keep: float) -> dict:
     return {"name": name, "method": method, "keep": kept, "prefill": "minference" if plus else None}
 
 
+# ------------------------------------------------------------------------------- RoPE agreement
+def rope_check_worker(factors: list, theta: float, head_dim: int, positions: int) -> None:
+    """In vLLM's venv: rotate random q and k with vLLM's ``get_rope`` (linear scaling at each factor)
+    and with transformers' ``LlamaRotaryEmbedding`` built from the same ``rope_parameters`` (what
+    ``scale_rope`` installs in kvtrim's model); print the largest differences as JSON."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    base_ctx, heads, kv_heads = 8192, 9, 3
+    out = {}
+    for f in factors:
+        rp = {"rope_type": "linear", "factor": f, "rope_theta": theta}
+        cfg = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          head_dim=head_dim, max_position_embeddings=int(base_ctx * f), rope_parameters=rp)
+        pos = torch.arange(positions)
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, heads, positions, head_dim, generator=gen)
+        k = torch.randn(1, kv_heads, positions, head_dim, generator=gen)
+        qh, kh = apply_rotary_pos_emb(q, k, *LlamaRotaryEmbedding(cfg)(q, pos[None]))
+        with set_current_vllm_config(VllmConfig()):
+            rope = get_rope(head_dim, max_position=base_ctx, is_neox_style=True, rope_parameters=rp, dtype=torch.float32)
+        qv, kv = rope.forward_native(pos, q[0].transpose(0, 1).reshape(positions, -1).clone(),
+                                     k[0].transpose(0, 1).reshape(positions, -1).clone())
+        qv = qv.reshape(positions, heads, head_dim).transpose(0, 1)[None]
+        kv = kv.reshape(positions, kv_heads, head_dim).transpose(0, 1)[None]
+        out[str(f)] = {"vllm_class": type(rope).__name__, "max_abs_diff_q": float((qv - qh).abs().max()),
+                       "max_abs_diff_k": float((kv - kh).abs().max()), "max_abs_q": float(qh.abs().max())}
+    print(av.TAG + json.dumps(out), flush=True)
+
+
+def rope_check(factors: list, theta: float = 100000.0, head_dim: int = 64, positions: int = 4096) -> dict:
+    """:func:`rope_check_worker` run in ``benchmarks/.venv-vllm``; its JSON."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    cmd = [str(av.VPY), str(Path(__file__).resolve()), "--rope-check-worker", *map(str, factors),
+           "--rope-theta", str(theta), "--head-dim", str(head_dim), "--positions", str(positions)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    line = next(x for x in r.stdout.splitlines() if x.startswith(av.TAG))
+    return {"factors": json.loads(line[len(av.TAG):]), "rope_theta": theta, "head_dim": head_dim, "positions": positions,
+            "command": "benchmarks/beat_vllm.py " + " ".join(cmd[2:])}
+
+
 # ------------------------------------------------------------------------------------- measuring
 def run(args) -> dict:
     versions = av.setup_env()
@@ -331,9 +377,25 @@ def main() -> None:
                         "exceeds the trained context; checks the scaled path on short prompts); default: what each length needs")
     p.add_argument("--kv-space-gib", type=int, default=2, help="vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--no-preload", action="store_true", help="do not LD_PRELOAD tcmalloc/libiomp5 for vLLM")
+    p.add_argument("--rope-check", type=float, nargs="+", metavar="FACTOR",
+                   help="only compare vLLM's and transformers' linear RoPE at these factors (q, k rotated by both); "
+                        "prints JSON, writes it to --out when given")
+    p.add_argument("--rope-check-worker", type=float, nargs="+", help=argparse.SUPPRESS)
+    p.add_argument("--rope-theta", type=float, default=100000.0, help=argparse.SUPPRESS)
+    p.add_argument("--head-dim", type=int, default=64, help=argparse.SUPPRESS)
+    p.add_argument("--positions", type=int, default=4096, help=argparse.SUPPRESS)
     p.add_argument("--label", default="", help="a line the table prints first (e.g. that a run is a smoke run)")
     p.add_argument("--log", default=str(av.VENV / "beat_vllm.log"), help="vLLM worker log")
     args = p.parse_args()
+    if args.rope_check_worker:
+        rope_check_worker(args.rope_check_worker, args.rope_theta, args.head_dim, args.positions)
+        return
+    if args.rope_check:
+        res = rope_check(args.rope_check, args.rope_theta, args.head_dim, args.positions)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+        print(json.dumps(res, indent=1))
+        return
     if args.table:
         print(table(summarize(json.loads(Path(args.table).read_text()))))
         return
