@@ -265,6 +265,10 @@ def summarize(out: dict) -> dict:
                "correct": sum(bool(m["correct"]) for m in sel), "correct_by_rep": {str(m["rep"]): m["correct"] for m in sel},
                "tokens_by_rep": {str(m["rep"]): m["token_ids"] for m in sel},
                "loadavg_1min_median": statistics.median(m["loadavg_before"][0] for m in sel)}
+        if all("prefill_cpu_seconds" in m for m in sel):  # CPU time of the engine's processes: the load-robust view
+            row["prefill_cpu_seconds"] = statistics.median(m["prefill_cpu_seconds"] for m in sel)
+            row["decode_cpu_ms_per_token"] = statistics.median(1000 * m["decode_cpu_seconds"] / max(1, m["decode_steps"])
+                                                               for m in sel)
         if eng.startswith("vllm:"):
             warm = [m for m in out["measurements"] if m["warmup"] and (m["model"], m["length"], m["engine"]) == (model, L, eng)]
             row.update(av.vllm_kv(out["vllm"][sel[0]["vllm_worker"]], int(row["prompt_tokens"]) +
@@ -322,15 +326,17 @@ def table(res: dict) -> str:
         f"date {res['machine']['date']}",
         "",
         "| model | length | prompt tokens | engine | config | prefill s | prefill density | decode ms/token | end to end s "
-        "| KV MiB | pass key | load (1 min) |",
-        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| prefill CPU s | decode CPU ms/token | KV MiB | pass key | load (1 min) |",
+        "|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["summary"]:
         kv = f"{r['kv_bytes'] / 2**20:.1f}" if r.get("kv_bytes") else "-"
+        cpu = " | ".join(f"{r[k]:{f}}" if r.get(k) is not None else "-"
+                         for k, f in (("prefill_cpu_seconds", ".2f"), ("decode_cpu_ms_per_token", ".1f")))
         dens = f"{r['prefill_density']:.3f}" if r.get("prefill_density") is not None else "1 (dense)"
         lines.append(f"| {r['model']} | {r['length']} | {int(r['prompt_tokens'])} | {r['engine'].split(':')[0]} | "
                      f"{r['config']} ({r['dtype']}) | {r['prefill_seconds']:.2f} | {dens} | {r['decode_ms_per_token']:.1f} | "
-                     f"{r['e2e_seconds']:.2f} | {kv} | {r['correct']}/{r['n']} | {r['loadavg_1min_median']:.2f} |")
+                     f"{r['e2e_seconds']:.2f} | {cpu} | {kv} | {r['correct']}/{r['n']} | {r['loadavg_1min_median']:.2f} |")
     lines += [
         "",
         f"| model | length | kvtrim config | end to end: faster | prefill: faster | decode: faster | KV kvtrim / vLLM "
@@ -347,7 +353,8 @@ def table(res: dict) -> str:
                      + ("met" if c["target_met"] else "missed: " + ", ".join(missed)) + " |")
     lines += ["", "faster = the engine that took less time, by (slower time / faster time). vLLM KV = blocks the "
               "request occupies (prompt + generated tokens) x block bytes; kvtrim KV = resident key/value tensors "
-              "after generation. same greedy tokens = leading generated tokens equal to vLLM's, per rep. prefill density = share of the causal attention blocks the sparse prefill computed. "
+              "after generation. CPU = CPU seconds of the engine's processes in the phase (vLLM: front end + engine core + "
+              "model worker), less sensitive than wall time to other load. same greedy tokens = leading generated tokens equal to vLLM's, per rep. prefill density = share of the causal attention blocks the sparse prefill computed. "
               "answers kept = kvtrim answers every sample that dense vLLM answers."]
     rope = [f"{m} at {L}: linear x{p['factor']:g}" for m, d in res.get("models", {}).items()
             for L, p in d["rope"].items() if p["factor"] > 1]

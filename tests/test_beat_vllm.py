@@ -44,7 +44,8 @@ def _m(engine, rep, prefill, decode_s, correct, *, warm=False, kv=None, usage=No
     m = {"model": "M", "length": 100, "prompt_tokens": 130, "rep": rep, "warmup": warm, "engine": engine,
          "config": "dense" if engine.startswith("vllm") else engine.split(":", 1)[1], "dtype": "bfloat16",
          "prefill_seconds": prefill, "decode_seconds": decode_s, "decode_steps": 4, "e2e_seconds": prefill + decode_s,
-         "decode_ms_per_token": 1000 * decode_s / 4, "correct": correct, "loadavg_before": [1.0, 1, 1],
+         "decode_ms_per_token": 1000 * decode_s / 4, "correct": correct, "prefill_cpu_seconds": prefill / 2,
+         "decode_cpu_seconds": decode_s, "loadavg_before": [1.0, 1, 1],
          "token_ids": [1, 2, 3, 4, 5] if engine.startswith("vllm") or rep else [1, 2, 9, 4, 5]}
     if engine.startswith("vllm"):
         m.update(vllm_worker="M|rope x1", kv_usage=usage or [])
@@ -82,7 +83,7 @@ def test_summary_comparison_and_table(mod):
     assert c["decode_ms_per_token_vllm_over_kvtrim"] == 2.0 and c["answers_kept"] and c["target_met"]
     text = mod.table(res)
     assert text.startswith("**SMOKE**")
-    assert "| M | 100 | 130 | vllm | dense (bfloat16) | 3.00 | 1 (dense) | 100.0 | 3.40 | 0.0 | 1/2 | 1.00 |" in text
+    assert "| M | 100 | 130 | vllm | dense (bfloat16) | 3.00 | 1 (dense) | 100.0 | 3.40 | 1.50 | 100.0 | 0.0 | 1/2 | 1.00 |" in text
     assert ("| M | 100 | snapkv@0.25+minference | kvtrim 2.83x | kvtrim 3.00x | kvtrim 2.00x | 0.278x | 2/2 / 1/2 | 2, 5 of 5 | met |"
             in text)
 
