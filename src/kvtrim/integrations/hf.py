@@ -29,7 +29,8 @@ import torch
 
 from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache, cache_keyword
 from kvtrim.errors import KVTrimError
-from kvtrim.scores import decode_attention
+from kvtrim.attention.fused import causal_attention_scores, fused_backend
+from kvtrim.scores import PromptScores, decode_attention
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ _users = 0
 _BASE: dict[int, str] = {}
 # Optional prefill attention override (sparse prefill), keyed by id(config): fn(module, q, k, v, mask, scaling, **kw)
 _PREFILL: dict[int, Callable[..., Any]] = {}
+# Whether a prefill's attention also computes the scores the policy asks for (fused scoring), by id(config)
+_FUSED: dict[int, bool] = {}
 
 
 def _base_fn(name: str, module=None):
@@ -102,6 +105,8 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         # probabilities over instead of running SDPA and recomputing q @ K in the policy
         res = decode_attention(query, key, value, scale)
         res, layer.decode_probs = (res[0], None), res[1]
+    if res is None and bias is None and layer.phase == "prefill" and _FUSED.get(id(module.config), False):
+        res = _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs)
     if res is None:
         if bias is not None:
             attention_mask = with_logit_bias(attention_mask, bias[:, :, : key.shape[-2]], query)
@@ -111,7 +116,28 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         binding.cache.after_attention(layer, query, key, scale)
     finally:
         layer.decode_probs = None
+        layer.attention_scores = None
     return out, weights
+
+
+def _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs):
+    """The prefill attention computed together with the scores the policy asked for
+    (``Policy.wants_prefill_scores``; ``kvtrim.attention.fused``), which are left in
+    ``layer.attention_scores`` for its hook; None (run the model's attention) when the policy asks
+    for nothing or the call is not a plain causal one that the fused kernel computes exactly."""
+    n = query.shape[-2]
+    if (n <= 1 or attention_mask is not None or dropout or _BASE.get(id(module.config), "sdpa") != "sdpa"
+            or any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
+        return None  # padding, sliding windows, soft-capping, sinks: the model's own attention
+    want = binding.cache.policy.wants_prefill_scores(layer)
+    if want is None or (not want.column_sums and want.window <= 0) or fused_backend(query) is None:
+        return None
+    res = causal_attention_scores(query, key, value, scale, column_sums=want.column_sums, window=want.window)
+    n_kv = key.shape[1]
+    col = res.col_sums.unflatten(1, (n_kv, -1)) if res.col_sums is not None else None
+    win = res.window_probs.unflatten(1, (n_kv, -1)) if res.window_probs is not None else None
+    layer.attention_scores = PromptScores(col, win)
+    return res.out, None
 
 
 def causal_mask(n: int, m: int, device) -> torch.Tensor:
@@ -161,12 +187,19 @@ def _model_config(model):
 
 
 @contextlib.contextmanager
-def attach(model, prefill_attention=None) -> Iterator[None]:
+def attach(model, prefill_attention=None, fused_scores: bool = True) -> Iterator[None]:
     """Install kvtrim's attention on ``model`` for the duration of the context.
 
     Args:
         model: a transformers causal LM (or vision-language model).
         prefill_attention: optional sparse prefill function (used by MInference).
+        fused_scores: when the cache's policy scores a prompt by its attention
+            (``Policy.wants_prefill_scores``: H2O, Elastic Cache, SnapKV, Inf-MLLM), compute the
+            prefill attention with kvtrim's kernel that returns those scores from the same
+            probabilities (``kvtrim.attention.fused``; CPU, needs the native kernel), instead of
+            the model's SDPA followed by a second ``q @ K`` pass in the policy. The output is the
+            same within SDPA's rounding and the scores within float32 rounding. Default True;
+            False keeps SDPA plus recomputation (kvtrim's behaviour before fused scoring).
 
     Example::
 
@@ -191,6 +224,7 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
     _BASE[id(cfg)] = base
     if prefill_attention is not None:
         _PREFILL[id(cfg)] = prefill_attention
+    _FUSED[id(cfg)] = bool(fused_scores)
     try:
         model.set_attn_implementation(ATTN_NAME)
         from kvtrim.integrations.pruning import install as install_hooks
@@ -203,6 +237,7 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
         finally:
             _BASE.pop(id(cfg), None)
             _PREFILL.pop(id(cfg), None)
+            _FUSED.pop(id(cfg), None)
             ACTIVE.set(None)
             with _lock:
                 _users -= 1
