@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_llama
 
 import kvtrim
 import kvtrim.integrations.hf as hf
@@ -18,8 +19,6 @@ from kvtrim.attention.fused import causal_attention_scores, causal_attention_sco
 from kvtrim.cache import KVTrimCache
 from kvtrim.registry import create_policy
 from kvtrim.scores import causal_column_sums, window_probs
-
-from conftest import tiny_llama
 
 native = pytest.mark.skipif(fused_backend(torch.zeros(1)) is None, reason="kvtrim's native CPU kernel is not available")
 

@@ -87,8 +87,7 @@ def causal_attention_scores_reference(q: torch.Tensor, k: torch.Tensor, v: torch
     """Plain PyTorch :func:`causal_attention_scores`: the whole ``[Tq, S]`` softmax per head, in
     float32 (float64 for float64 inputs)."""
     _check(q, k, v)
-    b, hq, tq, d = q.shape
-    s = k.shape[2]
+    hq, tq, s = q.shape[1], q.shape[2], k.shape[2]
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     g = hq // k.shape[1]
     kk, vv = k.to(ct).repeat_interleave(g, 1), v.to(ct).repeat_interleave(g, 1)

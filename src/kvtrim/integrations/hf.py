@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from kvtrim.attention.fused import causal_attention_scores, fused_backend
 from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache, cache_keyword
 from kvtrim.errors import KVTrimError
-from kvtrim.attention.fused import causal_attention_scores, fused_backend
 from kvtrim.scores import PromptScores, decode_attention
 
 logger = logging.getLogger(__name__)

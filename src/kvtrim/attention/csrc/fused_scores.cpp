@@ -6,11 +6,13 @@
 // (SnapKV's and Inf-MLLM's observation window). A method then needs no second q @ K^T.
 //
 // Queries are the last Tq of S keys: query row r sees keys 0 .. S - Tq + r (bottom-right causal).
-// Unlike the sparse kernel's online softmax, a query block's scores against every key it can see
-// are materialised in one thread-local buffer [kRows, S] (1 MiB at S = 4096), because the column
-// sums need the final normaliser of each row: the softmax is exact in one step (max, exp, sum),
-// so there is no running rescale either. The output row is (exp(s - max) @ V) / sum, the
-// normaliser applied once to the D outputs instead of to the S probabilities.
+// A task walks its query block's keys in segments of kSeg, as a flash-attention kernel does: a
+// segment's scores are exponentiated against the running row maximum while they are in cache and
+// multiplied into the output (P @ V, rescaled when the maximum grows). Unlike the sparse kernel,
+// the exponentials stay in a thread-local buffer [kRows, S] (2 MiB at S = 4096) together with the
+// maximum each segment used, because the column sums need each row's final normaliser: after the
+// last segment, probability = exp(s - m_seg) * exp(m_seg - m) / sum, summed into the column sums
+// (and copied for the window rows) in one more pass over the buffer.
 //
 // One task = one query head, its query blocks in order, so each head's column sums are
 // accumulated by one thread in a fixed order (deterministic for any thread count). All
@@ -34,9 +36,11 @@
 
 #include "common.h"
 
+
 namespace {
 
-constexpr int kRows = 64;  // query rows per block
+constexpr int kRows = 128;  // query rows per block
+constexpr int kSeg = 512;   // keys per segment
 
 template <typename T>
 void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head_kv,
@@ -56,7 +60,9 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   std::atomic<int> next{0};
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> s(static_cast<size_t>(kRows) * s_len), o(static_cast<size_t>(kRows) * d), inv(kRows);
+    const int nseg_max = (s_len + kSeg - 1) / kSeg;
+    std::vector<float> s(static_cast<size_t>(kRows) * s_len), o(static_cast<size_t>(kRows) * d), m(kRows), l(kRows);
+    std::vector<float> seg_m(static_cast<size_t>(kRows) * nseg_max);
     std::vector<float> qc(std::is_same_v<T, float> ? 0 : static_cast<size_t>(kRows) * d);
     std::vector<float> kc(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s_len) * d);
     std::vector<float> vc(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s_len) * d);
@@ -88,42 +94,68 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
         const auto [qt, ldqt] = f32_tile(qp + static_cast<int64_t>(h) * sq + static_cast<int64_t>(r0) * ldq, ldq, nr, d,
                                          qc.data());
         float* sb = s.data();
-        // s[nr, n] = scale * q[nr, d] @ k[0:n]^T (scaled by BLAS alpha, as dense attention does)
-        gemm('T', 'N', n, nr, d, fscale, kt, ldkt, qt, ldqt, 0.0f, sb, n);
-        for (int i = 0; i < nr; ++i) {
-          float* row = sb + static_cast<int64_t>(i) * n;
-          const int vis = off + r0 + i + 1;  // keys 0 .. vis-1 are visible
-          float mx = kMasked;
-          for (int j = 0; j < vis; ++j) mx = std::max(mx, row[j]);
-          float sum = 0.0f;
-          for (int j = 0; j < vis; ++j) {
-            const float p = exp_neg(row[j] - mx);
-            row[j] = p;
-            sum += p;
+        std::fill(o.begin(), o.end(), 0.0f);
+        std::fill(m.begin(), m.end(), kMasked);
+        std::fill(l.begin(), l.end(), 0.0f);
+        // Key segments of kSeg: each segment's scores are exponentiated against the running row
+        // maximum while they are hot in cache and multiplied into the output (flash-attention
+        // style); the exponentials stay in the block buffer, with the maximum they were taken
+        // against, so the final probabilities are exp(s - m_seg) * exp(m_seg - m) / sum.
+        const int nseg = (n + kSeg - 1) / kSeg;
+        for (int g = 0; g < nseg; ++g) {
+          const int k0 = g * kSeg, ns = std::min(kSeg, n - k0);
+          float* sg = sb + k0;  // the segment's scores: row i at sg + i * n
+          // s[nr, k0:k0+ns] = scale * q[nr, d] @ k[k0:k0+ns]^T (scaled by BLAS alpha, as dense attention does)
+          gemm('T', 'N', ns, nr, d, fscale, kt + static_cast<int64_t>(k0) * ldkt, ldkt, qt, ldqt, 0.0f, sg, n);
+          for (int i = 0; i < nr; ++i) {
+            float* row = sg + static_cast<int64_t>(i) * n;
+            const int vis = std::min(ns, off + r0 + i + 1 - k0);  // visible keys of this row in the segment
+            if (vis <= 0) {
+              std::fill(row, row + ns, 0.0f);
+              seg_m[static_cast<int64_t>(i) * nseg_max + g] = kMasked;
+              continue;
+            }
+            float mx = kMasked;
+            for (int j = 0; j < vis; ++j) mx = std::max(mx, row[j]);
+            const float m_new = std::max(m[i], mx);
+            const float alpha = exp_neg(m[i] - m_new);  // 0 when m was the sentinel
+            float sum = 0.0f;
+            for (int j = 0; j < vis; ++j) {
+              const float p = exp_neg(row[j] - m_new);
+              row[j] = p;
+              sum += p;
+            }
+            std::fill(row + vis, row + ns, 0.0f);
+            if (alpha != 1.0f) {
+              float* orow = o.data() + static_cast<int64_t>(i) * d;
+              for (int c = 0; c < d; ++c) orow[c] *= alpha;
+            }
+            l[i] = l[i] * alpha + sum;
+            m[i] = m_new;
+            seg_m[static_cast<int64_t>(i) * nseg_max + g] = m_new;
           }
-          std::fill(row + vis, row + n, 0.0f);
-          const float iv = 1.0f / sum;
-          inv[i] = iv;
-          if (col)
-            for (int j = 0; j < vis; ++j) col[j] += row[j] * iv;
-          const int r = r0 + i;
-          if (winp && r >= w0) {
-            float* dst = winp + (static_cast<int64_t>(h) * window + (r - w0)) * s_len;
-            for (int j = 0; j < vis; ++j) dst[j] = row[j] * iv;
-          }
+          // o[nr, d] += p[nr, ns] @ v[k0:k0+ns]
+          gemm('N', 'N', d, nr, ns, 1.0f, vt + static_cast<int64_t>(k0) * ldvt, ldvt, sg, n, 1.0f, o.data(), d);
         }
-        // out rows = (p[nr, n] @ v[0:n]) / sum, written straight into a float32 output
-        if constexpr (std::is_same_v<T, float>) {
-          float* oh = op + static_cast<int64_t>(h) * so + static_cast<int64_t>(r0) * ldo;
-          gemm('N', 'N', d, nr, n, 1.0f, vt, ldvt, sb, n, 0.0f, oh, ldo);
-          for (int i = 0; i < nr; ++i)
-            for (int c = 0; c < d; ++c) oh[static_cast<int64_t>(i) * ldo + c] *= inv[i];
-        } else {
-          gemm('N', 'N', d, nr, n, 1.0f, vt, ldvt, sb, n, 0.0f, o.data(), d);
-          T* oh = op + static_cast<int64_t>(h) * so + static_cast<int64_t>(r0) * ldo;
-          for (int i = 0; i < nr; ++i)
-            for (int c = 0; c < d; ++c)
-              oh[static_cast<int64_t>(i) * ldo + c] = static_cast<T>(o[static_cast<int64_t>(i) * d + c] * inv[i]);
+        for (int i = 0; i < nr; ++i) {
+          const float iv = 1.0f / l[i];
+          const int vis = off + r0 + i + 1;
+          const int r = r0 + i;
+          float* dst = winp && r >= w0 ? winp + (static_cast<int64_t>(h) * window + (r - w0)) * s_len : nullptr;
+          if (col || dst) {
+            const float* row = sb + static_cast<int64_t>(i) * n;
+            for (int g = 0; g * kSeg < vis; ++g) {
+              const int k0 = g * kSeg, k1 = std::min(vis, k0 + kSeg);
+              const float f = exp_neg(seg_m[static_cast<int64_t>(i) * nseg_max + g] - m[i]) * iv;
+              if (col)
+                for (int j = k0; j < k1; ++j) col[j] += row[j] * f;
+              if (dst)
+                for (int j = k0; j < k1; ++j) dst[j] = row[j] * f;
+            }
+          }
+          T* orow = op + static_cast<int64_t>(h) * so + static_cast<int64_t>(r0 + i) * ldo;
+          const float* src = o.data() + static_cast<int64_t>(i) * d;
+          for (int c = 0; c < d; ++c) orow[c] = static_cast<T>(src[c] * iv);  // the one rounding to T
         }
       }
     }
