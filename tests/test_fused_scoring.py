@@ -8,6 +8,8 @@ recomputation (``attach(..., fused_scores=False)``), with the fused kernel reall
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,3 +138,23 @@ def test_fused_scores_survive_shared_memo(model, prompt):
     fused, _ = prefill(model, prompt, a, True)
     plain, _ = prefill(model, prompt, create_policy("h2o", keep=0.3), False)
     assert memo and all(torch.equal(x.positions, y.positions) for x, y in zip(fused.compressed_layers, plain.compressed_layers))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("n_kv,groups,tq,s,d", [(2, 3, 63, 63, 64), (1, 4, 100, 130, 32)])
+def test_triton_matches_references(dtype, n_kv, groups, tq, s, d):
+    """The GPU kernel (Triton's interpreter on CPU): output under the tolerance rule, scores equal
+    to the float32 references within rounding (its column sums are added atomically)."""
+    from kvtrim.attention.triton import kernels  # noqa: F401 - triton imported after TRITON_INTERPRET (conftest)
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tq)
+    q = torch.randn(1, n_kv * groups, tq, d, generator=g).to(dtype)
+    k, v = torch.randn(1, n_kv, s, d, generator=g).to(dtype), torch.randn(1, n_kv, s, d, generator=g).to(dtype)
+    scale = d ** -0.5
+    got = causal_attention_scores(q.to(dev), k.to(dev), v.to(dev), scale, column_sums=True, window=16, backend="triton")
+    ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), scale, window=16)
+    assert (got.out.cpu().double() - ref.out).abs().max() <= 2 * sdpa_error(q, k, v, scale, ref.out)
+    torch.testing.assert_close(got.col_sums.cpu().double(), ref.col_sums.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.window_probs.cpu().double(), ref.window_probs.double(), rtol=1e-5, atol=1e-5)

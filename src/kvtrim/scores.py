@@ -1,8 +1,10 @@
 """Attention scores computed from ``q`` and ``k``, for the rows a method needs (plain PyTorch).
 
-The main attention stays SDPA: these helpers recompute only an observation window of queries, or
-one decode row, or all prompt rows in chunks (so a T-token prompt never materialises a T x T
-matrix per head). Everything runs in float32.
+These helpers recompute only an observation window of queries, or one decode row, or all prompt
+rows in chunks (so a T-token prompt never materialises a T x T matrix per head), after the
+model's own attention. Where kvtrim's attention function computes the prefill attention itself
+(``kvtrim.attention.fused``, ``Policy.wants_prefill_scores``) the policy receives the same scores
+from it (``PromptScores``) and these are not called. Everything runs in float32.
 
 Layouts: ``query [B, Hq, q, D]`` (post-RoPE), ``key [B, Hkv, S, D]`` where the last ``q`` keys
 belong to the queries (the cache's past keys come first), ``Hq = Hkv * G``.

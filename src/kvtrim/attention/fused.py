@@ -13,7 +13,8 @@ layout), ``col_sums [B, Hq, S]`` and ``window_probs [B, Hq, w, S]`` float32 what
 dtype (``w = min(window, Tq)``; entries beyond the keys a row sees are 0).
 
 Backends: ``"native"`` (kvtrim's C++ CPU kernel, ``csrc/fused_scores.cpp``; float32, bfloat16 and
-float16 in, float32 arithmetic) and ``"reference"`` (:func:`causal_attention_scores_reference`,
+float16 in, float32 arithmetic), ``"triton"`` (``triton/fused.py``, GPU; two sweeps over the keys,
+column sums added atomically) and ``"reference"`` (:func:`causal_attention_scores_reference`,
 plain PyTorch, materialises ``[Tq, S]`` per head: the oracle). Tolerance rule (tests): the output's
 error against a float64 reference is at most twice that of PyTorch's SDPA in the input dtype; the
 scores equal :func:`kvtrim.scores.causal_column_sums` / ``window_probs`` within float32 rounding.
@@ -21,6 +22,7 @@ scores equal :func:`kvtrim.scores.causal_column_sums` / ``window_probs`` within 
 
 from __future__ import annotations
 
+import importlib.util
 from typing import NamedTuple
 
 import torch
@@ -40,9 +42,14 @@ class FusedAttention(NamedTuple):
 
 
 def fused_backend(q: torch.Tensor) -> str | None:
-    """The fast backend for inputs like ``q`` ("native" on CPU when kvtrim's C++ kernel is built and
-    the dtype is one it reads), or None where there is none (then a caller keeps its two passes)."""
-    if q.device.type != "cpu" or q.dtype not in NATIVE_DTYPES:
+    """The fast backend for inputs like ``q``: "native" on CPU when kvtrim's C++ kernel is built,
+    "triton" on CUDA when triton is installed (float32, bfloat16, float16 in both cases), or None
+    where there is none (then a caller keeps its two passes)."""
+    if q.dtype not in NATIVE_DTYPES:
+        return None
+    if q.device.type == "cuda":
+        return "triton" if importlib.util.find_spec("triton") is not None else None
+    if q.device.type != "cpu":
         return None
     return "native" if kernel_for(q) == "native" else None
 
@@ -60,15 +67,20 @@ def causal_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     """Causal attention and, from the same probabilities, per-key column sums and/or the last
     ``window`` probability rows (layouts in the module docstring).
 
-    ``backend``: ``"native"`` (CPU; raises when the kernel is unavailable, see :func:`fused_backend`)
-    or ``"reference"``. Memory beyond the outputs: the native kernel holds one ``[64, S]`` float32
-    block of scores per thread.
+    ``backend``: ``"native"`` (CPU; raises when the kernel is unavailable, see :func:`fused_backend`),
+    ``"triton"`` (GPU, or Triton's interpreter on CPU under ``TRITON_INTERPRET=1``) or
+    ``"reference"``. Memory beyond the outputs: the native kernel holds one ``[128, S]`` float32
+    block of exponentials per thread.
     """
     _check(q, k, v)
     if backend == "reference":
         return causal_attention_scores_reference(q, k, v, scale, column_sums=column_sums, window=window)
+    if backend == "triton":
+        from kvtrim.attention.triton.fused import causal_attention_scores_triton
+
+        return FusedAttention(*causal_attention_scores_triton(q, k, v, scale, column_sums, window))
     if backend != "native":
-        raise ValueError(f"backend must be 'native' or 'reference'; got {backend!r}")
+        raise ValueError(f"backend must be 'native', 'triton' or 'reference'; got {backend!r}")
     b, hq, tq, d = q.shape
     out = torch.empty(b, tq, hq, d, dtype=q.dtype)
     cols, wins = [], []

@@ -130,9 +130,10 @@ def _fused_prefill(module, binding, layer, query, key, value, attention_mask, dr
             or any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
         return None  # padding, sliding windows, soft-capping, sinks: the model's own attention
     want = binding.cache.policy.wants_prefill_scores(layer)
-    if want is None or (not want.column_sums and want.window <= 0) or fused_backend(query) is None:
+    if want is None or (not want.column_sums and want.window <= 0) or (backend := fused_backend(query)) is None:
         return None
-    res = causal_attention_scores(query, key, value, scale, column_sums=want.column_sums, window=want.window)
+    res = causal_attention_scores(query, key, value, scale, column_sums=want.column_sums, window=want.window,
+                                  backend=backend)
     n_kv = key.shape[1]
     col = res.col_sums.unflatten(1, (n_kv, -1)) if res.col_sums is not None else None
     win = res.window_probs.unflatten(1, (n_kv, -1)) if res.window_probs is not None else None

@@ -203,6 +203,9 @@ class Elastic(Policy):
         With shared prefill scores (``share_prefill_scores``) a prompt's importance is computed once
         for every budget; the ``sum`` importance is then the head mean of the column sums that H2O
         uses too (``prefill_column_sums``), so one sweep computes them once for both methods.
+        When the prefill attention handed its own scores over (:meth:`wants_prefill_scores`), the
+        ``sum``, ``mean`` and ``query`` importances are taken from them (column sums, or the last
+        ``query_rows`` probability rows); ``ema`` is always computed here.
         """
         got = layer.attention_scores  # computed by the prefill attention itself (wants_prefill_scores)
         if got is not None:
