@@ -126,7 +126,8 @@ def test_fused_path_only_when_asked(monkeypatch, model, prompt, name):
     assert len(calls) == (model.config.num_hidden_layers if name == "h2o" else 0)
     calls.clear()
     prefill(model, prompt, create_policy("h2o", keep=0.5), False)
-    prefill(model, prompt, create_policy("snapkv", keep=1.0), True)
+    for keep_all in ("h2o", "snapkv", "elastic", "inf_mllm"):  # keep=1.0: nothing is scored for eviction
+        prefill(model, prompt, create_policy(keep_all, keep=1.0), True)
     assert not calls
 
 
@@ -158,3 +159,21 @@ def test_triton_matches_references(dtype, n_kv, groups, tq, s, d):
     assert (got.out.cpu().double() - ref.out).abs().max() <= 2 * sdpa_error(q, k, v, scale, ref.out)
     torch.testing.assert_close(got.col_sums.cpu().double(), ref.col_sums.double(), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got.window_probs.cpu().double(), ref.window_probs.double(), rtol=1e-5, atol=1e-5)
+
+
+@native
+@pytest.mark.model
+def test_fused_prefill_keeps_what_recomputation_keeps_on_the_real_model(real):
+    """The embedded model, a 600-token prompt: every scoring method keeps the same tokens per layer and head."""
+    from kvtrim.data import prose_haystack
+    from kvtrim.models import build_prompt_ids
+
+    tok = real.tokenizer
+    text = tok.decode(tok.encode(prose_haystack()[:4000], add_special_tokens=False)[:560])
+    ids = torch.tensor([build_prompt_ids(tok, text + "\n\nSummarize the passage above.")])
+    for name, kw in METHODS:
+        fused, logits_f = prefill(real.model, ids, create_policy(name, keep=0.25, **kw), True)
+        plain, logits_p = prefill(real.model, ids, create_policy(name, keep=0.25, **kw), False)
+        torch.testing.assert_close(logits_f, logits_p, rtol=1e-4, atol=1e-4)
+        for a, b in zip(fused.compressed_layers, plain.compressed_layers):
+            assert torch.equal(a.positions, b.positions), (name, kw, a.layer_idx)

@@ -54,8 +54,9 @@ class H2O(Policy):
                 layer, "h2o", lambda: group_reduce(self.prefill_column_sums(layer, query, key, scaling), "sum"))
         acc[:, :, : layer.length] += got
 
-    def wants_prefill_scores(self, layer) -> ScoreRequest:
-        return ScoreRequest(column_sums=True)  # accumulated at every prompt, evicting or not
+    def wants_prefill_scores(self, layer) -> ScoreRequest | None:
+        # accumulated at every prompt, evicting or not; a budget that keeps everything never reads them
+        return ScoreRequest(column_sums=True) if self.compresses else None
 
     def wants_decode_probs(self, layer) -> bool:
         return True  # every decode step adds the step's attention to the accumulated scores
