@@ -37,7 +37,7 @@ def table(res: dict) -> str:
     la = res["machine"].get("loadavg_start"), res["machine"].get("loadavg_end")
     lines = [
         f"Prefill of {res['prompt_tokens']} tokens ({res['model']}, {res['threads']} thread, {res['dtype']}, "
-        f"keep {res['keep']}), medians of {res['reps']} interleaved repetitions; full cache "
+        f"keep {res['keep']}), medians of {res['reps']} interleaved repetition(s); full cache "
         f"{med['full']:.2f} s; load average {la[0][0]:.1f} at the start, {la[1][0]:.1f} at the end.",
         "",
         "| method | recompute: s | x full | x full (CPU time) | fused: s | x full | x full (CPU time) |",
@@ -95,33 +95,44 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for c in configs:  # builds the native kernel, warms every path on a short prompt
             prefill(c, -1, ids[:512])
-        runs = harness.interleave(configs, prefill, reps=args.reps, warmup=args.warmup)
-    seconds = {c: [s.value["wall"] for s in ss] for c, ss in runs.items()}
-    cpu = {c: [s.value["cpu"] for s in ss] for c, ss in runs.items()}
-    med = {c: harness.median(v) for c, v in seconds.items()}
-    med_cpu = {c: harness.median(v) for c, v in cpu.items()}
-    result = {
-        "benchmark": "fused_scoring",
-        "command": "python benchmarks/bench_fused_scoring.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "model": "SmolLM2-135M-Instruct (embedded)",
-        "dtype": str(model.dtype).replace("torch.", ""),
-        "threads": torch.get_num_threads(),
-        "prompt_tokens": len(ids),
-        "keep": args.keep,
-        "reps": args.reps,
-        "methods": args.methods,
-        "fused_backend": backend,
-        "target_ratio": TARGET,
-        "seconds": seconds,
-        "median_seconds": med,
-        "ratio_to_full": {c: med[c] / med["full"] for c in configs},
-        "cpu_seconds": cpu,
-        "median_cpu_seconds": med_cpu,
-        "cpu_ratio_to_full": {c: med_cpu[c] / med_cpu["full"] for c in configs},
-        "machine": harness.finish_record(info),
-    }
-    harness.write_json(args.out, result)
-    print(table(result))
+        done: dict[str, list] = {c: [] for c in configs}
+
+        def keep(sample) -> None:  # every finished round is saved: a run stopped early keeps its rounds
+            done[sample.config].append(sample)
+            if all(len(v) == len(done["full"]) for v in done.values()):
+                harness.write_json(args.out, summary(done, complete=False))
+
+        def summary(runs: dict, complete: bool = True) -> dict:
+            seconds = {c: [s.value["wall"] for s in ss] for c, ss in runs.items()}
+            cpu = {c: [s.value["cpu"] for s in ss] for c, ss in runs.items()}
+            med = {c: harness.median(v) for c, v in seconds.items()}
+            med_cpu = {c: harness.median(v) for c, v in cpu.items()}
+            return {
+                "benchmark": "fused_scoring",
+                "command": "python benchmarks/bench_fused_scoring.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "model": "SmolLM2-135M-Instruct (embedded)",
+                "dtype": str(model.dtype).replace("torch.", ""),
+                "threads": torch.get_num_threads(),
+                "prompt_tokens": len(ids),
+                "keep": args.keep,
+                "reps": len(runs["full"]),
+                "complete": complete,  # False: a partial save, rounds still to come
+                "methods": args.methods,
+                "fused_backend": backend,
+                "target_ratio": TARGET,
+                "seconds": seconds,
+                "median_seconds": med,
+                "ratio_to_full": {c: med[c] / med["full"] for c in configs},
+                "cpu_seconds": cpu,
+                "median_cpu_seconds": med_cpu,
+                "cpu_ratio_to_full": {c: med_cpu[c] / med_cpu["full"] for c in configs},
+                "machine": harness.finish_record(dict(info)),
+            }
+
+        runs = harness.interleave(configs, prefill, reps=args.reps, warmup=args.warmup, on_sample=keep)
+    final = summary(runs)
+    harness.write_json(args.out, final)
+    print(table(final))
     return 0
 
 
