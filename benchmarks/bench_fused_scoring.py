@@ -2,10 +2,12 @@
 
 One prompt of ``--tokens`` tokens (essays, the embedded model), one configuration per method at
 ``--keep``; a method that scores the prompt by its attention (``Policy.wants_prefill_scores``: H2O,
-Elastic Cache, SnapKV, Inf-MLLM) runs twice: ``recompute`` (``attach(model, fused_scores=False)``:
+Elastic Cache, SnapKV, Inf-MLLM) runs twice: ``recompute`` (``attach(model, fused_scores="never")``:
 the model's SDPA, then the policy computes ``q @ K`` and the softmax again from q and k) and
-``fused`` (the default: kvtrim's kernel computes the attention and the scores in one pass,
-``kvtrim.attention.fused``). The other methods run once. Each configuration is one prefill through
+``fused`` (``fused_scores="always"``: kvtrim's kernel computes the attention and the scores in one
+pass, ``kvtrim.attention.fused``). The default, ``"auto"``, is ``fused`` for the column-sum
+methods (H2O, Elastic Cache) and ``recompute`` for the last-window ones (SnapKV, Inf-MLLM). The
+other methods run once. Each configuration is one prefill through
 :mod:`kvtrim.decoding` (the timed step includes the policy's hook: scoring, selection, eviction),
 after one warm-up round on a short prompt; repetitions interleaved by :mod:`kvtrim.harness`
 (order alternating), medians of wall and of CPU seconds, the load average at the start and the end. Ratios within one run
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         name, _, mode = config.partition(":")
         policy = create_policy(name) if name == "full" else create_policy(name, keep=args.keep)
         times: list[float] = []
-        with kvtrim.attach(model, fused_scores=mode != "recompute"):
+        with kvtrim.attach(model, fused_scores="never" if mode == "recompute" else "always"):
             cpu = time.process_time()
             decoding.run(model, decoding.prefill(KVTrimCache(model, policy), prompt), on_step=lambda s, dt: times.append(dt))
             cpu = time.process_time() - cpu

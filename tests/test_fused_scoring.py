@@ -3,7 +3,7 @@
 The native kernel against the plain references (output under the tolerance rule of style.md; column
 sums and window rows against ``kvtrim.scores`` within float32 rounding), and, inside a tiny random
 model, every method that asks for prompt scores keeps exactly the tokens it keeps with SDPA plus
-recomputation (``attach(..., fused_scores=False)``), with the fused kernel really used.
+recomputation (``attach(..., fused_scores="never")``), with the fused kernel really used.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ METHODS = [("h2o", {}), ("elastic", {}), ("elastic", {"importance": "mean"}), ("
 
 def prefill(model, ids, policy, fused):
     cache = KVTrimCache(model, policy)
-    with torch.no_grad(), kvtrim.attach(model, fused_scores=fused):
+    with torch.no_grad(), kvtrim.attach(model, fused_scores="always" if fused else "never"):
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
     return cache, out.logits
 
@@ -118,8 +118,8 @@ def test_fused_prefill_keeps_what_recomputation_keeps(monkeypatch, name, kw, gro
 @native
 @pytest.mark.parametrize("name", ["full", "streaming_llm", "h2o"])
 def test_fused_path_only_when_asked(monkeypatch, model, prompt, name):
-    """Methods that read no prompt scores keep SDPA; a short prompt kept whole asks for nothing
-    either (except H2O, which accumulates its scores at every prompt); fused_scores=False never fuses."""
+    """Methods that read no prompt scores keep SDPA; a budget that keeps everything asks for
+    nothing; fused_scores="never" never fuses."""
     calls = []
     monkeypatch.setattr(hf, "causal_attention_scores", lambda *a, **k: calls.append(1) or causal_attention_scores(*a, **k))
     prefill(model, prompt, create_policy(name, **({} if name == "full" else {"keep": 0.5})), True)
@@ -177,3 +177,20 @@ def test_fused_prefill_keeps_what_recomputation_keeps_on_the_real_model(real):
         torch.testing.assert_close(logits_f, logits_p, rtol=1e-4, atol=1e-4)
         for a, b in zip(fused.compressed_layers, plain.compressed_layers):
             assert torch.equal(a.positions, b.positions), (name, kw, a.layer_idx)
+
+
+@native
+def test_auto_fuses_column_sums_only(monkeypatch, model, prompt):
+    """The default ("auto") fuses a column-sum request (H2O, Elastic Cache) and leaves a request
+    for the last-window rows alone (SnapKV, Inf-MLLM) to SDPA plus their window x T recomputation;
+    a bad choice is refused."""
+    calls = []
+    monkeypatch.setattr(hf, "causal_attention_scores", lambda *a, **k: calls.append(k) or causal_attention_scores(*a, **k))
+    n = model.config.num_hidden_layers
+    for name, fused in (("h2o", True), ("elastic", True), ("snapkv", False), ("inf_mllm", False)):
+        calls.clear()
+        with torch.no_grad(), kvtrim.attach(model):
+            model(input_ids=prompt, past_key_values=KVTrimCache(model, name, keep=0.3), use_cache=True)
+        assert len(calls) == (n if fused else 0), name
+    with pytest.raises(kvtrim.KVTrimError, match="fused_scores"), kvtrim.attach(model, fused_scores="yes"):
+        pass

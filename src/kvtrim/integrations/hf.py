@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvtrim import validate
 from kvtrim.attention.fused import causal_attention_scores, fused_backend
 from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache, cache_keyword
 from kvtrim.errors import KVTrimError
@@ -41,8 +42,10 @@ _users = 0
 _BASE: dict[int, str] = {}
 # Optional prefill attention override (sparse prefill), keyed by id(config): fn(module, q, k, v, mask, scaling, **kw)
 _PREFILL: dict[int, Callable[..., Any]] = {}
-# Whether a prefill's attention also computes the scores the policy asks for (fused scoring), by id(config)
-_FUSED: dict[int, bool] = {}
+#: ``attach(fused_scores=...)``: when a prefill's attention also computes the policy's scores
+FUSED_SCORES = ("auto", "always", "never")
+# the attached models' fused_scores choice, by id(config)
+_FUSED: dict[int, str] = {}
 
 
 def _base_fn(name: str, module=None):
@@ -105,7 +108,7 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         # probabilities over instead of running SDPA and recomputing q @ K in the policy
         res = decode_attention(query, key, value, scale)
         res, layer.decode_probs = (res[0], None), res[1]
-    if res is None and bias is None and layer.phase == "prefill" and _FUSED.get(id(module.config), False):
+    if res is None and bias is None and layer.phase == "prefill" and _FUSED.get(id(module.config), "never") != "never":
         res = _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs)
     if res is None:
         if bias is not None:
@@ -130,7 +133,9 @@ def _fused_prefill(module, binding, layer, query, key, value, attention_mask, dr
             or any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
         return None  # padding, sliding windows, soft-capping, sinks: the model's own attention
     want = binding.cache.policy.wants_prefill_scores(layer)
-    if want is None or (not want.column_sums and want.window <= 0) or (backend := fused_backend(query)) is None:
+    if want is None or not (want.column_sums or (want.window > 0 and _FUSED.get(id(module.config)) == "always")):
+        return None  # "auto": last-window rows alone are cheaper recomputed (window x T) than fused
+    if (backend := fused_backend(query)) is None:
         return None
     res = causal_attention_scores(query, key, value, scale, column_sums=want.column_sums, window=want.window,
                                   backend=backend)
@@ -188,19 +193,23 @@ def _model_config(model):
 
 
 @contextlib.contextmanager
-def attach(model, prefill_attention=None, fused_scores: bool = True) -> Iterator[None]:
+def attach(model, prefill_attention=None, fused_scores: str = "auto") -> Iterator[None]:
     """Install kvtrim's attention on ``model`` for the duration of the context.
 
     Args:
         model: a transformers causal LM (or vision-language model).
         prefill_attention: optional sparse prefill function (used by MInference).
-        fused_scores: when the cache's policy scores a prompt by its attention
-            (``Policy.wants_prefill_scores``: H2O, Elastic Cache, SnapKV, Inf-MLLM), compute the
-            prefill attention with kvtrim's kernel that returns those scores from the same
-            probabilities (``kvtrim.attention.fused``; CPU, needs the native kernel), instead of
-            the model's SDPA followed by a second ``q @ K`` pass in the policy. The output is the
-            same within SDPA's rounding and the scores within float32 rounding. Default True;
-            False keeps SDPA plus recomputation (kvtrim's behaviour before fused scoring).
+        fused_scores: whether the prefill attention also computes the scores the cache's policy
+            reads from it (``Policy.wants_prefill_scores``; ``kvtrim.attention.fused``: kvtrim's
+            native kernel on CPU, Triton on CUDA), instead of the model's SDPA followed by a
+            second ``q @ K`` pass in the policy. The output is the same within SDPA's rounding,
+            the scores within float32 rounding. ``"auto"`` (default): when the policy asks for
+            per-key column sums over all queries (H2O, Elastic Cache), whose recomputation costs
+            about as much as the attention; a request for the last-window rows only (SnapKV,
+            Inf-MLLM, Elastic Cache's ``query`` importance) keeps SDPA, because recomputing
+            ``window x T`` scores costs less than the fused kernel's margin over SDPA (measured in
+            ``benchmarks/bench_fused_scoring.py``). ``"always"``: every request. ``"never"``: SDPA
+            plus recomputation, kvtrim's behaviour before fused scoring.
 
     Example::
 
@@ -210,6 +219,7 @@ def attach(model, prefill_attention=None, fused_scores: bool = True) -> Iterator
     """
     global _users
     cfg = _model_config(model)
+    validate.choice(fused_scores, "attach: fused_scores", FUSED_SCORES)
     original = getattr(cfg, "_attn_implementation", None) or "sdpa"
     if original == ATTN_NAME:
         raise KVTrimError("this model is already attached to kvtrim; attach each model once")
@@ -225,7 +235,7 @@ def attach(model, prefill_attention=None, fused_scores: bool = True) -> Iterator
     _BASE[id(cfg)] = base
     if prefill_attention is not None:
         _PREFILL[id(cfg)] = prefill_attention
-    _FUSED[id(cfg)] = bool(fused_scores)
+    _FUSED[id(cfg)] = fused_scores
     try:
         model.set_attn_implementation(ATTN_NAME)
         from kvtrim.integrations.pruning import install as install_hooks
