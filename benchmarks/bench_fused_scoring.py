@@ -53,7 +53,9 @@ def table(res: dict) -> str:
             lines.append(f"| {m} | {med[m]:.2f} | {ratio[m]:.3f} | {cpu[m]:.3f} | (no prompt scores) | | |")
     return "\n".join(lines) + (
         f"\n\nx full: median wall seconds / the full cache's; CPU time: the process's CPU seconds (one thread: "
-        f"the work done, less sensitive than wall time to other jobs on the machine). Target: at most {res['target_ratio']}.")
+        f"the work done, less sensitive than wall time to other jobs on the machine). Target: at most {res['target_ratio']}. "
+        f"kvtrim's default (`fused_scores=\"auto\"`) is the fused column for h2o and elastic (column sums) and the "
+        f"recompute column for snapkv and inf_mllm (last-window rows only).")
 
 
 def main(argv=None) -> int:
