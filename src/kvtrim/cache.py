@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.rope import Rotary, find_rotary
+from kvtrim.scores import PromptScores
 
 if TYPE_CHECKING:
     from kvtrim.policies.base import Policy
@@ -122,6 +123,9 @@ class CompressedLayer(CacheLayerMixin):
         # float32 [B, Hkv, G, 1, S]: this decode step's attention probabilities, while the policy's
         # hook runs, when the policy asked for them (Policy.wants_decode_probs; kvtrim.scores.decode_attention)
         self.decode_probs: torch.Tensor | None = None
+        # the scores a prefill's attention computed from its own probabilities (fused scoring), while
+        # the policy's hook runs, when the policy asked for them (Policy.wants_prefill_scores)
+        self.attention_scores: PromptScores | None = None
         self.n_new = 0
         self.phase = "prefill"
         self.awaiting_attention = False

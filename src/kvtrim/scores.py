@@ -1,8 +1,10 @@
 """Attention scores computed from ``q`` and ``k``, for the rows a method needs (plain PyTorch).
 
-The main attention stays SDPA: these helpers recompute only an observation window of queries, or
-one decode row, or all prompt rows in chunks (so a T-token prompt never materialises a T x T
-matrix per head). Everything runs in float32.
+These helpers recompute only an observation window of queries, or one decode row, or all prompt
+rows in chunks (so a T-token prompt never materialises a T x T matrix per head), after the
+model's own attention. Where kvtrim's attention function computes the prefill attention itself
+(``kvtrim.attention.fused``, ``Policy.wants_prefill_scores``) the policy receives the same scores
+from it (``PromptScores``) and these are not called. Everything runs in float32.
 
 Layouts: ``query [B, Hq, q, D]`` (post-RoPE), ``key [B, Hkv, S, D]`` where the last ``q`` keys
 belong to the queries (the cache's past keys come first), ``Hq = Hkv * G``.
@@ -12,7 +14,34 @@ group with ``group_reduce`` ("sum" or "mean").
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class ScoreRequest(NamedTuple):
+    """What a method reads from a prompt's attention probabilities (``Policy.wants_prefill_scores``):
+    the per-key column sums over all queries, and/or the softmax rows of the last ``window`` queries."""
+
+    column_sums: bool = False
+    window: int = 0
+
+
+class PromptScores(NamedTuple):
+    """Scores an attention function computed from a prefill's own probabilities (fused scoring),
+    float32: ``column_sums [B, Hkv, G, S]`` (what ``causal_column_sums`` returns) and
+    ``window_probs [B, Hkv, G, w, S]`` (what ``window_probs(query, key, scaling, w)`` returns);
+    None where not computed."""
+
+    column_sums: torch.Tensor | None = None
+    window_probs: torch.Tensor | None = None
+
+    def window(self, w: int, n_queries: int) -> torch.Tensor | None:
+        """``window_probs(query, key, scaling, w)`` for ``n_queries`` queries, when the handed rows cover it."""
+        w = min(w, n_queries)
+        if self.window_probs is None or self.window_probs.shape[-2] < w:
+            return None
+        return self.window_probs[..., self.window_probs.shape[-2] - w:, :]
 
 
 def grouped_queries(query: torch.Tensor, n_kv: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """kvtrim's fused C++ CPU kernel for sparse prefill, built on first use.
 
-The source is ``csrc/sparse_attention.cpp`` (shipped in the package). It is compiled once per
+The sources are ``csrc/sparse_attention.cpp`` (sparse prefill), ``csrc/fused_scores.cpp`` (dense
+causal attention that also returns a KV method's scores) and ``csrc/common.h``, shipped in the package. It is compiled once per
 machine (per CPU capability: it is built with ``-march=native``) with
 :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``; 12-15 s on 2 cores)
 into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
@@ -26,14 +27,16 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NATIVE_BLOCK", "NATIVE_DTYPES", "cpu_kernel", "kernel_for", "load_native", "native_sparse_attention", "native_vertical_slash_layout",
+__all__ = ["NATIVE_BLOCK", "NATIVE_DTYPES", "cpu_kernel", "kernel_for", "load_native", "native_causal_attention_scores", "native_sparse_attention",
+           "native_vertical_slash_layout",
            "native_vertical_slash_scores", "writable_in_place"]
 
 NATIVE_BLOCK = 64  # the kernel's query/key block (kBlock in the source)
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "sparse_attention.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "sparse_attention.cpp", _CSRC / "fused_scores.cpp"]  # + csrc/common.h
 _CHOICES = ("auto", "native", "torch")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -69,7 +72,8 @@ def load_native() -> bool:
             cpp_extension.load(
                 # -march=native: one build per CPU capability, in case the cache is shared between machines
                 name=f"kvtrim_native_{torch.backends.cpu.get_cpu_capability().lower()}",
-                sources=[str(_SOURCE)],
+                sources=[str(p) for p in _SOURCES],
+                extra_include_paths=[str(_CSRC)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
@@ -207,3 +211,32 @@ def native_vertical_slash_layout(vertical_idx: torch.Tensor, slash_offsets: torc
     return torch.ops.kvtrim_native.vertical_slash_layout(
         vertical_idx.long().contiguous(), slash_offsets.long().contiguous(), int(seq_len), int(block_size)
     )
+
+
+def native_causal_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
+                                   column_sums: bool = True, window: int = 0, out: torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Causal attention of one batch row and, from the same probabilities, a KV method's scores.
+
+    ``q [Hq, Tq, D]`` are the last ``Tq`` of the ``S`` keys in ``k``/``v [Hkv, S, D]`` (query ``i``
+    sees keys ``<= S - Tq + i``); query head ``h`` reads KV head ``h // (Hq // Hkv)``. float32,
+    bfloat16 or float16 (k, v taken in q's dtype), read through their strides. Computes in float32.
+
+    Returns ``(out, col_sums, window_probs)``: ``out [Hq, Tq, D]`` in q's dtype (written into
+    ``out`` when given: shaped like q, see :func:`writable_in_place`); ``col_sums [Hq, S]`` float32,
+    the sum over all queries of their softmax rows (None unless ``column_sums``); ``window_probs
+    [Hq, w, S]`` float32, the softmax rows of the last ``w = window`` queries (None when 0).
+    """
+    if not load_native():
+        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    dt = _native_dtype(q)
+    hq, tq, _ = q.shape
+    if out is None:
+        out = torch.empty(q.shape, dtype=dt)
+    elif out.shape != q.shape or not writable_in_place(out, q, k, v):
+        raise ValueError("out must be shaped like q, in q's dtype on CPU with a contiguous last dimension, "
+                         "without overlapping elements, and must not share memory with q, k or v")
+    head_kv = (torch.arange(hq) // (hq // k.shape[0])).to(torch.int32)
+    col, win = torch.ops.kvtrim_native.causal_attention_scores_out(
+        _rows(q, dt), _rows(k, dt), _rows(v, dt), head_kv, float(scale), bool(column_sums), int(min(window, tq)), out)
+    return out, (col if column_sums else None), (win if window > 0 else None)

@@ -27,9 +27,11 @@ from typing import Any
 
 import torch
 
+from kvtrim import validate
+from kvtrim.attention.fused import causal_attention_scores, fused_backend
 from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache, cache_keyword
 from kvtrim.errors import KVTrimError
-from kvtrim.scores import decode_attention
+from kvtrim.scores import PromptScores, decode_attention
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,10 @@ _users = 0
 _BASE: dict[int, str] = {}
 # Optional prefill attention override (sparse prefill), keyed by id(config): fn(module, q, k, v, mask, scaling, **kw)
 _PREFILL: dict[int, Callable[..., Any]] = {}
+#: ``attach(fused_scores=...)``: when a prefill's attention also computes the policy's scores
+FUSED_SCORES = ("auto", "always", "never")
+# the attached models' fused_scores choice, by id(config)
+_FUSED: dict[int, str] = {}
 
 
 def _base_fn(name: str, module=None):
@@ -102,6 +108,8 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         # probabilities over instead of running SDPA and recomputing q @ K in the policy
         res = decode_attention(query, key, value, scale)
         res, layer.decode_probs = (res[0], None), res[1]
+    if res is None and bias is None and layer.phase == "prefill" and _FUSED.get(id(module.config), "never") != "never":
+        res = _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs)
     if res is None:
         if bias is not None:
             attention_mask = with_logit_bias(attention_mask, bias[:, :, : key.shape[-2]], query)
@@ -111,7 +119,31 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         binding.cache.after_attention(layer, query, key, scale)
     finally:
         layer.decode_probs = None
+        layer.attention_scores = None
     return out, weights
+
+
+def _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs):
+    """The prefill attention computed together with the scores the policy asked for
+    (``Policy.wants_prefill_scores``; ``kvtrim.attention.fused``), which are left in
+    ``layer.attention_scores`` for its hook; None (run the model's attention) when the policy asks
+    for nothing or the call is not a plain causal one that the fused kernel computes exactly."""
+    n = query.shape[-2]
+    if (n <= 1 or attention_mask is not None or dropout or _BASE.get(id(module.config), "sdpa") != "sdpa"
+            or any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
+        return None  # padding, sliding windows, soft-capping, sinks: the model's own attention
+    want = binding.cache.policy.wants_prefill_scores(layer)
+    if want is None or not (want.column_sums or (want.window > 0 and _FUSED.get(id(module.config)) == "always")):
+        return None  # "auto": last-window rows alone are cheaper recomputed (window x T) than fused
+    if (backend := fused_backend(query)) is None:
+        return None
+    res = causal_attention_scores(query, key, value, scale, column_sums=want.column_sums, window=want.window,
+                                  backend=backend)
+    n_kv = key.shape[1]
+    col = res.col_sums.unflatten(1, (n_kv, -1)) if res.col_sums is not None else None
+    win = res.window_probs.unflatten(1, (n_kv, -1)) if res.window_probs is not None else None
+    layer.attention_scores = PromptScores(col, win)
+    return res.out, None
 
 
 def causal_mask(n: int, m: int, device) -> torch.Tensor:
@@ -161,12 +193,23 @@ def _model_config(model):
 
 
 @contextlib.contextmanager
-def attach(model, prefill_attention=None) -> Iterator[None]:
+def attach(model, prefill_attention=None, fused_scores: str = "auto") -> Iterator[None]:
     """Install kvtrim's attention on ``model`` for the duration of the context.
 
     Args:
         model: a transformers causal LM (or vision-language model).
         prefill_attention: optional sparse prefill function (used by MInference).
+        fused_scores: whether the prefill attention also computes the scores the cache's policy
+            reads from it (``Policy.wants_prefill_scores``; ``kvtrim.attention.fused``: kvtrim's
+            native kernel on CPU, Triton on CUDA), instead of the model's SDPA followed by a
+            second ``q @ K`` pass in the policy. The output is the same within SDPA's rounding,
+            the scores within float32 rounding. ``"auto"`` (default): when the policy asks for
+            per-key column sums over all queries (H2O, Elastic Cache), whose recomputation costs
+            about as much as the attention; a request for the last-window rows only (SnapKV,
+            Inf-MLLM, Elastic Cache's ``query`` importance) keeps SDPA, because recomputing
+            ``window x T`` scores costs less than the fused kernel's margin over SDPA (measured in
+            ``benchmarks/bench_fused_scoring.py``). ``"always"``: every request. ``"never"``: SDPA
+            plus recomputation, kvtrim's behaviour before fused scoring.
 
     Example::
 
@@ -176,6 +219,7 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
     """
     global _users
     cfg = _model_config(model)
+    validate.choice(fused_scores, "attach: fused_scores", FUSED_SCORES)
     original = getattr(cfg, "_attn_implementation", None) or "sdpa"
     if original == ATTN_NAME:
         raise KVTrimError("this model is already attached to kvtrim; attach each model once")
@@ -191,6 +235,7 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
     _BASE[id(cfg)] = base
     if prefill_attention is not None:
         _PREFILL[id(cfg)] = prefill_attention
+    _FUSED[id(cfg)] = fused_scores
     try:
         model.set_attn_implementation(ATTN_NAME)
         from kvtrim.integrations.pruning import install as install_hooks
@@ -203,6 +248,7 @@ def attach(model, prefill_attention=None) -> Iterator[None]:
         finally:
             _BASE.pop(id(cfg), None)
             _PREFILL.pop(id(cfg), None)
+            _FUSED.pop(id(cfg), None)
             ACTIVE.set(None)
             with _lock:
                 _users -= 1

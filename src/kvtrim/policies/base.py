@@ -40,7 +40,7 @@ import torch
 
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
-from kvtrim.scores import causal_column_sums, window_probs
+from kvtrim.scores import ScoreRequest, causal_column_sums, window_probs
 
 if TYPE_CHECKING:
     from kvtrim.cache import CompressedLayer
@@ -335,8 +335,39 @@ class Policy:
     def prefill_column_sums(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor,
                             scaling: float) -> torch.Tensor:
         """Causal softmax column sums of a prefill, ``[B, Hkv, G, S]`` (``kvtrim.scores.causal_column_sums``),
-        shared through the memo of :meth:`share_prefill_scores` (H2O and Elastic Cache use the same sums)."""
-        return self.prefill_scores(layer, "column_sums", lambda: causal_column_sums(query, key, scaling))
+        shared through the memo of :meth:`share_prefill_scores` (H2O and Elastic Cache use the same sums).
+        The sums the prefill's own attention computed are used when it handed them over
+        (:meth:`wants_prefill_scores`), else they are computed from ``query`` and ``key``."""
+
+        def compute() -> torch.Tensor:
+            got = layer.attention_scores
+            if got is not None and got.column_sums is not None and got.column_sums.shape[-1] == key.shape[-2]:
+                return got.column_sums
+            return causal_column_sums(query, key, scaling)
+
+        return self.prefill_scores(layer, "column_sums", compute)
+
+    def wants_prefill_scores(self, layer: "CompressedLayer") -> ScoreRequest | None:
+        """What this prefill's hook will read from the prompt's attention probabilities, or None.
+
+        kvtrim's attention function then computes the prefill attention with a kernel that also
+        returns those scores from the same probabilities (``kvtrim.attention.fused``: column sums
+        for H2O and Elastic Cache, the last-window rows for SnapKV and Inf-MLLM) and leaves them in
+        ``layer.attention_scores`` while the hook runs; :meth:`prefill_column_sums` and
+        :meth:`attention_window_probs` read them, or compute them where no attention function gave
+        them (another engine, no native kernel, a sparse prefill). Asked before the prefill's
+        attention, with the prompt already stored. Default: None (the attention stays the model's)."""
+        return None
+
+    @staticmethod
+    def attention_window_probs(layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float,
+                               window: int) -> torch.Tensor:
+        """``window_probs(query, key, scaling, window)`` ``[B, Hkv, G, w, S]``: the prefill attention's own
+        rows when it handed them over (:meth:`wants_prefill_scores`), else computed."""
+        got = layer.attention_scores
+        if got is not None and (rows := got.window(window, query.shape[-2])) is not None and rows.shape[-1] == key.shape[-2]:
+            return rows
+        return window_probs(query, key, scaling, window)
 
     def wants_decode_probs(self, layer: "CompressedLayer") -> bool:
         """True when this decode step's hook reads the step's attention probabilities. kvtrim's

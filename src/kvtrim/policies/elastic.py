@@ -74,7 +74,7 @@ from kvtrim import validate
 from kvtrim.cache import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.scores import causal_prob_chunks, window_probs
+from kvtrim.scores import ScoreRequest, causal_prob_chunks, window_probs
 
 COMBINE = ("merge", "drop")
 IMPORTANCE = ("sum", "mean", "ema", "query")
@@ -115,10 +115,15 @@ def attention_importance(
             probs = probs * w.view(1, 1, 1, -1, 1)
         out[:, :off + stop] += probs.sum(dim=-2).mean(dim=(1, 2))
     if how == "mean":
-        j = torch.arange(s, device=key.device)
-        seen_by = (q - (j - off).clamp(min=0)).clamp(min=1)
-        out = out / seen_by
+        out = out / seen_by(q, s, key.device)
     return out
+
+
+def seen_by(q: int, s: int, device=None) -> torch.Tensor:
+    """``[S]``: how many of the last ``q`` queries see each of ``s`` keys (at least 1), the divisor
+    of the ``mean`` importance."""
+    j = torch.arange(s, device=device)
+    return (q - (j - (s - q)).clamp(min=0)).clamp(min=1)
 
 
 def nearest_anchor(positions: torch.Tensor, anchor_positions: torch.Tensor) -> torch.Tensor:
@@ -198,7 +203,19 @@ class Elastic(Policy):
         With shared prefill scores (``share_prefill_scores``) a prompt's importance is computed once
         for every budget; the ``sum`` importance is then the head mean of the column sums that H2O
         uses too (``prefill_column_sums``), so one sweep computes them once for both methods.
+        When the prefill attention handed its own scores over (:meth:`wants_prefill_scores`), the
+        ``sum``, ``mean`` and ``query`` importances are taken from them (column sums, or the last
+        ``query_rows`` probability rows); ``ema`` is always computed here.
         """
+        got = layer.attention_scores  # computed by the prefill attention itself (wants_prefill_scores)
+        if got is not None:
+            q, s = query.shape[-2], key.shape[-2]
+            if self.importance == "mean" and got.column_sums is not None:
+                return self.prefill_column_sums(layer, query, key, scaling).mean(dim=(1, 2)) / seen_by(q, s, key.device)
+            if self.importance == "query" and (rows := got.window(self.query_rows, q)) is not None:
+                return rows.sum(dim=-2).mean(dim=(1, 2))
+            if self.importance == "sum" and got.column_sums is not None:
+                return self.prefill_column_sums(layer, query, key, scaling).mean(dim=(1, 2))
         if self.sharing_prefill_scores(layer):
             if self.importance == "sum":
                 return self.prefill_column_sums(layer, query, key, scaling).mean(dim=(1, 2))
@@ -206,6 +223,13 @@ class Elastic(Policy):
             return self.prefill_scores(layer, key_, lambda: attention_importance(
                 query, key, scaling, self.importance, self.ema_decay, self.chunk, self.query_rows))
         return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk, self.query_rows)
+
+    def wants_prefill_scores(self, layer) -> ScoreRequest | None:
+        if self.importance == "ema" or not (layer.length > self.budget(layer.seen) or self.eviction == "frequency"):
+            return None  # the ema weights rows by their place: computed apart (attention_importance)
+        if self.importance == "query":
+            return ScoreRequest(window=self.query_rows)
+        return ScoreRequest(column_sums=True)
 
     @property
     def query_rows(self) -> int:

@@ -6,7 +6,9 @@ H2O's accuracy tables used future queries, kvtrim does not). The cache keeps the
 ``budget * (1 - recent_ratio)`` highest-accumulated tokens plus the ``budget * recent_ratio``
 most recent ones (the attention sinks always among the kept, ``Policy``; the recent share leaves
 room for at least one heavy hitter), and evicts at every step, as the paper's streaming variant does.
-Prefill scores are all-row column sums, computed in chunks of queries from q and k; a decode
+Prefill scores are all-row column sums: from the prefill attention's own probabilities where
+kvtrim's attention function fuses them (``Policy.wants_prefill_scores``), else computed in chunks of
+queries from q and k; a decode
 step's scores are the probabilities of the step's own attention (``Policy.wants_decode_probs``).
 """
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 from kvtrim import validate
 from kvtrim.policies.base import Policy
-from kvtrim.scores import group_reduce
+from kvtrim.scores import ScoreRequest, group_reduce
 
 
 @dataclass
@@ -51,6 +53,10 @@ class H2O(Policy):
             got = self.prefill_scores(
                 layer, "h2o", lambda: group_reduce(self.prefill_column_sums(layer, query, key, scaling), "sum"))
         acc[:, :, : layer.length] += got
+
+    def wants_prefill_scores(self, layer) -> ScoreRequest | None:
+        # accumulated at every prompt, evicting or not; a budget that keeps everything never reads them
+        return ScoreRequest(column_sums=True) if self.compresses else None
 
     def wants_decode_probs(self, layer) -> bool:
         return True  # every decode step adds the step's attention to the accumulated scores

@@ -41,7 +41,7 @@ import torch
 
 from kvtrim import validate
 from kvtrim.policies.base import Policy
-from kvtrim.scores import chunk_selection, group_reduce, window_probs
+from kvtrim.scores import ScoreRequest, chunk_selection, group_reduce, window_probs
 
 #: name of the per-token saddle memory (``history > 0``) in the layer's token state
 SADDLE_STATE = "inf_mllm_saddle"
@@ -133,7 +133,8 @@ class InfMLLM(Policy):
         return min(layer.n_new, max(self.window, math.floor(self.recent_share * budget)), budget - self.n_sinks)
 
     def score(self, layer, query, key, scaling):
-        att = retrieval_scores(query, key, scaling, self.window)
+        att = retrieval_scores(query, key, scaling, self.window,
+                               self.attention_window_probs(layer, query, key, scaling, self.window))
         s = att.shape[-1]
         att = att * s
         if self.history > 0:
@@ -144,6 +145,9 @@ class InfMLLM(Policy):
 
     def window_tokens(self, layer):
         return self.n_recent(layer, self.budget(layer.seen))
+
+    def wants_prefill_scores(self, layer) -> ScoreRequest | None:
+        return ScoreRequest(window=self.window) if self.history > 0 or layer.length > self.budget(layer.seen) else None
 
     def select(self, scores, protected, budget):
         return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)

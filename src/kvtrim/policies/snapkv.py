@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.scores import chunk_selection, group_reduce, window_probs
+from kvtrim.scores import ScoreRequest, chunk_selection, group_reduce
 
 
 @dataclass
@@ -53,7 +53,7 @@ class SnapKV(Policy):
         return f"the observation window of {self.window} tokens"
 
     def score(self, layer, query, key, scaling):
-        probs = window_probs(query, key, scaling, self.window)  # [B, Hkv, G, w, S]
+        probs = self.attention_window_probs(layer, query, key, scaling, self.window)  # [B, Hkv, G, w, S]
         s = group_reduce(probs.sum(dim=-2), "mean")  # [B, Hkv, S]
         if self.kernel > 1:
             b, h, n = s.shape
@@ -65,6 +65,9 @@ class SnapKV(Policy):
                 flat = F.max_pool1d(flat, self.kernel, stride=1, padding=pad)
             s = flat.reshape(b, h, n)
         return s
+
+    def wants_prefill_scores(self, layer) -> ScoreRequest | None:
+        return ScoreRequest(window=self.window) if layer.length > self.budget(layer.seen) else None
 
     def select(self, scores, protected, budget):
         return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)

@@ -1,0 +1,144 @@
+"""Prefill time of every method relative to the full cache, scores recomputed vs fused into attention.
+
+One prompt of ``--tokens`` tokens (essays, the embedded model), one configuration per method at
+``--keep``; a method that scores the prompt by its attention (``Policy.wants_prefill_scores``: H2O,
+Elastic Cache, SnapKV, Inf-MLLM) runs twice: ``recompute`` (``attach(model, fused_scores="never")``:
+the model's SDPA, then the policy computes ``q @ K`` and the softmax again from q and k) and
+``fused`` (``fused_scores="always"``: kvtrim's kernel computes the attention and the scores in one
+pass, ``kvtrim.attention.fused``). The default, ``"auto"``, is ``fused`` for the column-sum
+methods (H2O, Elastic Cache) and ``recompute`` for the last-window ones (SnapKV, Inf-MLLM). The
+other methods run once. Each configuration is one prefill through
+:mod:`kvtrim.decoding` (the timed step includes the policy's hook: scoring, selection, eviction),
+after one warm-up round on a short prompt; repetitions interleaved by :mod:`kvtrim.harness`
+(order alternating), medians of wall and of CPU seconds, the load average at the start and the end. Ratios within one run
+share the machine's load, so they stay meaningful on a busy machine; absolute seconds do not.
+
+    nice -n 10 python benchmarks/bench_fused_scoring.py --tokens 4096 --reps 3 --out results/fused_scoring/prefill_4k.json
+    python benchmarks/bench_fused_scoring.py --table results/fused_scoring/prefill_4k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from kvtrim import decoding, harness
+
+# every text method (fastv and hae prune image/video tokens: a text prompt is refused)
+METHODS = ("streaming_llm", "h2o", "snapkv", "inf_mllm", "elastic")
+TARGET = 1.05  # every method's prefill at most 5% above the full cache's
+
+
+def table(res: dict) -> str:
+    """Markdown: per method, median prefill seconds and the ratio to the full cache's, both ways."""
+    med, ratio, cpu = res["median_seconds"], res["ratio_to_full"], res["cpu_ratio_to_full"]
+    la = res["machine"].get("loadavg_start"), res["machine"].get("loadavg_end")
+    lines = [
+        f"Prefill of {res['prompt_tokens']} tokens ({res['model']}, {res['threads']} thread, {res['dtype']}, "
+        f"keep {res['keep']}), medians of {res['reps']} interleaved repetition(s); full cache "
+        f"{med['full']:.2f} s; load average {la[0][0]:.1f} at the start, {la[1][0]:.1f} at the end.",
+        "",
+        "| method | recompute: s | x full | x full (CPU time) | fused: s | x full | x full (CPU time) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in res["methods"]:
+        if f"{m}:fused" in med:
+            r, f = f"{m}:recompute", f"{m}:fused"
+            lines.append(f"| {m} | {med[r]:.2f} | {ratio[r]:.3f} | {cpu[r]:.3f} | {med[f]:.2f} | {ratio[f]:.3f} | {cpu[f]:.3f} |")
+        else:
+            lines.append(f"| {m} | {med[m]:.2f} | {ratio[m]:.3f} | {cpu[m]:.3f} | (no prompt scores) | | |")
+    return "\n".join(lines) + (
+        f"\n\nx full: median wall seconds / the full cache's; CPU time: the process's CPU seconds (one thread: "
+        f"the work done, less sensitive than wall time to other jobs on the machine). Target: at most {res['target_ratio']}. "
+        f"kvtrim's default (`fused_scores=\"auto\"`) is the fused column for h2o and elastic (column sums) and the "
+        f"recompute column for snapkv and inf_mllm (last-window rows only).")
+
+
+def main(argv=None) -> int:
+    import kvtrim
+    from kvtrim.attention.fused import fused_backend
+    from kvtrim.cache import KVTrimCache
+    from kvtrim.data import prose_haystack
+    from kvtrim.models import build_prompt_ids, load_model
+    from kvtrim.policies.base import Policy
+    from kvtrim.registry import create_policy, get_policy_class
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=3, warmup=1, threads=1)])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--keep", type=float, default=0.25)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    args = ap.parse_args(argv)
+    if harness.start(ap, args, table=table):
+        return 0
+    info = harness.machine_record()
+    lm = load_model(None)
+    model, tok = lm.model, lm.tokenizer
+    text = tok.decode(tok.encode(prose_haystack()[: 8 * args.tokens], add_special_tokens=False)[: args.tokens - 40])
+    ids = build_prompt_ids(tok, text + "\n\nSummarize the passage above.")
+    configs = ["full"]
+    for m in args.methods:
+        scores = get_policy_class(m).wants_prefill_scores is not Policy.wants_prefill_scores
+        configs += [f"{m}:recompute", f"{m}:fused"] if scores else [m]
+    backend = fused_backend(torch.zeros(1, dtype=model.dtype))
+
+    def prefill(config: str, rep: int, prompt=ids) -> dict:
+        name, _, mode = config.partition(":")
+        policy = create_policy(name) if name == "full" else create_policy(name, keep=args.keep)
+        times: list[float] = []
+        with kvtrim.attach(model, fused_scores="never" if mode == "recompute" else "always"):
+            cpu = time.process_time()
+            decoding.run(model, decoding.prefill(KVTrimCache(model, policy), prompt), on_step=lambda s, dt: times.append(dt))
+            cpu = time.process_time() - cpu
+        print(f"rep {rep}: {config} {times[0]:.2f}s (cpu {cpu:.2f}s) load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+        return {"wall": times[0], "cpu": cpu}
+
+    with torch.inference_mode():
+        for c in configs:  # builds the native kernel, warms every path on a short prompt
+            prefill(c, -1, ids[:512])
+        done: dict[str, list] = {c: [] for c in configs}
+
+        def keep(sample) -> None:  # every finished round is saved: a run stopped early keeps its rounds
+            done[sample.config].append(sample)
+            if all(len(v) == len(done["full"]) for v in done.values()):
+                harness.write_json(args.out, summary(done, complete=False))
+
+        def summary(runs: dict, complete: bool = True) -> dict:
+            seconds = {c: [s.value["wall"] for s in ss] for c, ss in runs.items()}
+            cpu = {c: [s.value["cpu"] for s in ss] for c, ss in runs.items()}
+            med = {c: harness.median(v) for c, v in seconds.items()}
+            med_cpu = {c: harness.median(v) for c, v in cpu.items()}
+            return {
+                "benchmark": "fused_scoring",
+                "command": "python benchmarks/bench_fused_scoring.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "model": "SmolLM2-135M-Instruct (embedded)",
+                "dtype": str(model.dtype).replace("torch.", ""),
+                "threads": torch.get_num_threads(),
+                "prompt_tokens": len(ids),
+                "keep": args.keep,
+                "reps": len(runs["full"]),
+                "complete": complete,  # False: a partial save, rounds still to come
+                "methods": args.methods,
+                "fused_backend": backend,
+                "target_ratio": TARGET,
+                "seconds": seconds,
+                "median_seconds": med,
+                "ratio_to_full": {c: med[c] / med["full"] for c in configs},
+                "cpu_seconds": cpu,
+                "median_cpu_seconds": med_cpu,
+                "cpu_ratio_to_full": {c: med_cpu[c] / med_cpu["full"] for c in configs},
+                "machine": harness.finish_record(dict(info)),
+            }
+
+        runs = harness.interleave(configs, prefill, reps=args.reps, warmup=args.warmup, on_sample=keep)
+    final = summary(runs)
+    harness.write_json(args.out, final)
+    print(table(final))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Fused scoring: the prefill attention also returns the scores a method reads (``kvtrim.attention.fused``).
+
+The native kernel against the plain references (output under the tolerance rule of style.md; column
+sums and window rows against ``kvtrim.scores`` within float32 rounding), and, inside a tiny random
+model, every method that asks for prompt scores keeps exactly the tokens it keeps with SDPA plus
+recomputation (``attach(..., fused_scores="never")``), with the fused kernel really used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_llama
+
+import kvtrim
+import kvtrim.integrations.hf as hf
+from kvtrim.attention.fused import causal_attention_scores, causal_attention_scores_reference, fused_backend
+from kvtrim.cache import KVTrimCache
+from kvtrim.registry import create_policy
+from kvtrim.scores import causal_column_sums, window_probs
+
+native = pytest.mark.skipif(fused_backend(torch.zeros(1)) is None, reason="kvtrim's native CPU kernel is not available")
+
+
+def sdpa_error(q, k, v, scale, ref):
+    """Max abs error of PyTorch's SDPA in q's dtype against ``ref`` ([B, Tq, Hq, D])."""
+    tq, s = q.shape[-2], k.shape[-2]
+    mask = torch.ones(tq, s, dtype=torch.bool).tril(s - tq)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True).transpose(1, 2)
+    return (out.double() - ref).abs().max()
+
+
+@native
+@pytest.mark.parametrize("n_kv,groups,tq,s,d", [(2, 3, 63, 63, 64), (1, 4, 500, 500, 128), (3, 3, 37, 101, 64),
+                                                (2, 4, 1, 9, 64), (1, 3, 4001, 4001, 64)])
+def test_native_matches_references(n_kv, groups, tq, s, d):
+    g = torch.Generator().manual_seed(tq + s + d)
+    q = torch.randn(1, n_kv * groups, tq, d, generator=g)
+    k, v = torch.randn(1, n_kv, s, d, generator=g), torch.randn(1, n_kv, s, d, generator=g)
+    scale = d ** -0.5
+    got = causal_attention_scores(q, k, v, scale, column_sums=True, window=32)
+    if tq * s <= 500 * 500:
+        ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), scale, window=32)
+        ref_out = ref.out
+        assert torch.allclose(ref.col_sums.double(), causal_column_sums(q.double(), k.double(), scale).flatten(1, 2).double())
+    else:  # the reference would hold [Tq, S] per head: SDPA in float64 for the output
+        mask = torch.ones(tq, s, dtype=torch.bool).tril(s - tq)
+        ref_out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=scale,
+                                                 enable_gqa=True).transpose(1, 2)
+    assert got.out.shape == (1, tq, n_kv * groups, d) and got.out.dtype == q.dtype
+    err = (got.out.double() - ref_out).abs().max()
+    assert err <= 2 * sdpa_error(q, k, v, scale, ref_out), float(err)
+    want_cols = causal_column_sums(q, k, scale).flatten(1, 2)
+    torch.testing.assert_close(got.col_sums, want_cols, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.window_probs, window_probs(q, k, scale, 32).flatten(1, 2), rtol=1e-5, atol=1e-6)
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_low_precision(dtype):
+    """bf16/fp16 inputs: output error against float64 at most twice SDPA's in that dtype; scores float32."""
+    g = torch.Generator().manual_seed(3)
+    q32 = torch.randn(1, 6, 300, 64, generator=g)
+    k32, v32 = torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g)
+    q, k, v = q32.to(dtype), k32.to(dtype), v32.to(dtype)
+    got = causal_attention_scores(q, k, v, 0.125, column_sums=True, window=8)
+    ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), 0.125, window=8)
+    assert got.out.dtype == dtype and got.col_sums.dtype == got.window_probs.dtype == torch.float32
+    assert (got.out.double() - ref.out).abs().max() <= 2 * sdpa_error(q, k, v, 0.125, ref.out)
+    torch.testing.assert_close(got.col_sums.double(), ref.col_sums.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.window_probs.double(), ref.window_probs.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_reference_rejects_bad_shapes():
+    q = torch.zeros(1, 6, 10, 16)
+    with pytest.raises(ValueError):
+        causal_attention_scores_reference(q, torch.zeros(1, 4, 10, 16), torch.zeros(1, 4, 10, 16), 1.0)
+    with pytest.raises(ValueError):
+        causal_attention_scores_reference(q, torch.zeros(1, 2, 9, 16), torch.zeros(1, 2, 9, 16), 1.0)
+
+
+METHODS = [("h2o", {}), ("elastic", {}), ("elastic", {"importance": "mean"}), ("elastic", {"importance": "query"}),
+           ("elastic", {"eviction": "frequency"}), ("snapkv", {}), ("inf_mllm", {}), ("inf_mllm", {"history": 0.5})]
+
+
+def prefill(model, ids, policy, fused):
+    cache = KVTrimCache(model, policy)
+    with torch.no_grad(), kvtrim.attach(model, fused_scores="always" if fused else "never"):
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return cache, out.logits
+
+
+@native
+@pytest.mark.parametrize("groups", [3, 4])
+@pytest.mark.parametrize("name,kw", METHODS)
+def test_fused_prefill_keeps_what_recomputation_keeps(monkeypatch, name, kw, groups):
+    model = tiny_llama(groups=groups, head_dim=64 if groups == 3 else 32)
+    ids = torch.randint(3, 128, (1, 181), generator=torch.Generator().manual_seed(groups))
+    calls = []
+    real = hf.causal_attention_scores
+    monkeypatch.setattr(hf, "causal_attention_scores", lambda *a, **k: calls.append(k) or real(*a, **k))
+    fused, logits_f = prefill(model, ids, create_policy(name, keep=0.3, **kw), True)
+    assert len(calls) == model.config.num_hidden_layers  # every layer's prefill attention was the fused one
+    plain, logits_p = prefill(model, ids, create_policy(name, keep=0.3, **kw), False)
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(logits_f, logits_p, rtol=1e-4, atol=1e-4)
+    for a, b in zip(fused.compressed_layers, plain.compressed_layers):
+        assert a.length == b.length < ids.shape[1]
+        assert torch.equal(a.positions, b.positions)
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-5)
+        for state in a.token_state:  # H2O's accumulated scores, Elastic's importance (slots in use only)
+            torch.testing.assert_close(a.state_view(state), b.state_view(state), rtol=1e-5, atol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("name", ["full", "streaming_llm", "h2o"])
+def test_fused_path_only_when_asked(monkeypatch, model, prompt, name):
+    """Methods that read no prompt scores keep SDPA; a budget that keeps everything asks for
+    nothing; fused_scores="never" never fuses."""
+    calls = []
+    monkeypatch.setattr(hf, "causal_attention_scores", lambda *a, **k: calls.append(1) or causal_attention_scores(*a, **k))
+    prefill(model, prompt, create_policy(name, **({} if name == "full" else {"keep": 0.5})), True)
+    assert len(calls) == (model.config.num_hidden_layers if name == "h2o" else 0)
+    calls.clear()
+    prefill(model, prompt, create_policy("h2o", keep=0.5), False)
+    for keep_all in ("h2o", "snapkv", "elastic", "inf_mllm"):  # keep=1.0: nothing is scored for eviction
+        prefill(model, prompt, create_policy(keep_all, keep=1.0), True)
+    assert not calls
+
+
+@native
+def test_fused_scores_survive_shared_memo(model, prompt):
+    """With scores shared across budgets (share_prefill_scores), the fused sums are what is shared."""
+    memo: dict = {}
+    a = create_policy("h2o", keep=0.3).share_prefill_scores(memo)
+    fused, _ = prefill(model, prompt, a, True)
+    plain, _ = prefill(model, prompt, create_policy("h2o", keep=0.3), False)
+    assert memo and all(torch.equal(x.positions, y.positions) for x, y in zip(fused.compressed_layers, plain.compressed_layers))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("n_kv,groups,tq,s,d", [(2, 3, 63, 63, 64), (1, 4, 100, 130, 32)])
+def test_triton_matches_references(dtype, n_kv, groups, tq, s, d):
+    """The GPU kernel (Triton's interpreter on CPU): output under the tolerance rule, scores equal
+    to the float32 references within rounding (its column sums are added atomically)."""
+    from kvtrim.attention.triton import kernels  # noqa: F401 - triton imported after TRITON_INTERPRET (conftest)
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tq)
+    q = torch.randn(1, n_kv * groups, tq, d, generator=g).to(dtype)
+    k, v = torch.randn(1, n_kv, s, d, generator=g).to(dtype), torch.randn(1, n_kv, s, d, generator=g).to(dtype)
+    scale = d ** -0.5
+    got = causal_attention_scores(q.to(dev), k.to(dev), v.to(dev), scale, column_sums=True, window=16, backend="triton")
+    ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), scale, window=16)
+    assert (got.out.cpu().double() - ref.out).abs().max() <= 2 * sdpa_error(q, k, v, scale, ref.out)
+    torch.testing.assert_close(got.col_sums.cpu().double(), ref.col_sums.double(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(got.window_probs.cpu().double(), ref.window_probs.double(), rtol=1e-5, atol=1e-5)
+
+
+@native
+@pytest.mark.model
+def test_fused_prefill_keeps_what_recomputation_keeps_on_the_real_model(real):
+    """The embedded model, a 600-token prompt: every scoring method keeps the same tokens per layer and head."""
+    from kvtrim.data import prose_haystack
+    from kvtrim.models import build_prompt_ids
+
+    tok = real.tokenizer
+    text = tok.decode(tok.encode(prose_haystack()[:4000], add_special_tokens=False)[:560])
+    ids = torch.tensor([build_prompt_ids(tok, text + "\n\nSummarize the passage above.")])
+    for name, kw in METHODS:
+        fused, logits_f = prefill(real.model, ids, create_policy(name, keep=0.25, **kw), True)
+        plain, logits_p = prefill(real.model, ids, create_policy(name, keep=0.25, **kw), False)
+        torch.testing.assert_close(logits_f, logits_p, rtol=1e-4, atol=1e-4)
+        for a, b in zip(fused.compressed_layers, plain.compressed_layers):
+            assert torch.equal(a.positions, b.positions), (name, kw, a.layer_idx)
+
+
+@native
+def test_auto_fuses_column_sums_only(monkeypatch, model, prompt):
+    """The default ("auto") fuses a column-sum request (H2O, Elastic Cache) and leaves a request
+    for the last-window rows alone (SnapKV, Inf-MLLM) to SDPA plus their window x T recomputation;
+    a bad choice is refused."""
+    calls = []
+    monkeypatch.setattr(hf, "causal_attention_scores", lambda *a, **k: calls.append(k) or causal_attention_scores(*a, **k))
+    n = model.config.num_hidden_layers
+    for name, fused in (("h2o", True), ("elastic", True), ("snapkv", False), ("inf_mllm", False)):
+        calls.clear()
+        with torch.no_grad(), kvtrim.attach(model):
+            model(input_ids=prompt, past_key_values=KVTrimCache(model, name, keep=0.3), use_cache=True)
+        assert len(calls) == (n if fused else 0), name
+    with pytest.raises(kvtrim.KVTrimError, match="fused_scores"), kvtrim.attach(model, fused_scores="yes"):
+        pass
