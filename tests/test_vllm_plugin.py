@@ -191,6 +191,34 @@ def test_pattern_config_for_another_model_is_refused(tmp_path):
     assert "kvtrim: pattern config was made for another model (other): num_hidden_layers: config 2 vs model 30" in r["log"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compaction_moves_tokens_in_the_layout_vllms_kernel_writes(dtype):
+    # vLLM's CPU kernel stores a block's keys channel-major and its values token-major; compaction
+    # learns the layout from vLLM's own cache-write op and must move whole tokens (no engine needed)
+    import torch
+    from vllm import _custom_ops as ops
+
+    from kvtrim.integrations.vllm import plan
+    from kvtrim.integrations.vllm.backend import _layouts, _split
+
+    dt = getattr(torch, dtype)
+    nb, hkv, bs, d = 5, 2, 128, 64
+    g = torch.Generator().manual_seed(0)
+    kv = torch.zeros(nb, hkv, bs, 2 * d, dtype=dt)
+    kc, vc = _split(kv)
+    key, value = torch.randn(3 * bs, hkv, d, generator=g).to(dt), torch.randn(3 * bs, hkv, d, generator=g).to(dt)
+    blocks = torch.tensor([4, 1, 3])
+    slots = blocks.repeat_interleave(bs) * bs + torch.arange(3 * bs) % bs
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    layouts = _layouts("vec", bs, d, dt, "auto")
+    assert torch.equal(plan.token_major(kc[blocks], layouts[0]).permute(1, 0, 2, 3).reshape(hkv, -1, d), key.transpose(0, 1))
+    keep = torch.stack([torch.arange(0, 2 * bs, 2), torch.arange(bs, 2 * bs)])
+    plan.compact(kc, vc, blocks, keep, layouts)
+    k0, v0 = plan.token_major(kc[blocks[:1]], layouts[0])[0], plan.token_major(vc[blocks[:1]], layouts[1])[0]
+    for h in range(hkv):
+        assert torch.equal(k0[h], key[keep[h], h]) and torch.equal(v0[h], value[keep[h], h])
+
+
 # -- the OpenAI-compatible server -----------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
