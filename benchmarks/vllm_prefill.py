@@ -208,13 +208,15 @@ def table(d: dict) -> str:
                        f"{sum(row['same_first_token'])}/{len(row['same_first_token'])} | {la[0]:.1f}-{la[2]:.1f} |")
     ds = d if isinstance(d, list) else [d]
     out.append("")
-    out.append(f"Medians of {ds[0]['reps']} interleaved repetitions after a warm-up (add_request to the first token), "
+    reps = ", ".join(f"{dd['model']}: {dd['reps']}" for dd in ds)
+    out.append(f"Medians of interleaved repetitions ({reps}) after a warm-up (add_request to the first token), "
                f"float32, vLLM {ds[0]['versions']['vllm']} CPU build, one thread per engine process, the two engines "
                "alive side by side and used one at a time. Timed on the shared 2-core machine while other single-thread "
                "jobs ran (the load column): absolute seconds are inflated, the ratio less so. Same first token: "
                "rounds (warm-up included) whose greedy first token agreed between the engines.")
     if not all(dd["sparse_prefill_logged"] for dd in ds):
-        out[-1] += (" This run did not capture the engines' log lines (vLLM's workers log to stdout, which the script "
+        missed = ", ".join(dd["model"] for dd in ds if not dd["sparse_prefill_logged"])
+        out[-1] += (f" The run of {missed} did not capture the engines' log lines (vLLM's workers log to stdout, which the script "
                     "then read for its results only; fixed since), so the plugin's log does not confirm that its sparse "
                     "prefill ran.")
     return "\n".join(out) + "\n"
