@@ -122,3 +122,28 @@ def test_compact_moves_each_heads_tokens_in_order(dtype):
         assert torch.equal(got_k[h], logical_k[h, keep[h]])
         assert torch.equal(got_v[h], logical_v[h, keep[h]])
     assert torch.equal(kv[[0, 1, 3, 4, 7]], untouched)  # other requests' blocks are not written
+
+
+def test_compact_reads_and_writes_the_kernels_block_layout():
+    # vLLM's CPU kernel stores a block's keys channel-major ([D, bs]) and its values token-major;
+    # compaction must move tokens, not stored rows, whatever the layout
+    g = torch.Generator().manual_seed(2)
+    nb, hkv, bs, d = 6, 2, 4, 3
+    key_layout = torch.tensor([j * bs + t for t in range(bs) for j in range(d)])  # token-major t*d+j -> stored j*bs+t
+    assert plan.token_major(plan.stored(torch.arange(bs * d).float().view(1, 1, bs, d), key_layout), key_layout).flatten().tolist() \
+        == list(range(bs * d))
+    logical_k = torch.randn(nb, hkv, bs, d, generator=g)
+    logical_v = torch.randn(nb, hkv, bs, d, generator=g)
+    key_cache, value_cache = plan.stored(logical_k, key_layout).clone(), logical_v.clone()
+    # the stored keys of a block head are the token-major ones transposed
+    assert torch.equal(key_cache[0, 0].reshape(-1), logical_k[0, 0].t().reshape(-1))
+    blocks = torch.tensor([5, 0, 3])
+    flat_k = logical_k[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, d)
+    flat_v = logical_v[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, d)
+    keep = torch.stack([torch.tensor([0, 2, 7, 11]), torch.tensor([1, 4, 5, 9])])
+    plan.compact(key_cache, value_cache, blocks, keep, (key_layout, None))
+    got_k = plan.token_major(key_cache[blocks[:1]], key_layout)[0]
+    for h in range(hkv):
+        assert torch.equal(got_k[h], flat_k[h, keep[h]])
+        assert torch.equal(value_cache[blocks[0], h], flat_v[h, keep[h]])
+    assert torch.equal(plan.token_major(key_cache[[1, 2, 4]], key_layout), logical_k[[1, 2, 4]])  # others untouched

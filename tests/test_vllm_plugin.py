@@ -1,4 +1,4 @@
-"""The vLLM tier: kvtrim's plugin inside a real vLLM engine (CPU build), SmolLM2-135M.
+"""The vLLM tier: kvtrim's plugin inside a real vLLM engine (CPU build), SmolLM2-135M and Qwen2.5-0.5B.
 
 Runs in vLLM's own venv (``scripts/setup_vllm.sh``); skipped where vLLM is not importable::
 
@@ -9,6 +9,10 @@ Runs in vLLM's own venv (``scripts/setup_vllm.sh``); skipped where vLLM is not i
 own (``tests/vllm_driver.py``), and its result is shared by the tests that need it. Three prompts
 (700, 300 and 450 tokens) run together with ``max_num_batched_tokens=512``: the long prompt is
 prefilled in two chunks, and prefill chunks share steps with other requests' decode steps.
+
+Tensor parallel 2 runs on the reference model Qwen2.5-Coder-0.5B-Instruct (14 query / 2 KV
+heads: one KV head per rank), from kvtrim's converted directory of the installed reference model
+(``kvtrim models install qwen2.5-0.5b``; the test is skipped when it is not installed).
 """
 
 from __future__ import annotations
@@ -46,22 +50,32 @@ def _model_dir() -> str:
     pytest.skip("no SmolLM2-135M-Instruct directory (run `kvtrim models install` or set KVTRIM_VLLM_MODEL)")
 
 
-def _env() -> dict:
-    env = dict(os.environ, KVTRIM_VLLM_MODEL=_model_dir(), OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+def _qwen_dir() -> str:
+    from kvtrim import reference_models
+    from kvtrim.models import resolve_model
+
+    if not reference_models.is_installed(reference_models.QWEN):
+        pytest.skip("the reference model Qwen2.5-0.5B is not installed (kvtrim models install qwen2.5-0.5b)")
+    return str(resolve_model(reference_models.QWEN.key)[0])
+
+
+def _env(model: str = "smollm2") -> dict:
+    env = dict(os.environ, KVTRIM_VLLM_MODEL=_qwen_dir() if model == "qwen" else _model_dir(), OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV pool: plenty for these prompts, small for a shared machine
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     return env
 
 
 @functools.cache
-def run(kvtrim: str | None, scheduler: bool = False, tp: int = 1, max_tokens: int = 10) -> dict:
-    """One engine configuration (``kvtrim``: the JSON of additional_config['kvtrim'], or None)."""
+def run(kvtrim: str | None, scheduler: bool = False, tp: int = 1, max_tokens: int = 10, model: str = "smollm2") -> dict:
+    """One engine configuration (``kvtrim``: the JSON of additional_config['kvtrim'], or None;
+    ``model``: ``smollm2`` or ``qwen``)."""
     engine = dict(ENGINE, tensor_parallel_size=tp)
     if scheduler:
         engine["scheduler_cls"] = SCHEDULER
     spec = {"additional_config": {} if kvtrim is None else {"kvtrim": json.loads(kvtrim)}, "engine": engine,
             "prompts": PROMPTS, "max_tokens": max_tokens, "probe_after": PROBE}
-    p = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True, env=_env(),
+    p = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True, env=_env(model),
                        timeout=1200)
     line = next((x for x in p.stdout.splitlines() if x.startswith("@@RESULT ")), None)
     return {"rc": p.returncode, "log": p.stdout + p.stderr, **(json.loads(line[9:]) if line else {})}
@@ -125,6 +139,35 @@ def test_tensor_parallel_equals_one_rank():
     assert three["blocks_in_use"] == one["blocks_in_use"]  # every rank frees the same blocks
 
 
+# Qwen2.5-0.5B with its shipped per-head pattern config (minference; min_length 64 so the tier's short
+# prompts prefill sparse: its block_sparse / vertical_slash / a_shape heads are sparse at 300-700 tokens)
+QWEN_PREFILL = {"prefill": "minference", "min_length": 64}
+QWEN_CONFIGS = {
+    "keep 1": cfg(method="snapkv", keep=1.0, **QWEN_PREFILL),
+    "snapkv": cfg(method="snapkv", keep=0.25, **QWEN_PREFILL),
+    "streaming": cfg(method="streaming_llm", keep=0.25, **QWEN_PREFILL),
+}
+
+
+@pytest.mark.parametrize("name", list(QWEN_CONFIGS))
+def test_tensor_parallel_2_equals_one_rank_on_qwen(name):
+    # 14 query / 2 KV heads: each of the 2 ranks holds 7 query heads and 1 KV head, and runs the
+    # shipped pattern config's rows for its own 7 heads (the per-rank slicing of the config)
+    spec = QWEN_CONFIGS[name]
+    one, two = _ok(run(spec, scheduler=True, model="qwen")), _ok(run(spec, scheduler=True, tp=2, model="qwen"))
+    for r in (one, two):
+        assert "kvtrim: sparse prefill (minference) in use" in r["log"]
+    assert two["tokens"] == one["tokens"]
+    assert two["blocks_in_use"] == one["blocks_in_use"]  # every rank frees the same blocks
+    method = json.loads(spec)["method"]
+    want = _freed(method, json.loads(spec)["keep"], one["block_size"])
+    assert (want > 0) == (name != "keep 1")
+    if want:
+        assert f"kvtrim: {method} frees evicted KV blocks" in two["log"]
+    if name == "snapkv":
+        assert "kvtrim: snapkv compaction in use" in two["log"]
+
+
 @pytest.mark.parametrize("spec, scheduler, line", [
     (cfg(method="h2o"), True, "kvtrim: unknown kvtrim method 'h2o'; the vLLM plugin runs: snapkv, streaming_llm"),
     (cfg(method="snapkv"), False, "kvtrim: kvtrim method needs its scheduler"),
@@ -146,6 +189,34 @@ def test_pattern_config_for_another_model_is_refused(tmp_path):
     r = run(cfg(prefill="minference", pattern_config=str(bad)))
     assert r["rc"] != 0 and "tokens" not in r
     assert "kvtrim: pattern config was made for another model (other): num_hidden_layers: config 2 vs model 30" in r["log"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compaction_moves_tokens_in_the_layout_vllms_kernel_writes(dtype):
+    # vLLM's CPU kernel stores a block's keys channel-major and its values token-major; compaction
+    # learns the layout from vLLM's own cache-write op and must move whole tokens (no engine needed)
+    import torch
+    from vllm import _custom_ops as ops
+
+    from kvtrim.integrations.vllm import plan
+    from kvtrim.integrations.vllm.backend import _layouts, _split
+
+    dt = getattr(torch, dtype)
+    nb, hkv, bs, d = 5, 2, 128, 64
+    g = torch.Generator().manual_seed(0)
+    kv = torch.zeros(nb, hkv, bs, 2 * d, dtype=dt)
+    kc, vc = _split(kv)
+    key, value = torch.randn(3 * bs, hkv, d, generator=g).to(dt), torch.randn(3 * bs, hkv, d, generator=g).to(dt)
+    blocks = torch.tensor([4, 1, 3])
+    slots = blocks.repeat_interleave(bs) * bs + torch.arange(3 * bs) % bs
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, "vec", k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+    layouts = _layouts("vec", bs, d, dt, "auto")
+    assert torch.equal(plan.token_major(kc[blocks], layouts[0]).permute(1, 0, 2, 3).reshape(hkv, -1, d), key.transpose(0, 1))
+    keep = torch.stack([torch.arange(0, 2 * bs, 2), torch.arange(bs, 2 * bs)])
+    plan.compact(kc, vc, blocks, keep, layouts)
+    k0, v0 = plan.token_major(kc[blocks[:1]], layouts[0])[0], plan.token_major(vc[blocks[:1]], layouts[1])[0]
+    for h in range(hkv):
+        assert torch.equal(k0[h], key[keep[h], h]) and torch.equal(v0[h], value[keep[h], h])
 
 
 # -- the OpenAI-compatible server -----------------------------------------------------------------------

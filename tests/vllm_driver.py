@@ -2,6 +2,7 @@
 
     python tests/vllm_driver.py '{"additional_config": {...}, "engine": {...}, "prompts": [[ids...], ...],
                                    "max_tokens": 12, "probe_after": 4}'
+    python tests/vllm_driver.py @SPEC.json     # the same, from a file (long prompts exceed one argument's limit)
 
 Run in vLLM's own venv, in a process of its own (vLLM spawns its engine core and workers; a fresh
 process per configuration keeps each test's engine apart). All requests are added at once and
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 MODEL_ENV = "KVTRIM_VLLM_MODEL"  # a plain transformers directory (config.json + safetensors)
 
@@ -50,6 +52,7 @@ def main(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    result = main(json.loads(sys.argv[1]))
+    arg = sys.argv[1]
+    result = main(json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg))
     sys.stdout.write("@@RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()

@@ -27,6 +27,7 @@ kept depends only on the prompt length, so every rank frees the same blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -244,6 +245,43 @@ def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
+@functools.cache
+def _layouts(isa: str, bs: int, d: int, dtype: torch.dtype, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's CPU kernel puts each (token, channel) of a block's keys and values.
+
+    Learnt once per process by writing probe tokens with vLLM's own cache-write op into a scratch
+    block: one probe holds each token's index in all its channels, the other each channel's
+    index. Returns, for keys and values, the stored position of token-major element
+    ``t * d + j`` (:func:`plan.token_major`). The ``vec`` kernel stores keys channel-major and values
+    token-major; the op, not this module, decides, so other layouts are read the same way.
+    """
+    from vllm import _custom_ops as ops
+
+    out = []
+    codes = []
+    for probe in (torch.arange(bs).view(bs, 1, 1).expand(bs, 1, d), torch.arange(d).view(1, 1, d).expand(bs, 1, d)):
+        kv = torch.full((1, 1, bs, 2 * d), -1.0, dtype=dtype)
+        kc, vc = _split(kv)
+        x = probe.to(dtype).contiguous()
+        ops.cpu_attn_reshape_and_cache(x, x.clone(), kc, vc, torch.arange(bs, dtype=torch.int64), isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+        codes.append((kc.reshape(-1).long(), vc.reshape(-1).long()))
+    for which in (0, 1):
+        t, j = codes[0][which], codes[1][which]
+        if bool((t < 0).any() or (j < 0).any()):
+            raise KVTrimError(f"kvtrim: unknown KV cache layout of vLLM's CPU kernel (isa {isa}); compaction cannot run")
+        layout = torch.full((bs * d,), -1, dtype=torch.long)
+        layout[t * d + j] = torch.arange(bs * d)
+        if bool((layout < 0).any()):
+            raise KVTrimError(f"kvtrim: unknown KV cache layout of vLLM's CPU kernel (isa {isa}); compaction cannot run")
+        out.append(layout)
+    return out[0], out[1]
+
+
+def _layouts_of(impl, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _layouts(layer.isa, kv_cache.shape[2], kv_cache.shape[3] // 2, kv_cache.dtype, impl.kv_cache_dtype)
+
+
 class KVTrimImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         s = settings()
@@ -252,10 +290,11 @@ class KVTrimImpl(CPUAttentionBackendImpl):
             li = _layer_index(layer)
             for rp in md.kvtrim_rows:
                 if rp.compact is not None:
-                    self._compact(s, li, rp, kv_cache)
+                    self._compact(s, li, rp, kv_cache, _layouts_of(self, layer, kv_cache))
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
-    def _compact(self, s: Settings, li: int, rp: RowPlan, kv_cache: torch.Tensor) -> None:
+    def _compact(self, s: Settings, li: int, rp: RowPlan, kv_cache: torch.Tensor,
+                 layouts: tuple[torch.Tensor, torch.Tensor]) -> None:
         st = STATE[rp.key]
         scores = st.scores.pop(li, None)
         first, stop = rp.compact  # type: ignore[misc]
@@ -266,7 +305,7 @@ class KVTrimImpl(CPUAttentionBackendImpl):
         if scores is None or scores.shape[-1] < full:
             raise KVTrimError(f"kvtrim: no SnapKV scores for layer {li} of a request at its first decode step")
         keep = plan.select_tokens(scores[:, :full], first * bs, s.cfg.sinks, prompt_len - s.cfg.window)
-        plan.compact(kc, vc, rp.blocks[:stop], keep)
+        plan.compact(kc, vc, rp.blocks[:stop], keep, layouts)
         _once(f"snapkv compaction in use: {first} of {stop} full prompt blocks kept")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -293,7 +332,7 @@ class KVTrimImpl(CPUAttentionBackendImpl):
         if s.snapkv is not None:
             for rp in md.kvtrim_rows:
                 if rp.score:
-                    self._score(s, li, rp, query, key, kv_cache)
+                    self._score(s, li, rp, query, key, kv_cache, layer)
         return output
 
     def _sparse(self, s: Settings, li: int, rp: RowPlan, query, key, value, output) -> bool:
@@ -310,14 +349,15 @@ class KVTrimImpl(CPUAttentionBackendImpl):
         _once(f"sparse prefill ({s.cfg.prefill}) in use")
         return True
 
-    def _score(self, s: Settings, li: int, rp: RowPlan, query, key, kv_cache) -> None:
+    def _score(self, s: Settings, li: int, rp: RowPlan, query, key, kv_cache, layer) -> None:
         q = query[rp.start:rp.stop].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         if rp.ctx == 0:
             k = key[rp.start:rp.stop].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
         else:  # a later chunk: every key of the request, from the paged cache
             kc, _ = _split(kv_cache)
             n = rp.ctx + (rp.stop - rp.start)
-            k = kc[rp.blocks].permute(1, 0, 2, 3).reshape(kc.shape[1], -1, kc.shape[-1])[:, :n].unsqueeze(0)
+            kb = plan.token_major(kc[rp.blocks], _layouts_of(self, layer, kv_cache)[0])
+            k = kb.permute(1, 0, 2, 3).reshape(kc.shape[1], -1, kc.shape[-1])[:, :n].unsqueeze(0)
         assert s.snapkv is not None
         STATE[rp.key].scores[li] = s.snapkv.score(None, q, k, self.scale)[0].float()
 

@@ -81,19 +81,45 @@ def select_tokens(scores: torch.Tensor, n_keep: int, sinks: int, protect_from: i
     return idx.sort(dim=-1).values
 
 
-def compact(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor) -> None:
+def token_major(data: torch.Tensor, layout: torch.Tensor | None) -> torch.Tensor:
+    """Blocks ``[nb, Hkv, bs, D]`` as stored by the kernel, as ``[nb, Hkv, bs, D]`` token by token.
+
+    ``layout``: where token-major element ``t * D + j`` (token ``t``, channel ``j``) lies in a
+    block head's ``bs * D`` stored values (a permutation; ``None``: stored token-major already).
+    vLLM's CPU kernel, for example, stores a block's keys channel-major (``[D, bs]``) and its
+    values token-major.
+    """
+    if layout is None:
+        return data
+    nb, h, bs, d = data.shape
+    return data.reshape(nb, h, bs * d)[..., layout].view(nb, h, bs, d)
+
+
+def stored(data: torch.Tensor, layout: torch.Tensor | None) -> torch.Tensor:
+    """The inverse of :func:`token_major`: token-major blocks in the kernel's stored order."""
+    if layout is None:
+        return data
+    nb, h, bs, d = data.shape
+    out = torch.empty_like(data).reshape(nb, h, bs * d)
+    out[..., layout] = data.reshape(nb, h, bs * d)
+    return out.view(nb, h, bs, d)
+
+
+def compact(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor,
+            layouts: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:
     """Move each KV head's kept tokens into the request's first blocks, in order (in place).
 
     ``key_cache``/``value_cache``: ``[num_blocks, Hkv, bs, D]`` (views of vLLM's paged cache);
     ``blocks``: the request's first ``F / bs`` block ids in logical order; ``keep [Hkv, n]``:
-    token indices into those blocks' ``F`` tokens, ``n`` a multiple of ``bs``. After the call,
+    token indices into those blocks' ``F`` tokens, ``n`` a multiple of ``bs``; ``layouts``: how
+    the kernel orders a block's keys and values (see :func:`token_major`). After the call,
     logical blocks ``0 .. n/bs - 1`` hold head ``h``'s tokens ``keep[h]``.
     """
     hkv, n = keep.shape
     bs = key_cache.shape[2]
     dst = blocks[: n // bs]
-    for cache in (key_cache, value_cache):
+    for cache, layout in zip((key_cache, value_cache), layouts):
         d = cache.shape[-1]
-        src = cache[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, F, D] (a copy)
+        src = token_major(cache[blocks], layout).permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, F, D] (a copy)
         picked = torch.gather(src, 1, keep.unsqueeze(-1).expand(hkv, n, d))  # [Hkv, n, D]
-        cache[dst] = picked.reshape(hkv, n // bs, bs, d).permute(1, 0, 2, 3).to(cache.dtype)
+        cache[dst] = stored(picked.reshape(hkv, n // bs, bs, d).permute(1, 0, 2, 3), layout).to(cache.dtype)
