@@ -194,3 +194,30 @@ def test_auto_fuses_column_sums_only(monkeypatch, model, prompt):
         assert len(calls) == (n if fused else 0), name
     with pytest.raises(kvtrim.KVTrimError, match="fused_scores"), kvtrim.attach(model, fused_scores="yes"):
         pass
+
+
+@native
+def test_recorded_forward_hands_its_column_sums_to_the_replays(monkeypatch, model, prompt):
+    """Evaluation replay (kvtrim eval): ``record_prefill(column_sums=True)`` keeps the column sums the
+    recorded forward's fused attention computed; a memo seeded with them (``Recording.score_memo``)
+    spares every H2O / Elastic Cache replay the recomputation, and the replayed caches keep what
+    recomputed sums keep."""
+    import kvtrim.policies.base as base
+    from kvtrim.eval.replay import make_policy, record_prefill, replay
+
+    ids = prompt[0].tolist()
+    rec = record_prefill(model, ids, column_sums=True)
+    assert sorted(rec.column_sums) == sorted(rec.record)  # every layer's sums came from its attention
+    for i, (q, k, _, scaling) in rec.record.items():
+        torch.testing.assert_close(rec.column_sums[i], causal_column_sums(q, k, scaling), rtol=1e-5, atol=1e-5)
+    assert record_prefill(model, ids).column_sums is None
+    plain = {m: replay(model, make_policy(m, {"keep": 0.3}), rec) for m in ("h2o", "elastic")}
+    real = base.causal_column_sums
+    calls = []
+    monkeypatch.setattr(base, "causal_column_sums", lambda *a: calls.append(1) or real(*a))
+    memo = rec.score_memo()
+    for m in ("h2o", "elastic"):
+        seeded = replay(model, make_policy(m, {"keep": 0.3}, memo), rec)
+        for a, b in zip(seeded.compressed_layers, plain[m].compressed_layers):
+            assert torch.equal(a.positions, b.positions)
+    assert not calls

@@ -15,7 +15,10 @@ FastV's and HAE's hidden-state pruning): :func:`replayable` says which.
 
 Per-prompt scores that several budgets of one method share (``Policy.shares_prefill_scores``:
 H2O's prefill column sums, Elastic Cache's per-layer importance) can be computed once per prompt:
-:func:`make_policy` with a ``memo`` dict hands it to them (``Policy.share_prefill_scores``).
+:func:`make_policy` with a ``memo`` dict hands it to them (``Policy.share_prefill_scores``). With
+``record_prefill(..., column_sums=True)`` the recorded forward's own attention computes the column
+sums as it runs (fused scoring, ``kvtrim.attach``), and :meth:`Recording.score_memo` seeds the memo
+with them, so no replay recomputes them from the recorded queries and keys.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from kvtrim.cache import CompressedLayer, KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
+from kvtrim.scores import ScoreRequest
 
 
 def replayable(method: "str | Policy | type[Policy]") -> bool:
@@ -41,17 +45,27 @@ def replayable(method: "str | Policy | type[Policy]") -> bool:
 
 @dataclass
 class Recorder(Policy):
-    """Keeps every token and records each layer's prefill ``(query, key, value, scaling)``."""
+    """Keeps every token and records each layer's prefill ``(query, key, value, scaling)``; with
+    ``column_sums``, also the causal column sums the prefill attention computed (where kvtrim's
+    attention function fused them; a layer whose attention did not is absent from ``column_sums``)."""
 
     name = "recorder"
     description = "keeps everything; records the prefill q/k/v of every layer (evaluation replay)"
+    column_sums: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.record: dict[int, tuple] = {}
+        self.sums: dict[int, torch.Tensor] = {}
+
+    def wants_prefill_scores(self, layer) -> ScoreRequest | None:
+        return ScoreRequest(column_sums=True) if self.column_sums else None
 
     def on_prefill(self, layer, query, key, scaling) -> None:
         self.record[layer.layer_idx] = (query.clone(), key.clone(), layer.values.clone(), scaling)
+        got = layer.attention_scores
+        if self.column_sums and got is not None and got.column_sums is not None:
+            self.sums[layer.layer_idx] = got.column_sums.clone()
 
 
 def make_policy(method: str, params: dict, memo: dict | None = None) -> Policy:
@@ -75,16 +89,24 @@ class Recording:
     n_tokens: int
     prefill_stats: dict | None = None
     cache: KVTrimCache | None = None  # the uncompressed cache itself, with ``keep_cache=True``
+    column_sums: dict[int, torch.Tensor] | None = None  # per layer, with ``column_sums=True`` (fused)
+
+    def score_memo(self) -> dict:
+        """A fresh per-prompt memo for :func:`make_policy`, holding the column sums the recorded
+        forward computed (the entries ``Policy.prefill_column_sums`` would otherwise compute)."""
+        return {("column_sums", i): sums for i, sums in (self.column_sums or {}).items()}
 
 
 @torch.inference_mode()
-def record_prefill(model, ids: list[int], prefill=None, keep_cache: bool = False) -> Recording:
+def record_prefill(model, ids: list[int], prefill=None, keep_cache: bool = False,
+                   column_sums: bool = False) -> Recording:
     """One full prefill of ``ids`` with :class:`Recorder` (``prefill``: an optional sparse-prefill hook;
-    ``keep_cache``: also return the full cache the forward filled)."""
+    ``keep_cache``: also return the full cache the forward filled; ``column_sums``: let the forward's
+    attention compute each layer's causal column sums too, for :meth:`Recording.score_memo`)."""
     from kvtrim.decoding import forward
     from kvtrim.integrations.hf import attach
 
-    rec = Recorder()
+    rec = Recorder(column_sums=column_sums)
     cache = KVTrimCache(model, rec)
     if prefill is not None:
         prefill.reset_stats()
@@ -98,7 +120,7 @@ def record_prefill(model, ids: list[int], prefill=None, keep_cache: bool = False
         logits = forward(model, cache, ids)
         seconds = time.perf_counter() - t0
     return Recording(rec.record, logits, seconds, len(ids), prefill.stats() if prefill is not None else None,
-                     cache if keep_cache else None)
+                     cache if keep_cache else None, rec.sums if column_sums else None)
 
 
 def replay(model, policy: Policy, recording: "Recording | dict") -> KVTrimCache:

@@ -65,6 +65,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     from kvtrim.eval.report import summarize
     from kvtrim.integrations.batched import drive
     from kvtrim.integrations.hf import attach
+    from kvtrim.registry import get_policy_class
 
     check_lengths(plan, lm.tokenizer, lm.max_context)  # before config.json is written: a refused plan leaves nothing
     dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
@@ -97,8 +98,10 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
         sample = build_sample(plan, lm.tokenizer, task, length, i)
         ids = prompt_ids(lm.tokenizer, sample, plan.plain)
         bar.set_postfix_str(f"{task}@{length} #{i}")
-        recording = record_prefill(lm.model, ids, prefill_hook)
-        memo: dict = {}
+        # the column sums H2O and Elastic Cache share, computed by the recorded forward's own attention
+        sums_shared = any(get_policy_class(m).shares_prefill_scores for m, _ in need)
+        recording = record_prefill(lm.model, ids, prefill_hook, column_sums=sums_shared)
+        memo: dict = recording.score_memo()
         reference = None
         if task == "labelfree":
             # the full cache's answer is the reference: from the file if full already ran, else from its run here
