@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import re
 import sys
-import time
 
 from kvtrim import harness
 from kvtrim.machine import load_average
 
 METHODS = ("full", "snapkv", "h2o", "streaming_llm", "inf_mllm", "elastic")
+#: the fixed glibc mmap threshold of the ``--mmap-at`` runs (bytes)
+MMAP_THRESHOLD = 1 << 20
 
 
 def hwm_bytes() -> int:
@@ -76,9 +78,7 @@ def run_one(n: int, method: str, chunk: int | None, keep: float, model_name: str
     import torch
     from bench_minference_prefill import scale_rope
 
-    from kvtrim import decoding
-    from kvtrim.cache import KVTrimCache
-    from kvtrim.integrations.hf import attach
+    from kvtrim.generation import generate_ids
     from kvtrim.models import load_model
     from kvtrim.registry import create_policy
 
@@ -95,17 +95,15 @@ def run_one(n: int, method: str, chunk: int | None, keep: float, model_name: str
     base = rss_bytes()
     reset_hwm()
     load0 = load_average()
-    with torch.inference_mode(), attach(model):
-        cache = KVTrimCache(model, policy)
-        t0 = time.perf_counter()
-        decoding.run(model, decoding.prefill(cache, ids, chunk=decoding.check_prefill_chunk(policy, chunk)))
-        seconds = time.perf_counter() - t0
+    # the prefill exactly as `kvtrim generate` runs it (trimming the heap between chunks), no new token
+    res = generate_ids(model, lm.tokenizer, ids, policy, max_new_tokens=0, prefill_chunk=chunk)
     peak = hwm_bytes()
     harness.child_result({
         "length": n, "method": method, "chunk": chunk, "keep": None if method == "full" else keep,
-        "base_rss": base, "peak_rss": peak, "weights": weights, "kv": cache.kv_bytes(),
-        "kv_stored": cache.kv_bytes_stored(), "kv_index": cache.index_bytes(), "kv_full": cache.kv_bytes_full(),
-        "stored_tokens": max(cache.stored_tokens()), "seconds": seconds, "loadavg": [load0, load_average()],
+        "allocator": os.environ.get("MALLOC_MMAP_THRESHOLD_") and f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}",
+        "base_rss": base, "peak_rss": peak, "weights": weights, "kv": res.kv_bytes,
+        "kv_stored": res.kv_bytes_stored, "kv_index": res.index_bytes, "kv_full": res.kv_bytes_full,
+        "stored_tokens": res.stored_tokens, "seconds": res.prefill_seconds, "loadavg": [load0, load_average()],
     })
     return 0
 
@@ -126,6 +124,8 @@ def table(d: dict) -> str:
     ]
     for r in d["records"]:
         mode = f"chunks of {r['chunk']}" if r["chunk"] else "one forward"
+        if r.get("allocator"):
+            mode += f", {r['allocator']}"
         bound = r.get("bound")
         lines.append(
             f"| {r['length']} | {r['method']} | {mode} | {r['peak_rss'] / mib:.0f} | {(r['peak_rss'] - r['base_rss']) / mib:.0f} | "
@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oneshot-at", nargs="*", metavar="LENGTH=METHOD,...",
                    help="one-forward configurations at a length (default: every method at every length)")
     p.add_argument("--full-chunked-max", type=int, default=8192, help="longest length at which full runs chunked")
+    p.add_argument("--mmap-at", nargs="*", metavar="LENGTH=METHOD,...",
+                   help=f"chunked configurations also run with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (glibc then "
+                        "returns every freed block of 1 MiB or more to the OS at once)")
+    p.add_argument("--reuse", metavar="FILE", help="take one-forward records from this earlier result instead of running them")
     p.add_argument("--one", nargs=3, metavar=("LENGTH", "METHOD", "CHUNK"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -165,18 +169,21 @@ def main(argv: list[str] | None = None) -> int:
     if harness.start(p, args, table=table):
         return 0
 
-    def child(n: int, method: str, chunk: int | None) -> dict:
+    def child(n: int, method: str, chunk: int | None, mmap: bool = False) -> dict:
         argv_ = ["--one", str(n), method, str(chunk or 0), "--keep", str(args.keep)]
         if args.model:
             argv_ += ["--model", args.model]
-        rec = harness.isolated(__file__, argv_)
-        print(f"{n} {method} chunk={chunk}: peak {rec['peak_rss'] / 2**20:.0f} MiB "
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if mmap else None
+        rec = harness.isolated(__file__, argv_, env=env)
+        print(f"{n} {method} chunk={chunk} {rec['allocator'] or ''}: peak {rec['peak_rss'] / 2**20:.0f} MiB "
               f"(+{(rec['peak_rss'] - rec['base_rss']) / 2**20:.0f}), KV {rec['kv'] / 2**20:.1f} MiB, "
               f"{rec['seconds']:.0f} s", file=sys.stderr, flush=True)
         return rec
 
     machine = harness.machine_record()
     oneshot = parse_oneshot(args.oneshot_at)
+    mmap_at = parse_oneshot(args.mmap_at)
+    reuse = harness.read_result(args.reuse)["records"] if args.reuse else []
     result: dict = {"benchmark": "prefill_memory", "date": machine["date"], "machine": machine,
                     "model": args.model or "SmolLM2-135M-Instruct", "keep": args.keep, "chunk": args.chunk,
                     "lengths": args.lengths, "records": [], "skipped": []}
@@ -192,10 +199,18 @@ def main(argv: list[str] | None = None) -> int:
                 if chunk is not None and method == "full" and n > args.full_chunked_max:
                     result["skipped"].append(f"full chunked at {n}")
                     continue
-                rec = child(n, method, chunk)
-                rec["bound"] = rec["base_rss"] + 2 * rec["kv"] + w
-                rec["holds"] = rec["peak_rss"] <= rec["bound"]
-                result["records"].append(rec)
+                old = [r for r in reuse if chunk is None and (r["length"], r["method"], r["chunk"]) == (n, method, None)]
+                if old:  # a one-forward run of an earlier result (that path does not change between them)
+                    rec = {**old[0], "allocator": None, "reused_from": args.reuse}
+                else:
+                    rec = child(n, method, chunk)
+                runs = [rec]
+                if chunk is not None and method in mmap_at.get(n, []):
+                    runs.append(child(n, method, chunk, mmap=True))
+                for rec in runs:
+                    rec["bound"] = rec["base_rss"] + 2 * rec["kv"] + w
+                    rec["holds"] = rec["peak_rss"] <= rec["bound"]
+                    result["records"].append(rec)
                 harness.write_json(args.out, result)  # rewritten after every run: a long run keeps what it measured
     result["machine"] = harness.finish_record(machine)
     harness.write_json(args.out, result)
