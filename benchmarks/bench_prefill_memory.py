@@ -2,14 +2,15 @@
 
 For each length, method and mode, one prefill (no decoding) of a prompt of essays on the embedded
 model (default) runs in a fresh process (:func:`kvtrim.harness.isolated`, one torch thread). The
-child loads the model, resets the kernel's high-water mark of its resident set
-(``/proc/self/clear_refs``, so the model load's own peak does not count), prefills through
-:func:`kvtrim.decoding.prefill` (``chunk=None``: one forward; ``chunk=N``: pieces of N tokens, each
-later piece a policy "turn" that evicts down to the budget) and reports:
+child loads the model, runs one 16-token forward, resets the kernel's high-water mark of its
+resident set (``/proc/self/clear_refs``, so the model load's own peak does not count), prefills
+exactly as ``kvtrim generate`` does (:func:`kvtrim.generate_ids` with ``max_new_tokens=0``;
+``prefill_chunk=None``: one forward; ``N``: pieces of N tokens, each later piece a policy "turn"
+that evicts down to the budget, the heap trimmed between pieces) and reports:
 
 * ``base_rss``: resident bytes after loading and one 16-token forward (the weights are memory-mapped
   and become resident when first read: the weights plus the Python/torch runtime);
-* ``peak_rss``: the high-water mark during the prefill (``VmHWM``);
+* ``peak_rss``: the high-water mark during the prefill (``VmHWM``); ``rss_after``: the resident set after it;
 * ``weights``: bytes of the parameters and buffers; ``kv``: the compressed cache's resident
   key/value buffers at the end (``KVTrimCache.kv_bytes``), ``kv_index``: its bookkeeping;
   ``kv_full``: what an uncompressed cache would hold;
@@ -22,13 +23,15 @@ its own KV cost when nothing else is held. ``holds`` says whether a configuratio
 it. Beyond the model's trained context (8k for the embedded model) the RoPE is scaled linearly
 (``bench_minference_prefill.scale_rope``; memory and time do not depend on it, outputs are not judged).
 
-    python benchmarks/bench_prefill_memory.py --lengths 8192 16384 32768 --out results/prefill_memory/smollm2.json
+    python benchmarks/bench_prefill_memory.py --lengths 8192 16384 32768 --out results/prefill_memory.json
     python benchmarks/bench_prefill_memory.py --table benchmarks/results/prefill_memory/smollm2.json
 
-``--oneshot-at LENGTH=METHOD,...`` limits which one-forward configurations run at a length (a
-32k one-forward prefill takes ~10 minutes on one thread); chunked configurations run for every
-method at every length, except ``full`` chunked (its cache grows to the whole prompt; its
-attention costs as much as one forward's) which runs only where ``--full-chunked-max`` allows.
+``--oneshot-at`` / ``--chunked-at LENGTH=METHOD,...`` limit which one-forward / chunked
+configurations run at a length (a 32k one-forward prefill takes ~10 minutes on one thread);
+``full`` runs chunked only up to ``--full-chunked-max`` (its cache grows to the whole prompt and
+its attention costs as much as one forward's). ``--mmap-at`` adds chunked runs with glibc's
+``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB (see docs/memory.md, "The allocator"); ``--reuse FILE``
+takes the records of an earlier run instead of measuring them again.
 """
 
 from __future__ import annotations
@@ -97,11 +100,11 @@ def run_one(n: int, method: str, chunk: int | None, keep: float, model_name: str
     load0 = load_average()
     # the prefill exactly as `kvtrim generate` runs it (trimming the heap between chunks), no new token
     res = generate_ids(model, lm.tokenizer, ids, policy, max_new_tokens=0, prefill_chunk=chunk)
-    peak = hwm_bytes()
+    peak, after = hwm_bytes(), rss_bytes()
     harness.child_result({
         "length": n, "method": method, "chunk": chunk, "keep": None if method == "full" else keep,
         "allocator": os.environ.get("MALLOC_MMAP_THRESHOLD_") and f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}",
-        "base_rss": base, "peak_rss": peak, "weights": weights, "kv": res.kv_bytes,
+        "base_rss": base, "peak_rss": peak, "rss_after": after, "weights": weights, "kv": res.kv_bytes,
         "kv_stored": res.kv_bytes_stored, "kv_index": res.index_bytes, "kv_full": res.kv_bytes_full,
         "stored_tokens": res.stored_tokens, "seconds": res.prefill_seconds, "loadavg": [load0, load_average()],
     })
@@ -160,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mmap-at", nargs="*", metavar="LENGTH=METHOD,...",
                    help=f"chunked configurations also run with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} (glibc then "
                         "returns every freed block of 1 MiB or more to the OS at once)")
-    p.add_argument("--reuse", metavar="FILE", help="take one-forward records from this earlier result instead of running them")
+    p.add_argument("--chunked-at", nargs="*", metavar="LENGTH=METHOD,...",
+                   help="chunked configurations at a length (default: every method at every length)")
+    p.add_argument("--reuse", metavar="FILE", help="take the records (and one chunk's working set) of an earlier result "
+                                                   "of this script instead of measuring them again")
     p.add_argument("--one", nargs=3, metavar=("LENGTH", "METHOD", "CHUNK"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -183,11 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     machine = harness.machine_record()
     oneshot = parse_oneshot(args.oneshot_at)
     mmap_at = parse_oneshot(args.mmap_at)
-    reuse = harness.read_result(args.reuse)["records"] if args.reuse else []
+    chunked_at = parse_oneshot(args.chunked_at)
+    earlier = harness.read_result(args.reuse) if args.reuse else {"records": []}
+    reuse = earlier["records"]
     result: dict = {"benchmark": "prefill_memory", "date": machine["date"], "machine": machine,
                     "model": args.model or "SmolLM2-135M-Instruct", "keep": args.keep, "chunk": args.chunk,
                     "lengths": args.lengths, "records": [], "skipped": []}
-    alone = child(args.chunk, "full", None)
+    alone = earlier["chunk_alone"] if earlier.get("chunk") == args.chunk else child(args.chunk, "full", None)
     w = alone["peak_rss"] - alone["base_rss"]
     result.update(chunk_working_set=w, chunk_alone=alone, weights=alone["weights"], base_rss=alone["base_rss"])
     for n in args.lengths:
@@ -199,14 +207,19 @@ def main(argv: list[str] | None = None) -> int:
                 if chunk is not None and method == "full" and n > args.full_chunked_max:
                     result["skipped"].append(f"full chunked at {n}")
                     continue
-                old = [r for r in reuse if chunk is None and (r["length"], r["method"], r["chunk"]) == (n, method, None)]
-                if old:  # a one-forward run of an earlier result (that path does not change between them)
-                    rec = {**old[0], "allocator": None, "reused_from": args.reuse}
-                else:
-                    rec = child(n, method, chunk)
-                runs = [rec]
+                if chunk is not None and n in chunked_at and method not in chunked_at[n]:
+                    result["skipped"].append(f"{method} chunked at {n}")
+                    continue
+
+                def measured(mmap: bool, n=n, method=method, chunk=chunk) -> dict:
+                    old = [r for r in reuse if (r["length"], r["method"], r["chunk"], bool(r.get("allocator"))) == (n, method, chunk, mmap)]
+                    if old:  # measured by an earlier run of this script (--reuse)
+                        return {**old[0], "reused_from": old[0].get("reused_from", args.reuse)}
+                    return child(n, method, chunk, mmap)
+
+                runs = [measured(False)]
                 if chunk is not None and method in mmap_at.get(n, []):
-                    runs.append(child(n, method, chunk, mmap=True))
+                    runs.append(measured(True))
                 for rec in runs:
                     rec["bound"] = rec["base_rss"] + 2 * rec["kv"] + w
                     rec["holds"] = rec["peak_rss"] <= rec["bound"]
