@@ -141,3 +141,17 @@ def test_cli_refuses_before_loading(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtrim: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_generate_trims_the_heap_after_every_chunk(model, monkeypatch):
+    """glibc keeps freed activation blocks in its heap; generate hands them back after each chunk
+    (and never for a one-forward prefill, whose timing stays as it was)."""
+    import kvtrim.generation as generation
+
+    calls = []
+    monkeypatch.setattr(generation, "release_memory", lambda: calls.append(1))
+    policy = create_policy("snapkv", keep=0.2)
+    generate_ids(model, None, _ids(100), policy, max_new_tokens=2, stop_at_eos=False, prefill_chunk=30)
+    assert len(calls) == 4  # 30 + 30 + 30 + 10
+    generate_ids(model, None, _ids(100), policy, max_new_tokens=2, stop_at_eos=False)
+    assert len(calls) == 4
