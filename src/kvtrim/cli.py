@@ -140,6 +140,7 @@ def _prefill_from_args(args, model=None):
 
 
 def cmd_generate(args) -> int:
+    from kvtrim.decoding import check_prefill_chunk
     from kvtrim.generation import generate_ids
     from kvtrim.models import build_prompt_ids
     from kvtrim.registry import check_text_prompt
@@ -161,6 +162,9 @@ def cmd_generate(args) -> int:
         raise KVTrimError("--quality is calibrated on text prompts; with --image give a budget (--keep/--max-tokens)")
     if not getattr(args, "image", None):
         check_text_prompt(policy)  # a method that needs image spans would run as full
+    elif args.prefill_chunk is not None:
+        raise KVTrimError("--prefill-chunk feeds a text prompt in pieces; image inputs need the prompt in one prefill")
+    check_prefill_chunk(policy, args.prefill_chunk)
     context = _read_context(args.context_file)
     if getattr(args, "image", None):
         from kvtrim.vlm import generate_with_images
@@ -198,6 +202,7 @@ def cmd_generate(args) -> int:
         temperature=args.temperature,
         seed=args.seed,
         prefill=prefill,
+        prefill_chunk=args.prefill_chunk,
     )
     stats = res.prefill or {"prefill": "dense", "density": 1.0, "fallback": None}
     if args.json:
@@ -376,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="format --question in kvtrim's plain prompt format (User: ... / Assistant:) even if the model "
                         "has a chat template (used anyway for a model without one)")
     g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--prefill-chunk", type=int, metavar="N",
+                   help="feed the prompt in chunks of N tokens, compressing after each (bounded prefill memory: the "
+                        "cache holds at most the budget + one chunk; docs/memory.md). Default: one forward")
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)

@@ -140,9 +140,12 @@ def cmd_generate_batch(args, prefill_from_args) -> int:
     prefill_from_args(args)
     lines = read_prompts_file(args.prompts_file)
     policies = []
+    from kvtrim.decoding import check_prefill_chunk
+
     for p in lines:
         try:
             policies.append(line_policy(args, p))
+            check_prefill_chunk(policies[-1], args.prefill_chunk)
         except KVTrimError as e:
             raise KVTrimError(f"prompts file {args.prompts_file!r} line {p.line}: {e}") from None
     if args.plain_prompt and not all(p.chat for p in lines):
@@ -165,7 +168,7 @@ def cmd_generate_batch(args, prefill_from_args) -> int:
     t0 = time.perf_counter()
     results = generate_batch(lm.model, lm.tokenizer, prompts, policies, max_new_tokens=limits, do_sample=args.sample,
                              temperature=args.temperature, seed=args.seed, prefill=prefill, max_rows=args.max_rows,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, prefill_chunk=args.prefill_chunk)
     wall = time.perf_counter() - t0
     for p, res in zip(lines, results):
         d: dict = {"line": p.line}

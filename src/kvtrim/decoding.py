@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 #: The largest and smallest chunks the chunk rule hands out when a prompt must be split to fit the context.
 MAX_AUTO_CHUNK = 1024
 MIN_AUTO_CHUNK = 64
+#: The smallest prefill chunk a user may ask for: one token would be a decode step, not a "turn".
+MIN_PREFILL_CHUNK = 2
 
 
 @dataclass
@@ -162,6 +164,33 @@ def chunk_size(policy: "Policy", *, held: int, seen: int, n: int, extra: int, ma
             f"{max_ctx - cap - 2 * MIN_AUTO_CHUNK - (0 if streams else extra)})."
         )
     return min(MAX_AUTO_CHUNK, room // 2)
+
+
+def check_prefill_chunk(policy: "Policy", chunk) -> int | None:
+    """A user's prefill chunk (``generate_ids(prefill_chunk=)``, ``--prefill-chunk``) checked for ``policy``.
+
+    None means one piece (the default; a prompt past the context of a streaming method is still
+    cut by :func:`chunk_size`). Chunked prefill bounds a long prompt's memory: every piece after the
+    first is a policy "turn", so a compressing method evicts down to its budget after each piece and
+    the cache holds at most the budget plus one piece while the next is fed (docs/memory.md). A
+    piece has at least ``MIN_PREFILL_CHUNK`` tokens: a one-token piece is a decode step, where most
+    methods do not evict. Methods that change the prefill forward itself
+    (``Policy.rewrites_forward``: FastV and HAE drop image tokens from the hidden states once, by
+    the last prompt token's attention over all of them) need the whole prompt in one forward and
+    are refused.
+    """
+    if chunk is None:
+        return None
+    from kvtrim.validate import integer
+
+    chunk = integer(chunk, "prefill_chunk", minimum=MIN_PREFILL_CHUNK, unit="tokens")
+    if policy.rewrites_forward:
+        raise KVTrimError(
+            f"method {policy.name!r} cannot prefill in chunks: it decides once, inside the prefill forward, which "
+            "prompt tokens to drop from the hidden states (by the last prompt token's attention over all of them), "
+            "so it needs the whole prompt in one forward. Leave out prefill_chunk / --prefill-chunk."
+        )
+    return chunk
 
 
 def next_positions(cache: "KVTrimCache", n: int, device=None) -> torch.Tensor | None:

@@ -23,9 +23,10 @@ import torch
 
 from kvtrim import decoding
 from kvtrim.cache import KVTrimCache
-from kvtrim.decoding import Clock, Sampler, check_context, check_token_ids, chunk_size, max_context, run
+from kvtrim.decoding import Clock, Sampler, check_context, check_prefill_chunk, check_token_ids, chunk_size, max_context, run
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.hf import attach
+from kvtrim.machine import release_memory
 from kvtrim.policies.base import Policy
 
 logger = logging.getLogger(__name__)
@@ -104,13 +105,19 @@ def generate_ids(
 ) -> GenerationResult:
     """Prefill ``prompt_ids`` and decode up to ``max_new_tokens`` with ``policy``.
 
-    ``prefill_chunk`` feeds the prompt in chunks (each later chunk is a policy "turn"); streaming
-    policies get chunks automatically when the prompt exceeds the model's context.
+    ``prefill_chunk`` feeds the prompt in chunks of that many tokens (at least 2; default None: one
+    forward). Each later chunk is a policy "turn": a compressing method evicts down to its budget
+    after every chunk, so the cache holds at most its budget plus one chunk and the prefill's working
+    set (activations, attention, scores) is that of one chunk against the budget, not of the whole
+    prompt (docs/memory.md; what it changes in the kept tokens is measured there). Methods that
+    rewrite the prefill forward (FastV, HAE) are refused. Streaming policies get chunks
+    automatically when the prompt exceeds the model's context.
     ``prefill`` is a :class:`kvtrim.integrations.prefill.SparsePrefill` (MInference sparse prefill of
     the first forward; decode stays dense); its statistics are returned in ``result.prefill``.
     ``model_inputs`` are extra prefill inputs of a vision-language model (``pixel_values``,
     ``image_grid_thw``, ``mm_token_type_ids``, ... from its processor; see ``kvtrim.vlm``).
     """
+    prefill_chunk = check_prefill_chunk(policy, prefill_chunk)
     if model_inputs and prefill_chunk:
         raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")
     row = _Row.make(model, tokenizer, prompt_ids, policy, max_new_tokens=max_new_tokens, seed=seed,
@@ -141,6 +148,7 @@ def generate_batch(
     prefill=None,
     max_rows: int = 64,
     progress: bool = False,
+    prefill_chunk: int | None = None,
 ) -> list[GenerationResult]:
     """Generate for several prompts together (batch > 1); one :class:`GenerationResult` per prompt, in order.
 
@@ -157,7 +165,8 @@ def generate_batch(
     equality for every text method). Sampling gives every row its own generator seeded with
     ``seed``, as its batch-1 run would have.
 
-    ``max_new_tokens`` is one limit or one per prompt. ``progress`` shows a progress bar (tqdm, on
+    ``max_new_tokens`` is one limit or one per prompt. ``prefill_chunk`` prefills every prompt in
+    chunks, as :func:`generate_ids` does. ``progress`` shows a progress bar (tqdm, on
     stderr) over the prefills and the generated tokens.
 
     Methods that change the forward pass itself (``Policy.rewrites_forward``: FastV's and HAE's
@@ -188,7 +197,7 @@ def generate_batch(
             raise KVTrimError(f"prompt {i}: expected a kvtrim Policy (kvtrim.create_policy), got {type(policy).__name__}")
         try:
             rows.append(_Row.make(model, tokenizer, list(ids), policy, max_new_tokens=limit, seed=seed,
-                                  stop_at_eos=stop_at_eos))
+                                  stop_at_eos=stop_at_eos, prefill_chunk=check_prefill_chunk(policy, prefill_chunk)))
         except KVTrimError as e:
             raise KVTrimError(f"prompt {i} (of {n}): {e}") from None
     alone = sorted({r.policy.name for r in rows if r.policy.rewrites_forward})
@@ -257,7 +266,11 @@ class _Row:
         if sparse is not None:
             sparse.reset_stats()
         t0 = time.perf_counter()
-        self.logits = run(model, decoding.prefill(self.cache, self.ids, chunk=self.chunk, extra=extra))
+        # between chunks, hand the freed activations back to the OS: glibc keeps freed blocks of up
+        # to 32 MiB in its heap, and without a trim the resident set grows chunk after chunk even
+        # though the cache stays at its budget (docs/memory.md measures both)
+        between = (lambda step, seconds: release_memory()) if self.chunk else None
+        self.logits = run(model, decoding.prefill(self.cache, self.ids, chunk=self.chunk, extra=extra), on_step=between)
         self.prefill_seconds = time.perf_counter() - t0
         self.prefill_stats = sparse.stats() if sparse is not None else None
 
