@@ -43,19 +43,6 @@ def prompts(n: int, length: int) -> list[list[int]]:
     return [[1000 + (i * 7919 + j * 104729) % 30000 for j in range(length)] for i in range(n)]
 
 
-def smollm2_dir() -> str:
-    """kvtrim's converted SmolLM2-135M directory (vLLM's venv may lack the embedded model's package)."""
-    from kvtrim.errors import KVTrimError
-    from kvtrim.models import resolve_model
-
-    try:
-        return str(resolve_model(None)[0])
-    except KVTrimError:
-        for d in sorted((Path.home() / ".cache" / "kvtrim").glob("SmolLM2-135M-Instruct-*")):
-            if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
-                return str(d)
-        raise
-
 
 # ------------------------------------------------------------------------ one configuration (vLLM venv)
 def one(spec: dict) -> dict:
@@ -132,7 +119,9 @@ def one(spec: dict) -> dict:
 def measure(args) -> dict:
     import vllm
 
-    model_dir = args.model_dir or smollm2_dir()
+    from kvtrim.models import embedded_model_dir
+
+    model_dir = args.model_dir or str(embedded_model_dir())
     configs = [("vLLM (plugin off)", None), (f"plugin snapkv keep={args.keep}", {"method": "snapkv", "keep": args.keep}),
                (f"plugin streaming_llm keep={args.keep}", {"method": "streaming_llm", "keep": args.keep})]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))

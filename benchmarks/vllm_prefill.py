@@ -78,19 +78,6 @@ def worker(spec: dict) -> None:
                "token": token, "loadavg_before": list(load0), "loadavg_after": list(os.getloadavg())})
 
 
-def smollm2_dir() -> str:
-    """kvtrim's converted SmolLM2-135M directory (vLLM's venv may lack the embedded model's package)."""
-    from kvtrim.errors import KVTrimError
-    from kvtrim.models import resolve_model
-
-    try:
-        return str(resolve_model(None)[0])
-    except KVTrimError:
-        for d in sorted((Path.home() / ".cache" / "kvtrim").glob("SmolLM2-135M-Instruct-*")):
-            if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
-                return str(d)
-        raise
-
 
 # ------------------------------------------------------------------------------------------ driver
 class Engine:
@@ -139,12 +126,12 @@ def measure(args) -> dict:
     from transformers import AutoTokenizer
 
     from kvtrim.eval import make_samples
-    from kvtrim.models import build_prompt_ids, resolve_model
+    from kvtrim.models import build_prompt_ids, embedded_model_dir, resolve_model
 
     if args.model:
         model_dir, label = resolve_model(args.model)
     else:
-        model_dir = Path(smollm2_dir())
+        model_dir = embedded_model_dir()
         label = "SmolLM2-135M-Instruct"
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompts = {L: [build_prompt_ids(tok, s.prompt) for s in make_samples("passkey", tok, L, n=args.reps + 1, seed=0)]

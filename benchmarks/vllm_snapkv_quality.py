@@ -56,19 +56,6 @@ def vllm_run(model_dir: str, prompts: list[list[int]], new: int, kvtrim: dict | 
     return {**json.loads(line[9:]), "wall_seconds": time.perf_counter() - t0}
 
 
-def smollm2_dir() -> str:
-    """kvtrim's converted SmolLM2-135M directory (vLLM's venv may lack the embedded model's package)."""
-    from kvtrim.errors import KVTrimError
-    from kvtrim.models import resolve_model
-
-    try:
-        return str(resolve_model(None)[0])
-    except KVTrimError:
-        for d in sorted((Path.home() / ".cache" / "kvtrim").glob("SmolLM2-135M-Instruct-*")):
-            if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
-                return str(d)
-        raise
-
 
 def lead(a: list[int], b: list[int]) -> int:
     n = 0
@@ -89,13 +76,13 @@ def measure(args) -> dict:
     from kvtrim.generation import generate_ids
     from kvtrim.integrations.vllm import plan
     from kvtrim.integrations.vllm.config import PluginConfig
-    from kvtrim.models import build_prompt_ids, load_model
+    from kvtrim.models import build_prompt_ids, embedded_model_dir, load_model
     from kvtrim.registry import create_policy
 
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     load0 = os.getloadavg()
-    model_dir = args.model_dir or smollm2_dir()
+    model_dir = args.model_dir or str(embedded_model_dir())
     lm = load_model(model_dir)
     tok = lm.tokenizer
     samples = [s for task in args.tasks for s in make_samples(task, tok, args.length, n=args.n, seed=0)]

