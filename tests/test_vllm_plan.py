@@ -147,3 +147,17 @@ def test_compact_reads_and_writes_the_kernels_block_layout():
         assert torch.equal(got_k[h], flat_k[h, keep[h]])
         assert torch.equal(value_cache[blocks[0], h], flat_v[h, keep[h]])
     assert torch.equal(plan.token_major(key_cache[[1, 2, 4]], key_layout), logical_k[[1, 2, 4]])  # others untouched
+
+
+def test_snapkv_scores_outside_a_kvtrim_cache():
+    """The plugin's workers score a prompt with ``SnapKV.score(None, q, k, scale)`` (no kvtrim cache layer,
+    so no fused scores to read): the window scores are computed from q and k, as kvtrim's own path does."""
+    from kvtrim.policies.snapkv import SnapKV
+    from kvtrim.scores import group_reduce, window_probs
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 6, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
+    policy = SnapKV(keep=0.25, window=8, kernel=1)
+    got = policy.score(None, q, k, 0.25)
+    want = group_reduce(window_probs(q, k, 0.25, 8).sum(dim=-2), "mean")
+    torch.testing.assert_close(got, want)

@@ -340,7 +340,7 @@ class Policy:
         (:meth:`wants_prefill_scores`), else they are computed from ``query`` and ``key``."""
 
         def compute() -> torch.Tensor:
-            got = layer.attention_scores
+            got = getattr(layer, "attention_scores", None)  # layer None: scored outside a kvtrim cache (the vLLM plugin)
             if got is not None and got.column_sums is not None and got.column_sums.shape[-1] == key.shape[-2]:
                 return got.column_sums
             return causal_column_sums(query, key, scaling)
@@ -364,7 +364,7 @@ class Policy:
                                window: int) -> torch.Tensor:
         """``window_probs(query, key, scaling, window)`` ``[B, Hkv, G, w, S]``: the prefill attention's own
         rows when it handed them over (:meth:`wants_prefill_scores`), else computed."""
-        got = layer.attention_scores
+        got = getattr(layer, "attention_scores", None)  # layer None: scored outside a kvtrim cache (the vLLM plugin)
         if got is not None and (rows := got.window(window, query.shape[-2])) is not None and rows.shape[-1] == key.shape[-2]:
             return rows
         return window_probs(query, key, scaling, window)
