@@ -44,10 +44,13 @@ PROBE = 4  # output tokens every request has when the KV blocks in use are read
 def _model_dir() -> str:
     if os.environ.get("KVTRIM_VLLM_MODEL"):
         return os.environ["KVTRIM_VLLM_MODEL"]
-    for d in sorted((Path.home() / ".cache" / "kvtrim").glob("SmolLM2-135M-Instruct-*")):
-        if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
-            return str(d)
-    pytest.skip("no SmolLM2-135M-Instruct directory (run `kvtrim models install` or set KVTRIM_VLLM_MODEL)")
+    from kvtrim.errors import ModelLoadError
+    from kvtrim.models import embedded_model_dir
+
+    try:
+        return str(embedded_model_dir())
+    except ModelLoadError:
+        pytest.skip("no SmolLM2-135M-Instruct directory (run `kvtrim models install` or set KVTRIM_VLLM_MODEL)")
 
 
 def _qwen_dir() -> str:
