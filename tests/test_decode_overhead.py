@@ -153,3 +153,69 @@ def _evict_near_the_start(model, prompt):
     assert layer.nbytes() == before
     assert all(torch.equal(t[:, :, : n - 3], w) for t, w in zip((layer.keys, layer.values, layer.positions), kept))
     assert torch.equal(layer.keys[:, :, n - 3 :], k_new)
+
+
+class _NoFastDrop:
+    """Patch every compressed layer's ``drop_after_lead`` to decline, so StreamingLLM's decode step
+    takes the general ``keep_indices`` path."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __enter__(self):
+        for layer in self.cache.compressed_layers:
+            layer.drop_after_lead = lambda lead: False
+        return self.cache
+
+    def __exit__(self, *exc):
+        for layer in self.cache.compressed_layers:
+            del layer.drop_after_lead
+
+
+def _stream_state(cache):
+    return [(layer.keys.clone(), layer.values.clone(), layer.positions.clone(), layer.rotations.clone(),
+             layer.rot_offset, layer.length) for layer in cache.compressed_layers]
+
+
+def test_streaming_drop_after_lead_equals_keep_indices(model, prompt):
+    """StreamingLLM's usual decode step (one token over the budget: the one after the sinks leaves)
+    through ``drop_after_lead`` leaves the cache bit for bit as ``keep_indices`` leaves it: the same
+    keys (sinks re-rotated by one), values, positions, rotations and offset after every step, and
+    the same tokens; under ``reassigned``, ``compressed`` and ``true`` positions and with 0 sinks."""
+    for kwargs in ({}, {"position": "compressed"}, {"position": "true"}, {"sinks": 0}):
+        _fast_and_plain_streaming(model, prompt, kwargs)
+
+
+def _fast_and_plain_streaming(model, prompt, kwargs):
+    caches = [KVTrimCache(model, "streaming_llm", max_tokens=24, **kwargs) for _ in range(2)]
+    calls = []
+    with torch.no_grad(), kvtrim.attach(model):
+        outs = [model(input_ids=prompt, past_key_values=c, use_cache=True) for c in caches]
+        fast_layer = caches[0].compressed_layers[0]
+        orig = fast_layer.drop_after_lead
+        fast_layer.drop_after_lead = lambda lead: calls.append((lead, orig(lead))) or calls[-1][1]
+        for _ in range(6):
+            nxt = [o.logits[:, -1:].argmax(-1) for o in outs]
+            assert torch.equal(nxt[0], nxt[1])
+            outs[0] = model(input_ids=nxt[0], past_key_values=caches[0], use_cache=True)
+            with _NoFastDrop(caches[1]):
+                outs[1] = model(input_ids=nxt[1], past_key_values=caches[1], use_cache=True)
+            for a, b in zip(_stream_state(caches[0]), _stream_state(caches[1])):
+                assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4])) and a[4:] == b[4:], kwargs
+            assert torch.equal(outs[0].logits, outs[1].logits), kwargs
+    assert calls and all(c == (kwargs.get("sinks", 4), True) for c in calls), (kwargs, calls)  # the fast path ran
+
+
+def test_drop_after_lead_declines_where_keep_indices_chooses_otherwise(model, prompt):
+    """A lead longer than a fifth of what stays (keep_indices then keeps the oldest key's rotation
+    and re-rotates the rest), and a phase other than decode: nothing changes, False is returned."""
+    cache = KVTrimCache(model, "full", position="reassigned")
+    with torch.no_grad(), kvtrim.attach(model):
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    layer = cache.compressed_layers[0]
+    before = (layer.keys.clone(), layer.length, layer.rot_offset)
+    assert not layer.drop_after_lead(4)  # phase is prefill
+    layer.phase = "decode"
+    assert not layer.drop_after_lead(layer.length // 5 + 1)
+    assert torch.equal(layer.keys, before[0]) and (layer.length, layer.rot_offset) == before[1:]
+    assert layer.drop_after_lead(2) and layer.length == before[1] - 1 and layer.rot_offset == 1

@@ -213,7 +213,12 @@ class CompressedLayer(CacheLayerMixin):
             start = self.length + self.rot_offset
             target = torch.arange(start, start + q, device=dev).unsqueeze(0)
             delta = target - applied
-            if bool((delta != 0).any()):
+            if delta.numel() == 1:  # a decode step: one shift for the key and the query, angles memoised
+                if d := int(delta):
+                    assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
+                    key_states = self.cache.rotary.rotate_by(key_states, d)
+                    self.q_delta = delta
+            elif bool((delta != 0).any()):
                 assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
                 key_states = self.cache.rotary.rotate(key_states, delta.unsqueeze(1))
                 self.q_delta = delta
@@ -424,6 +429,44 @@ class CompressedLayer(CacheLayerMixin):
                     self._rot[:, :, :k] = slots + offset
                 self.rot_offset = offset
         self.length = k
+
+    def drop_after_lead(self, lead: int) -> bool:
+        """Drop slot ``lead`` (the oldest token after ``lead`` leading ones, in every head) during
+        decoding: what ``keep_indices`` does for that index set (StreamingLLM's step: the token after
+        the sinks leaves), without analysing an index. The ``lead`` slots move up by one in the same
+        allocation and the buffers start one slot later; under ``reassigned`` the later keys keep
+        their rotation (``rot_offset`` grows by one) and only the ``lead`` keys are re-rotated by one
+        position. Returns False, having changed nothing, where ``keep_indices`` would do otherwise
+        (batch > 1, a re-allocation that returns memory, or a lead too long for keep_indices to
+        choose the newest key's rotation); the caller then uses ``keep_indices``.
+        """
+        k = self.length - 1
+        if (self._k is None or self._k.shape[0] != 1 or self.phase != "decode" or not 0 <= lead < k
+                or self.capacity > k + 2 * self.slack(k)):
+            return False
+        reassign = self._rot is not None and self.cache.position_policy == "reassigned"
+        if reassign and lead and 5 * lead > k:
+            return False  # keep_indices keeps the oldest key's rotation here and re-rotates the rest
+
+        def shift(t: torch.Tensor) -> torch.Tensor:
+            new = t[:, :, 1:]
+            if lead:
+                new[:, :, :lead] = t[:, :, :lead].clone()
+            return new
+
+        assert self._k is not None and self._v is not None and self._pos is not None
+        self._k, self._v, self._pos = shift(self._k), shift(self._v), shift(self._pos)
+        self.token_state = {n: shift(t) for n, t in self.token_state.items()}
+        if self._rot is not None:
+            self._rot = shift(self._rot)
+            if reassign:
+                if lead:
+                    assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
+                    self._k[:, :, :lead] = self.cache.rotary.rotate_by(self._k[:, :, :lead], 1)
+                    self._rot[:, :, :lead] += 1
+                self.rot_offset += 1
+        self.length = k
+        return True
 
     def drop_slots(self, drop: torch.Tensor) -> None:
         """Remove the slots ``drop`` (``[1, H, m]``, distinct per head, few) by moving the newest

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,16 +35,28 @@ def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
 
 
+def _layout_fns(layout: str):
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown rotary layout {layout!r}; known: {', '.join(LAYOUTS)}")
+    expand = (lambda a: torch.cat((a, a), dim=-1)) if layout == "half" else (lambda a: a.repeat_interleave(2, dim=-1))
+    return expand, (rotate_half if layout == "half" else rotate_pairs)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, partner) -> torch.Tensor:
+    rot_dim = cos.shape[-1]
+    if rot_dim == x.shape[-1]:
+        return x * cos + partner(x) * sin
+    xr, xp = x[..., :rot_dim], x[..., rot_dim:]
+    return torch.cat((xr * cos + partner(xr) * sin, xp), dim=-1)
+
+
 def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, layout: str = "half") -> torch.Tensor:
     """Rotate ``x [..., S, D]`` by ``delta [..., S]`` positions (broadcast over leading dims).
 
     Only the first ``2 * len(inv_freq)`` dims are rotary (partial rotary models keep the rest).
     ``layout`` is ``half`` (``rotate_half`` pairs) or ``interleaved`` (adjacent pairs).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown rotary layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    expand = (lambda a: torch.cat((a, a), dim=-1)) if layout == "half" else (lambda a: a.repeat_interleave(2, dim=-1))
-    partner = rotate_half if layout == "half" else rotate_pairs
+    expand, partner = _layout_fns(layout)
     rot_dim = 2 * inv_freq.shape[-1]
     freq = inv_freq.to(device=x.device, dtype=torch.float64)
     if delta.numel() > 64 and not delta.is_floating_point():
@@ -57,10 +69,7 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, layout:
     else:
         ang = expand(delta.to(torch.float64).unsqueeze(-1) * freq)
         cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    if rot_dim == x.shape[-1]:
-        return x * cos + partner(x) * sin
-    xr, xp = x[..., :rot_dim], x[..., rot_dim:]
-    return torch.cat((xr * cos + partner(xr) * sin, xp), dim=-1)
+    return _apply(x, cos, sin, partner)
 
 
 @dataclass(frozen=True)
@@ -69,9 +78,26 @@ class Rotary:
 
     inv_freq: torch.Tensor
     layout: str = "half"
+    # (delta, dtype, device) -> (cos, sin): rotate_by's angles, the same for every layer of a step
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return rotate(x, delta, self.inv_freq, self.layout)
+
+    def rotate_by(self, x: torch.Tensor, delta: int) -> torch.Tensor:
+        """``rotate`` with one ``delta`` for every vector of ``x`` (the same result, bit for bit); the
+        float64 angles are computed once per ``delta`` and dtype and kept (a decode step rotates
+        every layer's new key and query by the same amount)."""
+        expand, partner = _layout_fns(self.layout)
+        key = (int(delta), x.dtype, x.device)
+        got = self._memo.get(key)
+        if got is None:
+            if len(self._memo) >= 256:
+                self._memo.clear()
+            ang = expand(torch.tensor(float(delta), dtype=torch.float64, device=x.device).unsqueeze(-1)
+                         * self.inv_freq.to(device=x.device, dtype=torch.float64))
+            got = self._memo[key] = (ang.cos().to(x.dtype), ang.sin().to(x.dtype))
+        return _apply(x, got[0], got[1], partner)
 
 
 def find_rotary(model: torch.nn.Module) -> Rotary | None:

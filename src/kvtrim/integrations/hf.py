@@ -94,8 +94,9 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     ACTIVE.set(None)
     layer = binding.layer
-    if layer.q_delta is not None:
-        query = binding.cache.rotary.rotate(query, layer.q_delta.unsqueeze(1))
+    if (delta := layer.q_delta) is not None:
+        rotary = binding.cache.rotary
+        query = rotary.rotate_by(query, int(delta)) if delta.numel() == 1 else rotary.rotate(query, delta.unsqueeze(1))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     prefill = _PREFILL.get(id(module.config))
     res = None

@@ -8,7 +8,9 @@ top-k of that score with the sinks forced in.
 
 Slots hold the tokens in stream order, so that top-k is the first stored sinks and the last
 ``budget - sinks`` slots: a decode step builds that index directly (one index set shared by all
-heads) instead of ranking the positions, and the cache re-rotates only the sinks (``keep_indices``).
+heads) instead of ranking the positions, and the cache re-rotates only the sinks (``keep_indices``);
+the usual step, one token over the budget, drops the token after the sinks without building an
+index at all (``CompressedLayer.drop_after_lead``).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class StreamingLLM(Policy):
         # the same set as evict_by_score (top-budget stream indices, sinks forced in), read off the
         # slot order: sinks first, then the newest; positions are the same in every head
         n_sinks = min(int((layer.positions[0, 0] < self.n_sinks).sum()), budget)
+        if layer.length == budget + 1 and layer.drop_after_lead(n_sinks):
+            return  # the usual step: the token after the sinks leaves, nothing else moves
         dev = layer.positions.device
         idx = torch.cat([torch.arange(n_sinks, device=dev), torch.arange(layer.length - (budget - n_sinks), layer.length, device=dev)])
         b, h = layer.positions.shape[:2]
