@@ -7,11 +7,14 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -21,6 +24,14 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
                        const float* beta, float* c, const int* ldc);
 // MKL only (weak: absent with other BLAS): one BLAS thread inside each of our worker threads.
 extern "C" int mkl_set_num_threads_local(int) __attribute__((weak));
+// MKL only (weak): GEMM on bfloat16 / float16 operands with float32 accumulation and a float32
+// result (the Fortran interface, LP64 like sgemm_; AVX-512 BF16 / AMX where the CPU has them).
+extern "C" void gemm_bf16bf16f32_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                                  const float* alpha, const c10::BFloat16* a, const int* lda, const c10::BFloat16* b,
+                                  const int* ldb, const float* beta, float* c, const int* ldc) __attribute__((weak));
+extern "C" void gemm_f16f16f32_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                                const float* alpha, const c10::Half* a, const int* lda, const c10::Half* b,
+                                const int* ldb, const float* beta, float* c, const int* ldc) __attribute__((weak));
 
 namespace {
 
@@ -52,6 +63,44 @@ inline float exp_neg(float x) {
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return x < -87.0f ? 0.0f : p * scale;
+}
+
+// Whether bfloat16 / float16 operands go to the reduced-precision GEMM as they are (no float32
+// copy): T is bfloat16 or float16, MKL provides the GEMM, and KVTRIM_NATIVE_LOWP_GEMM is not "0"
+// (read once; "0" keeps the float32 conversion, for comparison).
+template <typename T>
+inline bool lowp_gemm() {
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    static const bool enabled = [] {
+      const char* e = std::getenv("KVTRIM_NATIVE_LOWP_GEMM");
+      return !(e && e[0] == '0' && e[1] == '\0');
+    }();
+    if constexpr (std::is_same_v<T, c10::BFloat16>) return enabled && gemm_bf16bf16f32_ != nullptr;
+    else return enabled && gemm_f16f16f32_ != nullptr;
+  }
+}
+
+// c = alpha * op(a) @ op(b) + beta * c (column-major, as gemm) on bfloat16 / float16 operands, float32
+// accumulation and result; only called when lowp_gemm<T>().
+template <typename T>
+inline void gemm_lowp(char ta, char tb, int m, int n, int k, float alpha, const T* a, int lda, const T* b, int ldb,
+                      float beta, float* c, int ldc) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    gemm_bf16bf16f32_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+  else if constexpr (std::is_same_v<T, c10::Half>)
+    gemm_f16f16f32_(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+}
+
+// n rows of a float32 [*, ld] matrix (the first w columns) rounded to T into dst[n, w].
+template <typename T>
+inline void rows_from_f32(const float* src, int64_t ld, int n, int w, T* dst) {
+  for (int r = 0; r < n; ++r) {
+    const float* a = src + r * ld;
+    T* b = dst + static_cast<int64_t>(r) * w;
+    for (int c = 0; c < w; ++c) b[c] = static_cast<T>(a[c]);
+  }
 }
 
 // The row stride of a [heads, T, D] tensor as a BLAS leading dimension (int, as the Fortran

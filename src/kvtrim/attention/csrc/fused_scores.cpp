@@ -15,10 +15,13 @@
 // (and copied for the window rows) in one more pass over the buffer.
 //
 // One task = one query head, its query blocks in order, so each head's column sums are
-// accumulated by one thread in a fixed order (deterministic for any thread count). All
-// arithmetic is float32; bfloat16/float16 inputs are converted per tile (q) or per KV head (k, v)
-// into thread-local float32 buffers, the output is rounded once to the input dtype, and the scores
-// are always float32.
+// accumulated by one thread in a fixed order (deterministic for any thread count). Scores,
+// softmax, column sums and the output accumulate in float32, and the scores returned are always
+// float32. bfloat16/float16 products go to MKL's reduced-precision GEMM where libtorch provides it
+// (q, k, v read as they are; a segment's exponentials rounded to the input dtype for P @ V only,
+// the column sums taken from the float32 ones), else the inputs are converted per tile (q) or per
+// KV head (k, v) into thread-local float32 buffers for sgemm (also with KVTRIM_NATIVE_LOWP_GEMM=0).
+// The output is rounded once to the input dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -57,27 +60,32 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const int32_t* hkvp = head_kv.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
   const int w0 = tq - window;  // first query row whose probabilities are returned
+  const bool lowp = lowp_gemm<T>();
+  const bool convert = !std::is_same_v<T, float> && !lowp;  // bfloat16/float16 through float32 copies
   std::atomic<int> next{0};
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     const int nseg_max = (s_len + kSeg - 1) / kSeg;
     std::vector<float> s(static_cast<size_t>(kRows) * s_len), o(static_cast<size_t>(kRows) * d), m(kRows), l(kRows);
     std::vector<float> seg_m(static_cast<size_t>(kRows) * nseg_max);
-    std::vector<float> qc(std::is_same_v<T, float> ? 0 : static_cast<size_t>(kRows) * d);
-    std::vector<float> kc(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s_len) * d);
-    std::vector<float> vc(std::is_same_v<T, float> ? 0 : static_cast<size_t>(s_len) * d);
+    std::vector<float> qc(convert ? static_cast<size_t>(kRows) * d : 0);
+    std::vector<float> kc(convert ? static_cast<size_t>(s_len) * d : 0);
+    std::vector<float> vc(convert ? static_cast<size_t>(s_len) * d : 0);
+    std::vector<T> pl(lowp ? static_cast<size_t>(kRows) * kSeg : 0);  // a segment's exponentials, rounded for P @ V
     int held = -1;  // the KV head kc/vc hold (query heads of one group come one after another)
     for (int h = next.fetch_add(1); h < hq; h = next.fetch_add(1)) {
       const int kvh = hkvp[h];
-      const float* kt;
-      const float* vt;
-      int ldkt, ldvt;
+      const float* kt = nullptr;
+      const float* vt = nullptr;
+      int ldkt = 0, ldvt = 0;
+      const T* kl = kp + static_cast<int64_t>(kvh) * sk;  // the reduced-precision GEMM reads k and v as they are
+      const T* vl = vp + static_cast<int64_t>(kvh) * sv;
       if constexpr (std::is_same_v<T, float>) {
-        kt = kp + static_cast<int64_t>(kvh) * sk;
-        vt = vp + static_cast<int64_t>(kvh) * sv;
+        kt = kl;
+        vt = vl;
         ldkt = ldk;
         ldvt = ldv;
-      } else {
+      } else if (convert) {
         if (held != kvh) {
           rows_to_f32(kp + static_cast<int64_t>(kvh) * sk, ldk, s_len, d, kc.data());
           rows_to_f32(vp + static_cast<int64_t>(kvh) * sv, ldv, s_len, d, vc.data());
@@ -91,8 +99,11 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
       for (int r0 = 0; r0 < tq; r0 += kRows) {
         const int nr = std::min(kRows, tq - r0);
         const int n = off + r0 + nr;  // keys the block's last row sees; ld of s
-        const auto [qt, ldqt] = f32_tile(qp + static_cast<int64_t>(h) * sq + static_cast<int64_t>(r0) * ldq, ldq, nr, d,
-                                         qc.data());
+        const T* qrows = qp + static_cast<int64_t>(h) * sq + static_cast<int64_t>(r0) * ldq;
+        const std::pair<const float*, int> qtile =
+            lowp ? std::pair<const float*, int>{nullptr, 0} : f32_tile(qrows, ldq, nr, d, qc.data());
+        const float* qt = qtile.first;
+        const int ldqt = qtile.second;
         float* sb = s.data();
         std::fill(o.begin(), o.end(), 0.0f);
         std::fill(m.begin(), m.end(), kMasked);
@@ -106,7 +117,10 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
           const int k0 = g * kSeg, ns = std::min(kSeg, n - k0);
           float* sg = sb + k0;  // the segment's scores: row i at sg + i * n
           // s[nr, k0:k0+ns] = scale * q[nr, d] @ k[k0:k0+ns]^T (scaled by BLAS alpha, as dense attention does)
-          gemm('T', 'N', ns, nr, d, fscale, kt + static_cast<int64_t>(k0) * ldkt, ldkt, qt, ldqt, 0.0f, sg, n);
+          if (lowp)
+            gemm_lowp('T', 'N', ns, nr, d, fscale, kl + static_cast<int64_t>(k0) * ldk, ldk, qrows, ldq, 0.0f, sg, n);
+          else
+            gemm('T', 'N', ns, nr, d, fscale, kt + static_cast<int64_t>(k0) * ldkt, ldkt, qt, ldqt, 0.0f, sg, n);
           for (int i = 0; i < nr; ++i) {
             float* row = sg + static_cast<int64_t>(i) * n;
             const int vis = std::min(ns, off + r0 + i + 1 - k0);  // visible keys of this row in the segment
@@ -135,7 +149,12 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
             seg_m[static_cast<int64_t>(i) * nseg_max + g] = m_new;
           }
           // o[nr, d] += p[nr, ns] @ v[k0:k0+ns]
-          gemm('N', 'N', d, nr, ns, 1.0f, vt + static_cast<int64_t>(k0) * ldvt, ldvt, sg, n, 1.0f, o.data(), d);
+          if (lowp) {  // the exponentials rounded to T for this product only (PyTorch's flash attention does the same)
+            rows_from_f32(sg, n, nr, ns, pl.data());
+            gemm_lowp('N', 'N', d, nr, ns, 1.0f, vl + static_cast<int64_t>(k0) * ldv, ldv, pl.data(), ns, 1.0f, o.data(), d);
+          } else {
+            gemm('N', 'N', d, nr, ns, 1.0f, vt + static_cast<int64_t>(k0) * ldvt, ldvt, sg, n, 1.0f, o.data(), d);
+          }
         }
         for (int i = 0; i < nr; ++i) {
           const float iv = 1.0f / l[i];

@@ -17,11 +17,14 @@
 // built with -ffast-math; a row whose maximum in a segment
 // is that sentinel has no visible key there and is skipped.
 //
-// Inputs may be float32, bfloat16 or float16 (q, k, v and out all of one dtype). The arithmetic is
-// float32 throughout: a bfloat16/float16 task converts its query block and each key/value segment
-// into thread-local float32 tiles as it reads them (the same buffers the gathered columns use),
-// accumulates in float32 and rounds once when it writes its output rows. No whole-tensor copy is
-// made, and the output is written in the input dtype.
+// Inputs may be float32, bfloat16 or float16 (q, k, v and out all of one dtype). Scores, softmax
+// and the output accumulate in float32 throughout. bfloat16/float16 products go, where libtorch's
+// MKL provides it, to MKL's reduced-precision GEMM (bfloat16 x bfloat16 -> float32: AVX-512 BF16 /
+// AMX), reading q, k and v as they are; the probabilities are rounded to the input dtype for the
+// product with v, as PyTorch's own flash attention does. Without that GEMM (another BLAS, or
+// KVTRIM_NATIVE_LOWP_GEMM=0) a task converts its query block and each key/value segment into
+// thread-local float32 tiles and uses sgemm. No whole-tensor copy is made either way; the output is
+// rounded once to the input dtype when a task writes its rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -48,15 +51,19 @@ namespace {
 constexpr int kBlock = 64;       // rows per query block, keys per key block (the layout's block_size)
 constexpr int kSeg = 512;        // keys per segment (merged consecutive blocks or gathered columns)
 
+template <typename T>
 struct Scratch {
   std::vector<float> s, o, m, l, kc, vc, qc;
-  explicit Scratch(int d)
-      : s(kBlock * kSeg), o(kBlock * d), m(kBlock), l(kBlock), kc(kSeg * d), vc(kSeg * d), qc(kBlock * d) {}
+  std::vector<T> pl, kl, vl;  // reduced-precision GEMM operands: probabilities, gathered key/value columns
+  Scratch(int d, bool lowp)
+      : s(kBlock * kSeg), o(kBlock * d), m(kBlock), l(kBlock), kc(lowp ? 0 : kSeg * d), vc(lowp ? 0 : kSeg * d),
+        qc(lowp ? 0 : kBlock * d), pl(lowp ? kBlock * kSeg : 0), kl(lowp ? kSeg * d : 0), vl(lowp ? kSeg * d : 0) {}
 };
 
-// Online-softmax update of rows [0, nr) with the scores s[nr, n] (row-major) of the keys whose
-// values are v[n, d] (row-major, leading dimension ldv).
-inline void update(Scratch& w, int nr, int n, int d, const float* v, int ldv) {
+// Online-softmax update of rows [0, nr) with the scores s[nr, n] (row-major), leaving the
+// normalised probabilities in s for the product with the values (accumulate_*).
+template <typename T>
+inline void softmax_rows(Scratch<T>& w, int nr, int n, int d) {
   float* s = w.s.data();
   for (int i = 0; i < nr; ++i) {
     float* row = s + static_cast<int64_t>(i) * n;
@@ -89,8 +96,20 @@ inline void update(Scratch& w, int nr, int n, int d, const float* v, int ldv) {
     w.l[i] = l_new;
     w.m[i] = m_new;
   }
-  // o[nr, d] += p[nr, n] @ v[n, d]
-  gemm('N', 'N', d, nr, n, 1.0f, v, ldv, s, n, 1.0f, w.o.data(), d);
+}
+
+// o[nr, d] += p[nr, n] @ v[n, d] with the probabilities softmax_rows left in s; v row-major with
+// leading dimension ldv, float32 (float32 GEMM) or T (reduced-precision GEMM: p is rounded to T,
+// as PyTorch's flash attention rounds its probabilities for the same product).
+template <typename T>
+inline void accumulate_f32(Scratch<T>& w, int nr, int n, int d, const float* v, int ldv) {
+  gemm('N', 'N', d, nr, n, 1.0f, v, ldv, w.s.data(), n, 1.0f, w.o.data(), d);
+}
+
+template <typename T>
+inline void accumulate_lowp(Scratch<T>& w, int nr, int n, int d, const T* v, int ldv) {
+  rows_from_f32(w.s.data(), n, nr, n, w.pl.data());
+  gemm_lowp('N', 'N', d, nr, n, 1.0f, v, ldv, w.pl.data(), n, 1.0f, w.o.data(), d);
 }
 
 }  // namespace
@@ -168,8 +187,10 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   std::atomic<int64_t> next{0};
   const float fscale = static_cast<float>(scale);
 
+  const bool lowp = lowp_gemm<T>();
+
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Scratch w(d);
+    Scratch<T> w(d, lowp);
     for (int64_t it = next.fetch_add(1); it < ntask; it = next.fetch_add(1)) {
       const int64_t task = order[it];
       const int h = task / nb, qb = task % nb, kvh = hkvp[h];
@@ -178,10 +199,31 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       const int r0 = qb * kBlock, nr = std::min(kBlock, t - r0);
       const T* kh = kp + static_cast<int64_t>(kvh) * sk;
       const T* vh = vp + static_cast<int64_t>(kvh) * sv;
+      const T* qrows = qp + static_cast<int64_t>(qhp[h]) * sq + static_cast<int64_t>(r0) * ldq;
       // q k^T is scaled after the product (BLAS alpha), as dense attention does: pre-scaling q
-      // would round it once more when the scale is not a power of two (head_dim 128).
-      const auto [qh, ldqh] = f32_tile(qp + static_cast<int64_t>(qhp[h]) * sq + static_cast<int64_t>(r0) * ldq, ldq, nr,
-                                       d, w.qc.data());
+      // would round it once more when the scale is not a power of two (head_dim 128). With the
+      // reduced-precision GEMM, q, k and v are read as they are; otherwise as float32 tiles.
+      const std::pair<const float*, int> qtile =
+          lowp ? std::pair<const float*, int>{nullptr, 0} : f32_tile(qrows, ldq, nr, d, w.qc.data());
+      const float* qh = qtile.first;
+      const int ldqh = qtile.second;
+      // s[nr, n] = scale * q[nr, d] @ keys[n, d]^T, keys row-major with leading dimension ldkk
+      auto scores = [&](const T* keys, int ldkk, int n, float* kbuf) {
+        if (lowp) {
+          gemm_lowp('T', 'N', n, nr, d, fscale, keys, ldkk, qrows, ldq, 0.0f, w.s.data(), n);
+        } else {
+          const auto [kt, ldkt] = f32_tile(keys, ldkk, n, d, kbuf);
+          gemm('T', 'N', n, nr, d, fscale, kt, ldkt, qh, ldqh, 0.0f, w.s.data(), n);
+        }
+      };
+      auto values = [&](const T* vals, int ldvv, int n, float* vbuf) {
+        if (lowp) {
+          accumulate_lowp(w, nr, n, d, vals, ldvv);
+        } else {
+          const auto [vt, ldvt] = f32_tile(vals, ldvv, n, d, vbuf);
+          accumulate_f32(w, nr, n, d, vt, ldvt);
+        }
+      };
       std::fill(w.o.begin(), w.o.end(), 0.0f);
       std::fill(w.m.begin(), w.m.end(), kMasked);
       std::fill(w.l.begin(), w.l.end(), 0.0f);
@@ -194,9 +236,7 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         const int k0 = blocks[j] * kBlock, k1 = std::min(t, blocks[e - 1] * kBlock + kBlock);
         const int n = k1 - k0;
         float* s = w.s.data();
-        // s[nr, n] = scale * q[nr, d] @ k[k0:k1]^T
-        const auto [kt, ldkt] = f32_tile(kh + static_cast<int64_t>(k0) * ldk, ldk, n, d, w.kc.data());
-        gemm('T', 'N', n, nr, d, fscale, kt, ldkt, qh, ldqh, 0.0f, s, n);
+        scores(kh + static_cast<int64_t>(k0) * ldk, ldk, n, w.kc.data());
         if (k1 - 1 > r0) {  // the segment reaches the query block: causal mask
           for (int i = 0; i < nr; ++i)
             for (int c = std::max(0, r0 + i + 1 - k0); c < n; ++c) s[i * n + c] = kMasked;
@@ -208,20 +248,32 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
               s[i * n + (c - k0)] = kMasked;
           }
         }
-        const auto [vt, ldvt] = f32_tile(vh + static_cast<int64_t>(k0) * ldv, ldv, n, d, w.vc.data());
-        update(w, nr, n, d, vt, ldvt);
+        softmax_rows(w, nr, n, d);
+        values(vh + static_cast<int64_t>(k0) * ldv, ldv, n, w.vc.data());
         j = e;
       }
-      // Single columns, gathered kSeg at a time.
+      // Single columns, gathered kSeg at a time (as float32 rows, or as they are for the
+      // reduced-precision GEMM).
       const int32_t* cols = cidx + task * maxc;
       for (int c0 = 0; c0 < ccnt[task]; c0 += kSeg) {
         const int n = std::min(kSeg, ccnt[task] - c0);
-        for (int c = 0; c < n; ++c) {  // gathered (and, for bf16/fp16, converted) into float32 rows
-          rows_to_f32(kh + static_cast<int64_t>(cols[c0 + c]) * ldk, 0, 1, d, w.kc.data() + static_cast<int64_t>(c) * d);
-          rows_to_f32(vh + static_cast<int64_t>(cols[c0 + c]) * ldv, 0, 1, d, w.vc.data() + static_cast<int64_t>(c) * d);
+        for (int c = 0; c < n; ++c) {
+          const T* krow = kh + static_cast<int64_t>(cols[c0 + c]) * ldk;
+          const T* vrow = vh + static_cast<int64_t>(cols[c0 + c]) * ldv;
+          if (lowp) {
+            std::copy(krow, krow + d, w.kl.data() + static_cast<int64_t>(c) * d);
+            std::copy(vrow, vrow + d, w.vl.data() + static_cast<int64_t>(c) * d);
+          } else {
+            rows_to_f32(krow, 0, 1, d, w.kc.data() + static_cast<int64_t>(c) * d);
+            rows_to_f32(vrow, 0, 1, d, w.vc.data() + static_cast<int64_t>(c) * d);
+          }
         }
         float* s = w.s.data();
-        gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qh, ldqh, 0.0f, s, n);
+        if (lowp) {
+          gemm_lowp('T', 'N', n, nr, d, fscale, w.kl.data(), d, qrows, ldq, 0.0f, s, n);
+        } else {
+          gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qh, ldqh, 0.0f, s, n);
+        }
         for (int i = 0; i < nr; ++i) {
           const int64_t row = r0 + i;
           for (int c = 0; c < n; ++c) {
@@ -229,7 +281,12 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
             if (key > row || (window && key >= n_init && row - key >= n_local)) s[i * n + c] = kMasked;
           }
         }
-        update(w, nr, n, d, w.vc.data(), d);
+        softmax_rows(w, nr, n, d);
+        if (lowp) {
+          accumulate_lowp(w, nr, n, d, static_cast<const T*>(w.vl.data()), d);
+        } else {
+          accumulate_f32(w, nr, n, d, static_cast<const float*>(w.vc.data()), d);
+        }
       }
       T* oh = op + static_cast<int64_t>(ohp[h]) * so + static_cast<int64_t>(r0) * ldo;
       for (int i = 0; i < nr; ++i) {
