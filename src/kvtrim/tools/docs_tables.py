@@ -38,7 +38,8 @@ from kvtrim.errors import KVTrimError
 BLOCK = re.compile(r"<!-- generated: (?P<cmd>.+?) -->\n(?P<body>.*?)<!-- end generated -->", re.S)
 SELF = "kvtrim.tools.docs_tables"
 EVAL_DIR = "benchmarks/results/eval_baseline"  # the embedded model's sweep: the README's report block, docs/eval/
-EVAL_QWEN_DIR = "benchmarks/results/eval_qwen"  # the reference model's sweep: docs/eval_qwen/, the eval_qwen block
+# the reference model's sweeps (4k in float32, 16k in bfloat16): docs/eval_qwen/, the eval_qwen block
+EVAL_QWEN_DIRS = ("benchmarks/results/eval_qwen", "benchmarks/results/eval_qwen16k")
 
 
 def doc_files(root: Path) -> list[Path]:
@@ -114,16 +115,19 @@ def _cell(cells, task, length, method, keep):
 def guide(root: Path) -> str:
     """"Which method for which job": each pick with the measured reason, from the committed results (the
     document and chat rows from the reference model's sweep, the others from the embedded model's benchmarks)."""
-    q = _eval_cells(root, EVAL_QWEN_DIR)
+    q = _eval_cells(root, EVAL_QWEN_DIRS[0])
+    q16 = _eval_cells(root, EVAL_QWEN_DIRS[1])
     n = 4096
     keeps = (0.1, 0.25, 0.5)
     doc_methods = ("snapkv", "inf_mllm", "h2o", "streaming_llm", "elastic")
 
-    def row(task, m):
-        return " / ".join(f"{_cell(q, task, n, m, k)['score']:.2f}" for k in keeps)
+    def row(task, m, cells=q, length=n):
+        return " / ".join(f"{_cell(cells, task, length, m, k)['score']:.2f}" for k in keeps)
 
     full_ns = _cell(q, "niah_single", n, "full", None)["score"]
     full_mt = _cell(q, "multiturn", n, "full", None)["score"]
+    full_ns16 = _cell(q16, "niah_single", 16384, "full", None)["score"]
+    full_mt16 = _cell(q16, "multiturn", 16384, "full", None)["score"]
     sc = _load(root, "benchmarks/results/stream_compare.json")
     from statistics import median
 
@@ -149,10 +153,14 @@ def guide(root: Path) -> str:
         "|---|---|---|",
         "| one-shot question over a long document | `snapkv`, keep 0.25-0.5 | Qwen2.5-0.5B sweep, 4k tokens, single needle "
         f"at keep 0.1 / 0.25 / 0.5 (full cache {full_ns:.2f}): "
-        + ", ".join(f"`{m}` {row('niah_single', m)}" for m in doc_methods) + " |",
+        + ", ".join(f"`{m}` {row('niah_single', m)}" for m in doc_methods)
+        + f"; at 16k tokens (full cache {full_ns16:.2f}): "
+        + ", ".join(f"`{m}` {row('niah_single', m, q16, 16384)}" for m in doc_methods) + " |",
         "| long chat (many turns) | `snapkv` keep 0.5, or `inf_mllm` (`kvtrim chat`'s default) when the chat must stay "
         "bounded | Qwen2.5-0.5B sweep, 4k tokens, multi-turn questions through one cache at keep 0.1 / 0.25 / 0.5 "
-        f"(full cache {full_mt:.2f}): " + ", ".join(f"`{m}` {row('multiturn', m)}" for m in doc_methods) + " |",
+        f"(full cache {full_mt:.2f}): " + ", ".join(f"`{m}` {row('multiturn', m)}" for m in doc_methods)
+        + f"; at 16k tokens (full cache {full_mt16:.2f}): "
+        + ", ".join(f"`{m}` {row('multiturn', m, q16, 16384)}" for m in doc_methods) + " |",
         f"| unbounded stream | `streaming_llm` or `inf_mllm` with `--max-tokens` | stream results (embedded model): 1,000,000 tokens with "
         f"`inf_mllm` at {sl['max_tokens']} tokens, KV flat, RSS +{_rss_growth(sl):.2%} after 100k; at the same budget "
         f"`streaming_llm` streams {tps('streaming_llm'):.0f} tok/s, `inf_mllm` {tps('inf_mllm'):.0f}, `h2o` {tps('h2o'):.0f} "
@@ -240,14 +248,18 @@ def bench_cli(root: Path) -> str:
 
 
 def eval_qwen(root: Path) -> str:
-    """The reference model's sweep: one score table per length (absolute scores, and relative to the full
-    cache only over the tasks the full cache solves), from its committed result lines."""
+    """The reference model's sweeps: one score table per length (absolute scores, and relative to the full
+    cache only over the tasks the full cache solves), from their committed result lines."""
     from kvtrim.eval.report import score_table
 
-    cells = _eval_cells(root, EVAL_QWEN_DIR)
     parts = []
-    for n in sorted({c["length"] for c in cells if c["prefill"] == "dense"}):
-        parts.append(f"#### Qwen2.5-0.5B, {n} tokens\n\n" + score_table(cells, n))
+    for rel in EVAL_QWEN_DIRS:
+        if not (root / rel).is_dir():
+            continue
+        dtype = json.loads((root / rel / "config.json").read_text()).get("dtype", "float32")
+        cells = _eval_cells(root, rel)
+        for n in sorted({c["length"] for c in cells if c["prefill"] == "dense"}):
+            parts.append(f"#### Qwen2.5-0.5B, {n} tokens, {dtype} (`{rel}`)\n\n" + score_table(cells, n))
     return "\n\n".join(parts) + "\n"
 
 
@@ -262,10 +274,14 @@ def eval_report_expected(root: Path) -> str:
     return render(summarize(load_dirs([str(root / EVAL_DIR)])), "docs/eval")
 
 
+def _qwen_dirs(root: Path) -> list[str]:
+    return [str(root / rel) for rel in EVAL_QWEN_DIRS if (root / rel).is_dir()]
+
+
 def eval_qwen_report_expected(root: Path) -> str:
     from kvtrim.eval.report import load_dirs, render, summarize
 
-    return render(summarize(load_dirs([str(root / EVAL_QWEN_DIR)])), ".")
+    return render(summarize(load_dirs(_qwen_dirs(root))), ".")
 
 
 def write_eval_report(root: Path) -> None:
@@ -273,8 +289,9 @@ def write_eval_report(root: Path) -> None:
 
     write_report([str(root / EVAL_DIR)], out_dir=str(root / "docs" / "eval"), readme=str(root / "README.md"),
                  image_prefix="docs/eval", source_label=EVAL_DIR)
-    if (root / EVAL_QWEN_DIR).is_dir():
-        write_report([str(root / EVAL_QWEN_DIR)], out_dir=str(root / "docs" / "eval_qwen"), source_label=EVAL_QWEN_DIR)
+    if _qwen_dirs(root):
+        write_report(_qwen_dirs(root), out_dir=str(root / "docs" / "eval_qwen"),
+                     source_label=" and ".join(rel for rel in EVAL_QWEN_DIRS if (root / rel).is_dir()))
 
 
 def stale(root: Path) -> list[str]:
@@ -291,9 +308,9 @@ def stale(root: Path) -> list[str]:
     if readme.split(START, 1)[1].split(END, 1)[0].strip() != eval_report_expected(root).strip():
         out.append(f"README.md: kvtrim report {EVAL_DIR}")
     qwen_report = root / "docs" / "eval_qwen" / "report.md"
-    if (root / EVAL_QWEN_DIR).is_dir() and (not qwen_report.is_file()
-                                            or qwen_report.read_text().split(".\n\n", 1)[-1] != eval_qwen_report_expected(root)):
-        out.append(f"docs/eval_qwen/report.md: kvtrim report {EVAL_QWEN_DIR}")
+    if _qwen_dirs(root) and (not qwen_report.is_file()
+                             or qwen_report.read_text().split(".\n\n", 1)[-1] != eval_qwen_report_expected(root)):
+        out.append(f"docs/eval_qwen/report.md: kvtrim report {' '.join(EVAL_QWEN_DIRS)}")
     return out
 
 
