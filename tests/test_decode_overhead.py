@@ -219,3 +219,39 @@ def test_drop_after_lead_declines_where_keep_indices_chooses_otherwise(model, pr
     assert not layer.drop_after_lead(layer.length // 5 + 1)
     assert torch.equal(layer.keys, before[0]) and (layer.length, layer.rot_offset) == before[1:]
     assert layer.drop_after_lead(2) and layer.length == before[1] - 1 and layer.rot_offset == 1
+
+
+def test_drop_slots_keeps_what_keep_indices_keeps(model):
+    """One slot per head (the decode step's fast path, including a head whose newest slot is the
+    one dropped) and several per head (the general path): per head, the same (position, key, value,
+    state) rows remain as ``keep_indices`` leaves, and the length shrinks by the drops."""
+    g = torch.Generator().manual_seed(3)
+    for drops in ([[5], [29], [0]], [[2, 7, 29], [0, 1, 28], [10, 11, 12]]):
+        caches = [KVTrimCache(model, H2O(max_tokens=40)) for _ in range(2)]
+        n = 30
+        h = caches[0].num_kv_heads
+        drop = torch.tensor(drops[:h]).unsqueeze(0)
+        keys, values = torch.randn(1, h, n, caches[0].head_dim, generator=g), torch.randn(1, h, n, caches[0].head_dim, generator=g)
+        acc = torch.rand(1, h, n, generator=g)
+        pos = torch.arange(n).view(1, 1, n).expand(1, h, n).contiguous()
+        for c in caches:
+            meta = [{"initialized": True, "seen": n, "length": n, "phase": "decode", "n_new": 1,
+                     "token_state": ["h2o_acc"], "state": {}} for _ in c.layers]
+            tensors = {}
+            for i in range(len(c.layers)):
+                tensors.update({f"layers.{i}.keys": keys, f"layers.{i}.values": values, f"layers.{i}.positions": pos,
+                                f"layers.{i}.state.h2o_acc": acc})
+            c.load_state_dict(tensors, meta)
+        fast, ref = caches[0].compressed_layers[0], caches[1].compressed_layers[0]
+        fast.drop_slots(drop)
+        keep = torch.ones(1, h, n, dtype=torch.bool).scatter_(-1, drop, False)
+        ref.keep_indices(keep.nonzero()[:, -1].view(1, h, -1))
+        m = drop.shape[-1]
+        assert fast.length == ref.length == n - m
+        order = fast.positions.argsort(dim=-1)
+        assert torch.equal(fast.positions.gather(-1, order), ref.positions)
+        assert torch.equal(fast.keys.gather(2, order.unsqueeze(-1).expand_as(fast.keys)), ref.keys)
+        assert torch.equal(fast.values.gather(2, order.unsqueeze(-1).expand_as(fast.values)), ref.values)
+        assert torch.equal(fast.state_view("h2o_acc").gather(-1, order), ref.state_view("h2o_acc"))
+        for hd in range(h):
+            assert not set(drop[0, hd].tolist()) & set(fast.positions[0, hd].tolist())

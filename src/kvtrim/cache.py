@@ -483,6 +483,18 @@ class CompressedLayer(CacheLayerMixin):
         h, m = drop.shape[1], drop.shape[2]
         n = self.length
         k = n - m
+        if m == 1:
+            # a decode step's usual eviction: one slot per head. The newest slot of each head moves
+            # into that head's hole (onto itself where the newest is the one dropped): the moves the
+            # general path below makes, without its masks and nonzero scans
+            heads = torch.arange(h, device=drop.device)
+            hole = drop[0, :, 0]
+            for t in (self._k, self._v, self._pos, *self.token_state.values()):
+                assert t is not None
+                rows, per = buffer_rows(t)
+                rows[heads * per + hole] = rows[heads * per + k]
+            self.length = k
+            return
         dropped = torch.zeros(h, n, dtype=torch.bool, device=drop.device).scatter_(-1, drop[0], True)
         holes = dropped[:, :k].nonzero()  # [r, 2] (head, slot), head-major: the same count per head as
         fill = (~dropped[:, k:]).nonzero()  # the kept tokens beyond the new length, also head-major
