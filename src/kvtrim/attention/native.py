@@ -49,6 +49,12 @@ def _choice() -> str:
     return value
 
 
+def _build_name() -> str:
+    """The extension's name in torch's build cache: one per CPU capability and torch version."""
+    version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
+    return f"kvtrim_native_{torch.backends.cpu.get_cpu_capability().lower()}_{version}"
+
+
 def load_native() -> bool:
     """Build (once) and load the native kernel; True when ``torch.ops.kvtrim_native`` is ready.
 
@@ -71,7 +77,8 @@ def load_native() -> bool:
             logger.info("building kvtrim's native CPU sparse-attention kernel (once per machine)")
             cpp_extension.load(
                 # -march=native: one build per CPU capability, in case the cache is shared between machines
-                name=f"kvtrim_native_{torch.backends.cpu.get_cpu_capability().lower()}",
+                # and one per torch version, so two environments (kvtrim's, vLLM's) do not rebuild each other's
+                name=_build_name(),
                 sources=[str(p) for p in _SOURCES],
                 extra_include_paths=[str(_CSRC)],
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
