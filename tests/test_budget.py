@@ -72,6 +72,28 @@ def create_ok(choice) -> bool:
     return create_policy(choice.method, keep=choice.keep).keep == choice.keep
 
 
+def test_a_budget_is_credited_with_its_worst_task():
+    """Mean agreement over tasks 0.9 at keep 0.2, but one task at 0.7: a target of 0.8 is not credited
+    there (the worst task missed it), so the pick is the next keep whose every task reaches 0.8; without
+    per-task values the mean is credited."""
+    def with_tasks(keep, tasks):
+        p = point(1024, keep, sum(tasks.values()) / len(tasks))
+        p["tasks"] = {name: {"agreement": a, "n": 3} for name, a in tasks.items()}
+        return p
+
+    d = copy.deepcopy(SYNTH)
+    d["methods"]["snapkv"] = [with_tasks(0.2, {"passkey": 1.0, "labelfree": 1.0, "vt": 0.7}),
+                              with_tasks(0.5, {"passkey": 1.0, "labelfree": 0.9, "vt": 0.85})]
+    c = Calibration.from_dict(d)
+    assert [p.credit for p in c.methods["snapkv"]] == [0.7, 0.85]
+    pick = c.choose("snapkv", 0.8, 1024)
+    assert pick.keep == 0.5 and pick.expected == 0.85 and "worst task" in pick.reason
+    assert c.choose("snapkv", 0.7, 1024).keep == 0.2
+    none = c.choose("snapkv", 0.9, 1024)
+    assert none.full and "every calibrated task" in none.reason and "0.850 at keep 0.5" in none.reason
+    assert Calibration.from_dict(copy.deepcopy(SYNTH)).methods["h2o"][0].credit == 0.6  # no tasks: the mean
+
+
 def test_extrapolation_is_flagged(cal):
     assert cal.choose("snapkv", 0.9, 4096).extrapolated
     assert cal.choose("snapkv", 0.9, 500).extrapolated

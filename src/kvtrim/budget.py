@@ -14,7 +14,12 @@ answer with the full cache's answer to the same prompt in the same run:
 * on ``labelfree`` (no label): the ROUGE-L F1 of the answer against the full cache's answer.
 
 A calibration point (method, prompt length, keep) holds the mean agreement per task and their
-mean over tasks (each task weighs the same); the picking rule uses the latter.
+mean over tasks (each task weighs the same). The picking rule credits a point with its **worst
+task's** agreement (``Point.credit``; the mean where a point has no per-task values): a budget is
+picked only where every calibrated task kept the target. Crediting the mean over tasks fell short
+on tasks the calibration had not seen (on Qwen2.5-0.5B at 6 of 7 compressed picks, docs/autobudget.md);
+the worst task met the target on them at every pick, at the cost of the full cache in a few cells
+where a compressed budget would have done.
 
 Picking rule (``Calibration.choose``), for a method, a target ``Q`` in (0, 1] and a prompt of ``n``
 tokens:
@@ -88,6 +93,13 @@ class Point:
     tasks: dict = field(default_factory=dict)
     kv_frac: float | None = None
 
+    @property
+    def credit(self) -> float:
+        """The agreement the picking rule credits this point with: its worst task's (the mean over
+        tasks where no per-task values were recorded)."""
+        per_task = [t["agreement"] for t in self.tasks.values() if isinstance(t, dict) and "agreement" in t]
+        return min(per_task) if per_task else self.agreement
+
 
 @dataclass(frozen=True)
 class BudgetChoice:
@@ -113,11 +125,12 @@ class BudgetChoice:
 
 
 def _credited(points: list[Point]) -> list[tuple[float, float]]:
-    """(keep, credited agreement) ascending in keep: the lowest agreement measured at this or any larger keep."""
+    """(keep, credited agreement) ascending in keep: the lowest worst-task agreement (``Point.credit``)
+    measured at this or any larger keep."""
     out: list[tuple[float, float]] = []
     low = math.inf
     for p in sorted(points, key=lambda p: p.keep, reverse=True):
-        low = min(low, p.agreement)
+        low = min(low, p.credit)
         out.append((p.keep, low))
     return out[::-1]
 
@@ -262,16 +275,17 @@ class Calibration:
         picks = {n: self.pick_at_length(method, n, quality) for n in used}
         keep = max(k for k, _ in picks.values())
         if keep >= 1.0:
-            best = max(self.points(method), key=lambda p: (p.agreement, -p.keep))
+            best = max(self.points(method), key=lambda p: (p.credit, -p.keep))
             short = [n for n, (k, _) in picks.items() if k >= 1.0]
             return BudgetChoice(method, quality, prompt_tokens, 1.0, None, tuple(used), extrapolated,
-                                f"no calibrated budget of {method} reaches agreement {quality:g} at {short[0]} tokens "
-                                f"(best measured: {best.agreement:.3f} at keep {best.keep:g}, {best.length} tokens): full cache")
+                                f"no calibrated budget of {method} reaches agreement {quality:g} on every calibrated task "
+                                f"at {short[0]} tokens (best worst-task agreement: {best.credit:.3f} at keep {best.keep:g}, "
+                                f"{best.length} tokens): full cache")
         credits = [_credit_at([p for p in self.points(method) if p.length == n], keep) for n in used]
         expected = min(c for c in credits if c is not None)
         where = ", ".join(f"{n}" for n in used)
         return BudgetChoice(method, quality, prompt_tokens, keep, expected, tuple(used), extrapolated,
-                            f"calibrated agreement {expected:.3f} >= {quality:g} at keep {keep:g} ({where} tokens"
+                            f"calibrated agreement {expected:.3f} (worst task) >= {quality:g} at keep {keep:g} ({where} tokens"
                             f"{'; outside the calibrated lengths, nearest used' if extrapolated else ''})")
 
 
