@@ -487,12 +487,13 @@ class CompressedLayer(CacheLayerMixin):
             # a decode step's usual eviction: one slot per head. The newest slot of each head moves
             # into that head's hole (onto itself where the newest is the one dropped): the moves the
             # general path below makes, without its masks and nonzero scans
-            heads = torch.arange(h, device=drop.device)
             hole = drop[0, :, 0]
             for t in (self._k, self._v, self._pos, *self.token_state.values()):
                 assert t is not None
-                rows, per = buffer_rows(t)
-                rows[heads * per + hole] = rows[heads * per + k]
+                t0 = t[0]  # [H, C] or [H, C, D]; slot k of every head is one strided view
+                newest = t0[:, k:k + 1].clone()  # a copy: the hole may be slot k itself
+                at = hole.view((h, 1) + (1,) * (t0.dim() - 2)).expand_as(newest)
+                t0.scatter_(1, at, newest)
             self.length = k
             return
         dropped = torch.zeros(h, n, dtype=torch.bool, device=drop.device).scatter_(-1, drop[0], True)

@@ -58,6 +58,9 @@ def window_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, window:
     s = key.shape[-2]
     w = min(window, query.shape[-2])
     qg = grouped_queries(query[:, :, -w:].float(), key.shape[1])
+    if w == 1:  # one row (a decode step's): the last query sees every key, no mask
+        logits = torch.matmul(qg.squeeze(3), key.float().transpose(-1, -2)).unsqueeze(3) * scaling
+        return torch.softmax(logits, dim=-1)
     logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, key.float()) * scaling
     qi = torch.arange(s - w, s, device=key.device).unsqueeze(1)
     kj = torch.arange(s, device=key.device).unsqueeze(0)
@@ -77,7 +80,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     like SDPA for one query row it reads every key and value once.
     """
     probs = window_probs(query, key, scaling, 1)
-    out = torch.einsum("bhgqk,bhkd->bhgqd", probs, value.float())
+    out = torch.matmul(probs.squeeze(3), value.float())  # [B, Hkv, G, Dv]
     b, hq, q, _ = query.shape
     return out.reshape(b, hq, q, value.shape[-1]).transpose(1, 2).contiguous().to(query.dtype), probs
 
