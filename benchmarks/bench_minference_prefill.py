@@ -56,7 +56,7 @@ def table(d: dict) -> str:
     """The markdown table of a prefill result (docs/minference.md, README)."""
     m = d["machine"]
     lines = [
-        f"{d.get('model') or 'SmolLM2-135M-Instruct'}, float32, torch {d.get('versions', m)['torch']}, {m.get('torch_threads')} threads, {d['date'][:10]}; "
+        f"{d.get('model') or 'SmolLM2-135M-Instruct'}, {d.get('dtype', 'float32')}, torch {d.get('versions', m)['torch']}, {m.get('torch_threads')} threads, {d['date'][:10]}; "
         "median wall seconds of one prefill forward (reps per row), configurations interleaved"
         + ("; every forward in its own process." if d.get("isolated") else "."),
         "",
@@ -75,8 +75,11 @@ def table(d: dict) -> str:
         lines.append("")
         for name, s in d["summary"].items():
             measured = sorted({r["length"] for r in d["records"] if r["config"] == name})
+            x = s["crossover_length"]
+            margin = next((r["speedup_wall"] for r in d["records"] if r["config"] == name and r["length"] == x), None)
+            noise = f"; by {margin - 1:.1%} there, within run-to-run noise" if margin is not None and margin < 1.02 else ""
             lines.append(f"- `{name}`: smallest measured length that beats dense end to end: "
-                         f"{s['crossover_length'] or 'none'} (measured: {', '.join(map(str, measured))})")
+                         f"{x or 'none'} (measured: {', '.join(map(str, measured))}{noise})")
     return "\n".join(lines)
 
 
@@ -120,9 +123,9 @@ def one_prefill(model, ids: list[int], hook) -> tuple[float, float, dict]:
     return wall[0], c1 - c0, hook.stats()
 
 
-def build(pattern_config: str | None, model_name: str | None = None):
+def build(pattern_config: str | None, model_name: str | None = None, dtype: str = "float32"):
     """The model (default: the embedded one), its hooks by configuration name, the single-pattern sizes and the prompt ids."""
-    lm = load_model(model_name)
+    lm = load_model(model_name, dtype=dtype)
     model = lm.model
     mi = make_prefill(model, "minference", pattern_config, min_length=1)
     hooks = {"dense": SparsePrefill("dense"), "minference": mi}
@@ -141,9 +144,9 @@ def prompt(all_ids: list[int], n: int) -> list[int]:
     return all_ids[:n]
 
 
-def run_one(n: int, name: str, pattern_config: str | None, model_name: str | None = None) -> int:
+def run_one(n: int, name: str, pattern_config: str | None, model_name: str | None = None, dtype: str = "float32") -> int:
     """A child of ``--isolate``: one forward (after one warm-up below 16k) in this fresh process, reported to the parent."""
-    lm, hooks, _, all_ids = build(pattern_config, model_name)
+    lm, hooks, _, all_ids = build(pattern_config, model_name, dtype)
     scale_rope(lm.model, n, int(lm.model.config.max_position_embeddings))
     ids = prompt(all_ids, n)
     if n < 16384:
@@ -161,6 +164,7 @@ def isolated(n: int, name: str, args) -> tuple[float, float, dict]:
         argv += ["--threads", str(args.threads)]
     if args.model:
         argv += ["--model", args.model]
+    argv += ["--dtype", args.dtype]
     rec = harness.isolated(__file__, argv)
     return rec["wall"], rec["cpu"], rec["stats"]
 
@@ -174,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pattern-config", default=None)
     p.add_argument("--model", default=None, help="model (default: the embedded one), e.g. qwen2.5-0.5b")
     p.add_argument("--long-reps", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight and KV dtype (default float32; the sparse kernel computes scores in float32 either way)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--isolate", action="store_true",
                    help="run every forward in a fresh process (no order or allocator effects between configurations)")
@@ -182,12 +188,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.one:
-        return run_one(int(args.one[0]), args.one[1], args.pattern_config, args.model)
+        return run_one(int(args.one[0]), args.one[1], args.pattern_config, args.model, args.dtype)
     if harness.start(p, args, table=table):
         return 0
 
     machine = harness.machine_record()
-    lm, hooks, single_sizes, all_ids = build(args.pattern_config, args.model)
+    lm, hooks, single_sizes, all_ids = build(args.pattern_config, args.model, args.dtype)
     model, mi = lm.model, hooks["minference"]
     base_ctx = int(model.config.max_position_embeddings)
     records = []
@@ -196,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": machine["date"],
         "machine": machine,
         "model": lm.source,
+        "dtype": args.dtype,
         "single_pattern_sizes": single_sizes,
         "pattern_config_search": mi.config.search,
         "isolated": bool(args.isolate),

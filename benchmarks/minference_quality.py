@@ -71,7 +71,8 @@ def table(d: dict) -> str:
                for name in s}
         times.append(f"{n}: " + ", ".join(f"{name} {med[name]:.1f} s" + ("" if name == "dense" else f" ({med['dense'] / med[name]:.2f}x)")
                                           for name in s))
-    lines += ["", "Median prefill seconds of the pass-key prompts (each sample ran every configuration in turn, one "
+    dt = "" if d.get("dtype", "float32") == "float32" else f"{d['dtype']}, {d['machine'].get('torch_threads')} threads; "
+    lines += ["", "Median prefill seconds of the pass-key prompts (" + dt + "each sample ran every configuration in turn, one "
               "process; a check, not the timing benchmark): " + "; ".join(times) + "."]
     return "\n".join(lines)
 
@@ -126,12 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-tokens", type=int, nargs="+", default=[4096, 8000])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model (default: the embedded one), e.g. qwen2.5-0.5b")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight and KV dtype (default float32)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if harness.start(p, args, table=table):
         return 0
     machine = harness.machine_record()
 
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype)
     model, tok = lm.model, lm.tokenizer
     hooks = _hooks(model, args)
     rows = []
@@ -176,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": machine["date"],
         "machine": harness.finish_record(machine),
         "model": lm.source,
+        "dtype": args.dtype,
         "pattern_config_search": hooks["minference"].config.search,
         "summary": summary,
         "rows": rows + ppl,
