@@ -253,9 +253,7 @@ def eval_qwen(root: Path) -> str:
     from kvtrim.eval.report import score_table
 
     parts = []
-    for rel in EVAL_QWEN_DIRS:
-        if not (root / rel).is_dir():
-            continue
+    for rel in _qwen_dirs(root):
         dtype = json.loads((root / rel / "config.json").read_text()).get("dtype", "float32")
         cells = _eval_cells(root, rel)
         for n in sorted({c["length"] for c in cells if c["prefill"] == "dense"}):
@@ -275,13 +273,14 @@ def eval_report_expected(root: Path) -> str:
 
 
 def _qwen_dirs(root: Path) -> list[str]:
-    return [str(root / rel) for rel in EVAL_QWEN_DIRS if (root / rel).is_dir()]
+    """The reference model's sweep directories present under ``root`` (relative, in EVAL_QWEN_DIRS order)."""
+    return [rel for rel in EVAL_QWEN_DIRS if (root / rel).is_dir()]
 
 
 def eval_qwen_report_expected(root: Path) -> str:
     from kvtrim.eval.report import load_dirs, render, summarize
 
-    return render(summarize(load_dirs(_qwen_dirs(root))), ".")
+    return render(summarize(load_dirs([str(root / rel) for rel in _qwen_dirs(root)])), ".")
 
 
 def write_eval_report(root: Path) -> None:
@@ -289,9 +288,9 @@ def write_eval_report(root: Path) -> None:
 
     write_report([str(root / EVAL_DIR)], out_dir=str(root / "docs" / "eval"), readme=str(root / "README.md"),
                  image_prefix="docs/eval", source_label=EVAL_DIR)
-    if _qwen_dirs(root):
-        write_report(_qwen_dirs(root), out_dir=str(root / "docs" / "eval_qwen"),
-                     source_label=" and ".join(rel for rel in EVAL_QWEN_DIRS if (root / rel).is_dir()))
+    if qwen := _qwen_dirs(root):
+        write_report([str(root / rel) for rel in qwen], out_dir=str(root / "docs" / "eval_qwen"),
+                     source_label=" and ".join(qwen))
 
 
 def stale(root: Path) -> list[str]:
