@@ -144,6 +144,9 @@ def test_unknown_method_and_method_without_budget(cal):
     (lambda d: d["methods"]["h2o"][0].update(n=0), "n must be"),
     (lambda d: d["methods"]["h2o"][0].pop("length"), "length must be"),
     (lambda d: d["methods"]["h2o"].append(point(1024, 0.5, 0.7)), "a second point for length 1024, keep 0.5"),
+    (lambda d: d["methods"]["h2o"][0].update(tasks={"vt": 0.5}), "task 'vt' must be an object"),
+    (lambda d: d["methods"]["h2o"][0].update(tasks={"vt": {"n": 3}}), "task 'vt' agreement must be"),
+    (lambda d: d["methods"]["h2o"][0].update(tasks={"vt": {"agreement": 1.5}}), "task 'vt' agreement must be"),
 ])
 def test_calibration_file_is_validated(edit, message, tmp_path):
     d = copy.deepcopy(SYNTH)

@@ -97,8 +97,7 @@ class Point:
     def credit(self) -> float:
         """The agreement the picking rule credits this point with: its worst task's (the mean over
         tasks where no per-task values were recorded)."""
-        per_task = [t["agreement"] for t in self.tasks.values() if isinstance(t, dict) and "agreement" in t]
-        return min(per_task) if per_task else self.agreement
+        return min((t["agreement"] for t in self.tasks.values()), default=self.agreement)
 
 
 @dataclass(frozen=True)
@@ -192,6 +191,13 @@ class Calibration:
                 tasks = p.get("tasks", {})
                 if not isinstance(tasks, dict):
                     raise bad(f"{at}: 'tasks' must be an object")
+                for task, t in tasks.items():  # the picking rule reads each task's agreement (Point.credit)
+                    if not isinstance(t, dict):
+                        raise bad(f"{at}: task {task!r} must be an object with its 'agreement'")
+                    try:
+                        validate.number(t.get("agreement"), f"{at}: task {task!r} agreement", minimum=0, maximum=1)
+                    except KVTrimError as e:
+                        raise bad(str(e)) from None
                 if (length, keep) in seen:
                     raise bad(f"{at}: a second point for length {length}, keep {keep}")
                 seen.add((length, keep))
