@@ -65,6 +65,15 @@ inline float exp_neg(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// max(init, x[0 .. n)) vectorised: GCC leaves a plain std::max loop scalar under
+// -fno-finite-math-only (NaN ordering), and this reduction is a fifth of a float32 attention pass.
+inline float row_max(const float* x, int n, float init) {
+  float mx = init;
+#pragma omp simd reduction(max : mx)
+  for (int j = 0; j < n; ++j) mx = x[j] > mx ? x[j] : mx;
+  return mx;
+}
+
 // Whether bfloat16 / float16 operands go to the reduced-precision GEMM as they are (no float32
 // copy): T is bfloat16 or float16, MKL provides the GEMM, and KVTRIM_NATIVE_LOWP_GEMM is not "0"
 // (read once; "0" keeps the float32 conversion, for comparison).

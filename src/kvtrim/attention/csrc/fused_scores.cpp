@@ -129,8 +129,7 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
               seg_m[static_cast<int64_t>(i) * nseg_max + g] = kMasked;
               continue;
             }
-            float mx = kMasked;
-            for (int j = 0; j < vis; ++j) mx = std::max(mx, row[j]);
+            const float mx = row_max(row, vis, kMasked);
             const float m_new = std::max(m[i], mx);
             const float alpha = exp_neg(m[i] - m_new);  // 0 when m was the sentinel
             float sum = 0.0f;

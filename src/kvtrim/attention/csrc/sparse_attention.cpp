@@ -67,8 +67,7 @@ inline void softmax_rows(Scratch<T>& w, int nr, int n, int d) {
   float* s = w.s.data();
   for (int i = 0; i < nr; ++i) {
     float* row = s + static_cast<int64_t>(i) * n;
-    float mx = kMasked;
-    for (int j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+    const float mx = row_max(row, n, kMasked);
     if (mx <= kHidden) {  // no visible key for this row in this segment
       std::fill(row, row + n, 0.0f);
       continue;
@@ -376,8 +375,7 @@ std::tuple<at::Tensor, at::Tensor> vertical_slash_impl(const at::Tensor& q_last,
       for (int r = 0; r < lq; ++r) {
         const int row = t - lq + r;  // keys 0..row are visible
         float* x = s.data() + static_cast<int64_t>(r) * t;
-        float mx = kMasked;
-        for (int j = 0; j <= row; ++j) mx = std::max(mx, x[j]);
+        const float mx = row_max(x, row + 1, kMasked);
         float sum = 0.0f;
         for (int j = 0; j <= row; ++j) {
           const float p = exp_neg(x[j] - mx);
