@@ -24,10 +24,12 @@
 // product with v, as PyTorch's own flash attention does. Without that GEMM (another BLAS, or
 // KVTRIM_NATIVE_LOWP_GEMM=0) a task converts its query block and each key/value segment into
 // thread-local float32 tiles and uses sgemm. No whole-tensor copy is made either way; the output is
-// rounded once to the input dtype when a task writes its rows.
+// rounded once to the input dtype when a task writes its rows. Where PyTorch's brgemm micro-kernel
+// can pack its operand (AMX), full key blocks take the packed path instead (packed_path below).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <c10/util/BFloat16.h>
@@ -61,22 +63,29 @@ struct Scratch {
 };
 
 // Online-softmax update of rows [0, nr) with the scores s[nr, n] (row-major), leaving the
-// normalised probabilities in s for the product with the values (accumulate_*).
+// normalised probabilities in s for the product with the values (accumulate_*). `pre` scales the
+// scores first: 1 when the GEMM already applied the softmax scale (BLAS alpha), the scale itself
+// when the scores are raw products (the packed AMX path, whose GEMM has no alpha). Masked entries
+// are the sentinel before scaling, so the visibility test reads the raw maximum. With `lp` (the
+// packed path) the normalised probabilities are written rounded to T into lp[nr, n] instead of s,
+// in the same pass (the product with v reads them there).
 template <typename T>
-inline void softmax_rows(Scratch<T>& w, int nr, int n, int d) {
+inline void softmax_rows(Scratch<T>& w, int nr, int n, int d, float pre = 1.0f, T* lp = nullptr) {
   float* s = w.s.data();
   for (int i = 0; i < nr; ++i) {
     float* row = s + static_cast<int64_t>(i) * n;
-    const float mx = row_max(row, n, kMasked);
-    if (mx <= kHidden) {  // no visible key for this row in this segment
-      std::fill(row, row + n, 0.0f);
+    const float raw = row_max(row, n, kMasked);
+    if (raw <= kHidden) {  // no visible key for this row in this segment
+      if (lp) std::fill(lp + static_cast<int64_t>(i) * n, lp + static_cast<int64_t>(i + 1) * n, T(0.0f));
+      else std::fill(row, row + n, 0.0f);
       continue;
     }
+    const float mx = raw * pre;
     const float m_new = std::max(w.m[i], mx);
     const float alpha = exp_neg(w.m[i] - m_new);  // 0 when m was the sentinel
     float sum = 0.0f;
     for (int j = 0; j < n; ++j) {
-      const float p = exp_neg(row[j] - m_new);
+      const float p = exp_neg(row[j] * pre - m_new);
       row[j] = p;
       sum += p;
     }
@@ -86,7 +95,12 @@ inline void softmax_rows(Scratch<T>& w, int nr, int n, int d) {
     // softmax(s) @ v; dividing once at the end would add a rounding step to every output.
     const float l_new = w.l[i] * alpha + sum;
     const float inv = 1.0f / l_new;
-    for (int j = 0; j < n; ++j) row[j] *= inv;
+    if (lp) {
+      T* dst = lp + static_cast<int64_t>(i) * n;
+      for (int j = 0; j < n; ++j) dst[j] = static_cast<T>(row[j] * inv);
+    } else {
+      for (int j = 0; j < n; ++j) row[j] *= inv;
+    }
     const float keep = w.l[i] * alpha * inv;
     if (keep != 1.0f) {
       float* o = w.o.data() + static_cast<int64_t>(i) * d;
@@ -109,6 +123,25 @@ template <typename T>
 inline void accumulate_lowp(Scratch<T>& w, int nr, int n, int d, const T* v, int ldv) {
   rows_from_f32(w.s.data(), n, nr, n, w.pl.data());
   gemm_lowp('N', 'N', d, nr, n, 1.0f, v, ldv, w.pl.data(), n, 1.0f, w.o.data(), d);
+}
+
+// The packed AMX path (bfloat16/float16 where PyTorch's brgemm micro-kernel can pack its operand:
+// oneDNN's, the one PyTorch's own CPU flash attention uses): every full 64-key block of k and v is
+// packed once per call into the micro-kernel's layout (k transposed), so the products of all query
+// blocks read them without MKL's per-call copies; q and the probabilities are read as they are. A
+// sequence's last, partial block goes through the MKL GEMM. KVTRIM_NATIVE_BRGEMM=0 turns it off.
+template <typename T>
+inline bool packed_path() {
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    static const bool enabled = [] {
+      const char* e = std::getenv("KVTRIM_NATIVE_BRGEMM");
+      if (e && e[0] == '0' && e[1] == '\0') return false;
+      return at::native::cpublas::could_pack(std::is_same_v<T, c10::BFloat16> ? at::kBFloat16 : at::kHalf);
+    }();
+    return enabled && lowp_gemm<T>();
+  }
 }
 
 }  // namespace
@@ -187,6 +220,28 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const float fscale = static_cast<float>(scale);
 
   const bool lowp = lowp_gemm<T>();
+  // The packed AMX path: every full key block of each KV head, k transposed, packed once here.
+  const bool packed = packed_path<T>() && d % 16 == 0 && d <= 256;
+  const int nfull = t / kBlock;  // full 64-key blocks; a partial last one goes through MKL
+  const int64_t bsz = static_cast<int64_t>(kBlock) * d;
+  std::vector<T> pk(packed ? hkv * nfull * bsz : 0), pv(packed ? hkv * nfull * bsz : 0);
+  if (packed && nfull > 0) {
+    const auto st = std::is_same_v<T, c10::BFloat16> ? at::kBFloat16 : at::kHalf;
+    at::parallel_for(0, static_cast<int64_t>(hkv) * nfull, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<T> tr(bsz);
+      for (int64_t i = b0; i < b1; ++i) {
+        const int64_t kvh = i / nfull, b = i % nfull;
+        const T* kb = kp + kvh * sk + b * kBlock * ldk;
+        for (int r = 0; r < kBlock; ++r)
+          for (int c = 0; c < d; ++c) tr[static_cast<int64_t>(c) * kBlock + r] = kb[static_cast<int64_t>(r) * ldk + c];
+        at::native::cpublas::pack(d, kBlock, kBlock, kBlock, st, st, tr.data(), pk.data() + i * bsz);
+        // v in column chunks of up to 64 (the widths the micro-kernel packs), chunk c0 at kBlock * c0
+        for (int c0 = 0; c0 < d; c0 += 64)
+          at::native::cpublas::pack(kBlock, std::min(64, d - c0), ldv, std::min(64, d - c0), st, st,
+                                    vp + kvh * sv + b * kBlock * ldv + c0, pv.data() + i * bsz + kBlock * c0);
+      }
+    });
+  }
 
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch<T> w(d, lowp);
@@ -235,7 +290,19 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         const int k0 = blocks[j] * kBlock, k1 = std::min(t, blocks[e - 1] * kBlock + kBlock);
         const int n = k1 - k0;
         float* s = w.s.data();
-        scores(kh + static_cast<int64_t>(k0) * ldk, ldk, n, w.kc.data());
+        if (packed) {  // raw products per 64-key block (scaled in softmax_rows)
+          for (int b = blocks[j]; b <= blocks[e - 1]; ++b) {
+            float* sb = s + (b * kBlock - k0);
+            if (b < nfull)
+              at::native::cpublas::brgemm(nr, kBlock, d, ldq, kBlock, n, false, qrows,
+                                          pk.data() + (static_cast<int64_t>(kvh) * nfull + b) * bsz, sb);
+            else
+              gemm_lowp('T', 'N', t - b * kBlock, nr, d, 1.0f, kh + static_cast<int64_t>(b) * kBlock * ldk, ldk, qrows,
+                        ldq, 0.0f, sb, n);
+          }
+        } else {
+          scores(kh + static_cast<int64_t>(k0) * ldk, ldk, n, w.kc.data());
+        }
         if (k1 - 1 > r0) {  // the segment reaches the query block: causal mask
           for (int i = 0; i < nr; ++i)
             for (int c = std::max(0, r0 + i + 1 - k0); c < n; ++c) s[i * n + c] = kMasked;
@@ -247,8 +314,24 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
               s[i * n + (c - k0)] = kMasked;
           }
         }
-        softmax_rows(w, nr, n, d);
-        values(vh + static_cast<int64_t>(k0) * ldv, ldv, n, w.vc.data());
+        if (packed) {
+          T* pl = w.pl.data();
+          softmax_rows(w, nr, n, d, fscale, pl);
+          for (int b = blocks[j]; b <= blocks[e - 1]; ++b) {
+            const T* pb = pl + (b * kBlock - k0);
+            if (b < nfull)
+              for (int c0 = 0; c0 < d; c0 += 64)
+                at::native::cpublas::brgemm(nr, std::min(64, d - c0), kBlock, n, std::min(64, d - c0), d, true, pb,
+                                            pv.data() + (static_cast<int64_t>(kvh) * nfull + b) * bsz + kBlock * c0,
+                                            w.o.data() + c0);
+            else
+              gemm_lowp('N', 'N', d, nr, t - b * kBlock, 1.0f, vh + static_cast<int64_t>(b) * kBlock * ldv, ldv, pb, n,
+                        1.0f, w.o.data(), d);
+          }
+        } else {
+          softmax_rows(w, nr, n, d);
+          values(vh + static_cast<int64_t>(k0) * ldv, ldv, n, w.vc.data());
+        }
         j = e;
       }
       // Single columns, gathered kSeg at a time (as float32 rows, or as they are for the
@@ -298,6 +381,7 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         }
       }
     }
+    if (packed) at::native::cpublas::brgemm_release();
   });
 }
 
