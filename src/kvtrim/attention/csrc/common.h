@@ -74,6 +74,12 @@ inline float row_max(const float* x, int n, float init) {
   return mx;
 }
 
+// Whether the environment variable `name` is exactly "0" (a kernel path switched off, for comparison).
+inline bool switched_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e && e[0] == '0' && e[1] == '\0';
+}
+
 // Whether bfloat16 / float16 operands go to the reduced-precision GEMM as they are (no float32
 // copy): T is bfloat16 or float16, MKL provides the GEMM, and KVTRIM_NATIVE_LOWP_GEMM is not "0"
 // (read once; "0" keeps the float32 conversion, for comparison).
@@ -82,10 +88,7 @@ inline bool lowp_gemm() {
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
-    static const bool enabled = [] {
-      const char* e = std::getenv("KVTRIM_NATIVE_LOWP_GEMM");
-      return !(e && e[0] == '0' && e[1] == '\0');
-    }();
+    static const bool enabled = !switched_off("KVTRIM_NATIVE_LOWP_GEMM");
     if constexpr (std::is_same_v<T, c10::BFloat16>) return enabled && gemm_bf16bf16f32_ != nullptr;
     else return enabled && gemm_f16f16f32_ != nullptr;
   }

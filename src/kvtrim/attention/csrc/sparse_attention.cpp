@@ -135,11 +135,9 @@ inline bool packed_path() {
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
-    static const bool enabled = [] {
-      const char* e = std::getenv("KVTRIM_NATIVE_BRGEMM");
-      if (e && e[0] == '0' && e[1] == '\0') return false;
-      return at::native::cpublas::could_pack(std::is_same_v<T, c10::BFloat16> ? at::kBFloat16 : at::kHalf);
-    }();
+    static const bool enabled =
+        !switched_off("KVTRIM_NATIVE_BRGEMM") &&
+        at::native::cpublas::could_pack(std::is_same_v<T, c10::BFloat16> ? at::kBFloat16 : at::kHalf);
     return enabled && lowp_gemm<T>();
   }
 }
