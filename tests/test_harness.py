@@ -134,8 +134,11 @@ def test_table_renders_json_and_jsonl_without_out(tmp_path, capsys):
 def test_machine_record_keys_and_load_at_end():
     rec = harness.machine_record()
     for key in ("date", "machine", "processor", "cpus", "torch_threads", "python", "torch", "transformers",
-                "kvtrim", "loadavg_start"):
+                "kvtrim", "cpu_matrix_flags", "loadavg_start"):
         assert key in rec
+    flags = rec["cpu_matrix_flags"]
+    assert flags is None or (flags == sorted(flags) and set(flags) <= {"avx512f", "avx512_bf16", "avx512_fp16",
+                                                                      "amx_tile", "amx_bf16", "amx_int8"})
     assert "loadavg_end" not in rec
     assert harness.finish_record(rec) is rec and "loadavg_end" in rec
 

@@ -25,8 +25,28 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "kvtrim": getattr(kvtrim, "__version__", "?"),
+        "cpu_matrix_flags": cpu_matrix_flags(),
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+_MATRIX_FLAGS = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_matrix_flags() -> list[str] | None:
+    """Which of the CPU's vector and matrix extensions that decide bfloat16 speed it reports
+    (``/proc/cpuinfo`` flags among AVX-512, AVX-512 BF16/FP16 and AMX), sorted; None where the OS
+    does not say. Machines of one name differ here (with and without AMX), and bfloat16 timings
+    with them, so every result records it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return sorted(flag for flag in _MATRIX_FLAGS if flag in have)
+    except OSError:
+        return None
+    return None
 
 
 def load_average() -> list[float] | None:
