@@ -17,6 +17,7 @@ from conftest import tiny_llama
 
 import kvtrim
 import kvtrim.integrations.hf as hf
+from kvtrim import harness
 from kvtrim.attention.fused import causal_attention_scores, causal_attention_scores_reference, fused_backend
 from kvtrim.cache import KVTrimCache
 from kvtrim.registry import create_policy
@@ -221,3 +222,35 @@ def test_recorded_forward_hands_its_column_sums_to_the_replays(monkeypatch, mode
         for a, b in zip(seeded.compressed_layers, plain[m].compressed_layers):
             assert torch.equal(a.positions, b.positions)
     assert not calls
+
+
+def _bench_fused_kernel():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fused_kernel.py"
+    spec = importlib.util.spec_from_file_location("bench_fused_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@native
+def test_bench_fused_kernel_records_every_configuration(tmp_path):
+    """benchmarks/bench_fused_kernel.py: one JSON row per length with every configuration timed, a table from it."""
+    bench = _bench_fused_kernel()
+    out = tmp_path / "k.json"
+    assert bench.main(["--lengths", "64", "130", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+                       "--reps", "2", "--warmup", "0", "--threads", "1", "--out", str(out)]) == 0
+    res = harness.read_result(out)
+    assert [r["length"] for r in res["rows"]] == [64, 130]
+    for row in res["rows"]:
+        assert set(row["median_seconds"]) == set(bench.CONFIGS)
+        assert all(len(v) == 2 and min(v) > 0 for v in row["seconds"].values())
+    text = bench.table(res)
+    assert "| 130 |" in text and "column sums" in text
+
+
+def test_bench_fused_kernel_refuses_bad_heads(tmp_path):
+    with pytest.raises(SystemExit) as e:
+        _bench_fused_kernel().main(["--heads", "5", "--kv-heads", "3", "--out", str(tmp_path / "k.json")])
+    assert e.value.code == 2
