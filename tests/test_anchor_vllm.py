@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
+
+from conftest import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _mod():
-    spec = importlib.util.spec_from_file_location("anchor_vllm", ROOT / "benchmarks" / "anchor_vllm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("anchor_vllm")
 
 
 def _meas(engine, rep, prefill, decode_s, *, warm=False, tokens=(1, 2, 3), kv=None, usage=None):

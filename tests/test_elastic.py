@@ -6,12 +6,11 @@ importance, the uncompressed ``DynamicCache`` keys/values for the merge.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_benchmark
 from transformers import DynamicCache
 
 import kvtrim
@@ -301,11 +300,7 @@ def test_prompt_shorter_than_protected_tokens(model):
 
 # --- the reproduction's shortcuts change no number ------------------------------------------------
 def _repro():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "repro_elastic.py"
-    spec = importlib.util.spec_from_file_location("repro_elastic", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("repro_elastic")
 
 
 def test_repro_replay_and_shared_scores_equal_the_plain_path(model, prompt):

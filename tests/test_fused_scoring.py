@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_llama
+from conftest import load_benchmark, tiny_llama
 
 import kvtrim
 import kvtrim.integrations.hf as hf
@@ -225,13 +225,7 @@ def test_recorded_forward_hands_its_column_sums_to_the_replays(monkeypatch, mode
 
 
 def _bench_fused_kernel():
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fused_kernel.py"
-    spec = importlib.util.spec_from_file_location("bench_fused_kernel", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_fused_kernel")
 
 
 @native
