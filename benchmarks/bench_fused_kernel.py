@@ -55,10 +55,10 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = ap.parse_args(argv)
+    if args.heads % args.kv_heads or min(args.lengths) < 1:  # before start(), which sets torch's threads
+        ap.error("--heads must be a multiple of --kv-heads and every length >= 1")
     if harness.start(ap, args, table=table):
         return 0
-    if args.heads % args.kv_heads or min(args.lengths) < 1:
-        ap.error("--heads must be a multiple of --kv-heads and every length >= 1")
     if not load_native():
         ap.error("kvtrim's native CPU kernel is not available (needs a C++ compiler and ninja)")
     info = harness.machine_record()

@@ -224,17 +224,17 @@ def test_recorded_forward_hands_its_column_sums_to_the_replays(monkeypatch, mode
     assert not calls
 
 
-def _bench_fused_kernel():
-    return load_benchmark("bench_fused_kernel")
-
-
 @native
 def test_bench_fused_kernel_records_every_configuration(tmp_path):
     """benchmarks/bench_fused_kernel.py: one JSON row per length with every configuration timed, a table from it."""
-    bench = _bench_fused_kernel()
+    bench = load_benchmark("bench_fused_kernel")
     out = tmp_path / "k.json"
-    assert bench.main(["--lengths", "64", "130", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
-                       "--reps", "2", "--warmup", "0", "--threads", "1", "--out", str(out)]) == 0
+    threads = torch.get_num_threads()  # the script sets torch's thread count: give the later tests theirs back
+    try:
+        assert bench.main(["--lengths", "64", "130", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+                           "--reps", "2", "--warmup", "0", "--threads", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
     res = harness.read_result(out)
     assert [r["length"] for r in res["rows"]] == [64, 130]
     for row in res["rows"]:
@@ -246,5 +246,5 @@ def test_bench_fused_kernel_records_every_configuration(tmp_path):
 
 def test_bench_fused_kernel_refuses_bad_heads(tmp_path):
     with pytest.raises(SystemExit) as e:
-        _bench_fused_kernel().main(["--heads", "5", "--kv-heads", "3", "--out", str(tmp_path / "k.json")])
+        load_benchmark("bench_fused_kernel").main(["--heads", "5", "--kv-heads", "3", "--out", str(tmp_path / "k.json")])
     assert e.value.code == 2
