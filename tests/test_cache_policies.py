@@ -461,3 +461,24 @@ def test_cache_load_refuses_wrong_layers(model, prompt):
         fresh.load_state_dict({**tensors, "rng_state": torch.zeros(3)}, meta)
     with pytest.raises(KVTrimError, match="layer 1: the saved state and the model disagree"):
         fresh.load_state_dict(tensors, [meta[0], None, meta[2]])
+
+
+def test_causal_prob_chunks_rows_equal_dense_and_reuse_one_workspace():
+    """Every chunk's rows equal the dense masked softmax's (batch 2, GQA, past keys, a short last
+    chunk), and every chunk is written into the same two buffers (no allocation per chunk)."""
+    from kvtrim.scores import causal_prob_chunks
+
+    g = torch.Generator().manual_seed(5)
+    b, q, past = 2, 21, 7
+    query = torch.randn(b, 6, q, 8, generator=g)
+    key = torch.randn(b, 2, past + q, 8, generator=g)
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", query.reshape(b, 2, 3, q, 8), key) * 0.35
+    visible = torch.arange(past + q)[None, :] <= (past + torch.arange(q))[:, None]
+    want = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1)
+    storages, seen = set(), []
+    for start, stop, probs in causal_prob_chunks(query, key, 0.35, chunk=8):
+        torch.testing.assert_close(probs, want[..., start:stop, : past + stop], rtol=1e-5, atol=1e-6)
+        storages.add(probs.untyped_storage().data_ptr())
+        seen.append((start, stop))
+    assert seen == [(0, 8), (8, 16), (16, 21)]
+    assert len(storages) == 1

@@ -116,6 +116,61 @@ def test_fused_prefill_keeps_what_recomputation_keeps(monkeypatch, name, kw, gro
             torch.testing.assert_close(a.state_view(state), b.state_view(state), rtol=1e-5, atol=1e-5)
 
 
+def chunked_prefill(model, ids, policy, fused, chunk):
+    """Feed ``ids`` in pieces of ``chunk`` (every piece after the first is a turn); the cache and
+    every piece's logits."""
+    cache, logits = KVTrimCache(model, policy), []
+    with torch.no_grad(), kvtrim.attach(model, fused_scores="always" if fused else "never"):
+        for s in range(0, ids.shape[1], chunk):
+            logits.append(model(input_ids=ids[:, s:s + chunk], **cache.kwargs(), use_cache=True).logits)
+    return cache, torch.cat(logits, dim=1)
+
+
+@native
+@pytest.mark.parametrize("name,kw", [("h2o", {}), ("elastic", {}), ("elastic", {"importance": "mean"}),
+                                     ("elastic", {"proportional": True}), ("inf_mllm", {})])
+def test_fused_later_chunks_keep_what_recomputation_keeps(monkeypatch, name, kw):
+    """A chunked prefill: the later chunks (turns, a bottom-right causal mask over the kept keys
+    and the chunk's own) get their attention and scores from the fused kernel too, and keep
+    exactly what SDPA plus recomputation keeps. With ``proportional=True`` Elastic Cache's merged
+    anchors carry a logit bias from its first merge on, which the kernel does not take: the chunks
+    after that merge stay on SDPA."""
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (1, 150), generator=torch.Generator().manual_seed(7))
+    shapes = []
+    real = hf.causal_attention_scores
+    monkeypatch.setattr(hf, "causal_attention_scores",
+                        lambda q, k, *a, **kk: shapes.append((q.shape[-2], k.shape[-2])) or real(q, k, *a, **kk))
+    fused, logits_f = chunked_prefill(model, ids, create_policy(name, keep=0.3, **kw), True, 40)
+    later = [s for s in shapes if s[1] > s[0]]  # a turn's queries are the last of more keys
+    n = model.config.num_hidden_layers
+    assert len(shapes) - len(later) in (0, n)  # the first chunk: fused where it already compresses
+    assert len(later) == (n if kw.get("proportional") else 3 * n)  # three later chunks, every layer
+    count = len(shapes)
+    plain, logits_p = chunked_prefill(model, ids, create_policy(name, keep=0.3, **kw), False, 40)
+    assert len(shapes) == count
+    torch.testing.assert_close(logits_f, logits_p, rtol=1e-4, atol=1e-4)
+    for a, b in zip(fused.compressed_layers, plain.compressed_layers):
+        assert a.length == b.length < ids.shape[1]
+        assert torch.equal(a.positions, b.positions)
+        torch.testing.assert_close(a.keys, b.keys, rtol=1e-4, atol=1e-5)
+        for state in a.token_state:
+            torch.testing.assert_close(a.state_view(state), b.state_view(state), rtol=1e-5, atol=1e-5)
+
+
+def test_bottom_right_causal_check():
+    """Only a boolean mask that is exactly bottom-right causal for (n, m) lets the kernel run."""
+    mask = hf.causal_mask(3, 7, "cpu")
+    assert hf._bottom_right_causal(mask, 3, 7)
+    assert hf._bottom_right_causal(mask.expand(2, 1, 3, 7).clone(), 3, 7)
+    padded = mask.expand(2, 1, 3, 7).clone()
+    padded[1, :, :, 0] = False  # a left-padded second row
+    assert not hf._bottom_right_causal(padded, 3, 7)
+    assert not hf._bottom_right_causal(mask, 3, 8) and not hf._bottom_right_causal(None, 3, 7)
+    assert not hf._bottom_right_causal(torch.zeros(1, 1, 3, 7), 3, 7)  # additive float masks: not taken
+    assert not hf._bottom_right_causal(torch.ones(1, 1, 3, 7, dtype=torch.bool), 3, 7)  # sees the future
+
+
 @native
 @pytest.mark.parametrize("name", ["full", "streaming_llm", "h2o"])
 def test_fused_path_only_when_asked(monkeypatch, model, prompt, name):

@@ -4,7 +4,7 @@ Importing kvtrim changes nothing: integration happens through explicit, reversib
 
     import kvtrim
     with kvtrim.compress(model, "snapkv", keep=0.2) as cache:
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+        out = model.generate(**inputs, **cache.kwargs(), max_new_tokens=64)
 
 The heavy modules (transformers integration, models) are imported on first use.
 """

@@ -91,20 +91,29 @@ def causal_prob_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, c
     Yields ``(start, stop, probs)`` with ``probs [B, Hkv, G, stop - start, kmax]``, ``kmax = S - q + stop``:
     each chunk is computed against the keys up to its last query only (the masked upper triangle
     beyond it is never computed), and only the chunk's trailing ``chunk x chunk`` block is masked.
-    Memory is ``chunk x S`` per head.
+    Memory is two ``[chunk, S]`` float32 blocks per head, allocated once per call and reused by
+    every chunk: ``probs`` is a view that the next chunk overwrites (use it, or copy it, before
+    asking for the next one). One allocation of a fixed size instead of two growing ones per
+    chunk keeps the allocator's heap from fragmenting over a long or chunked prefill.
     """
-    q, n_kv, s = query.shape[-2], key.shape[1], key.shape[-2]
-    off = s - q
+    b, hq, q = query.shape[:3]
+    n_kv, s = key.shape[1], key.shape[-2]
+    g, off = hq // n_kv, s - q
     kf = key.float()
+    rows = min(chunk, q)
+    work = torch.empty(2, b * hq * rows * s, dtype=torch.float32, device=key.device)  # logits, probs
+    upper = torch.ones(rows, rows, dtype=torch.bool, device=key.device).triu(1)
     for start in range(0, q, chunk):
         stop = min(q, start + chunk)
-        n = stop - start
-        qg = grouped_queries(query[:, :, start:stop].float(), n_kv)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg, kf[:, :, :off + stop])
+        n, kmax = stop - start, off + stop
+        qg = query[:, :, start:stop].float().reshape(b, n_kv, g * n, -1)  # a KV head's query heads, stacked
+        logits = work[0, : b * hq * n * kmax].view(b, n_kv, g * n, kmax)
+        torch.matmul(qg, kf[:, :, :kmax].transpose(-1, -2), out=logits)
         logits.mul_(scaling)
+        logits = logits.view(b, n_kv, g, n, kmax)
         # query i of the chunk sees keys <= off + start + i: only the last n columns hold later keys
-        logits[..., off + start:].masked_fill_(torch.ones(n, n, dtype=torch.bool, device=key.device).triu(1), float("-inf"))
-        yield start, stop, torch.softmax(logits, dim=-1)
+        logits[..., off + start:].masked_fill_(upper[:n, :n], float("-inf"))
+        yield start, stop, torch.softmax(logits, dim=-1, out=work[1, : logits.numel()].view(logits.shape))
 
 
 def causal_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float, chunk: int = 256) -> torch.Tensor:

@@ -22,6 +22,7 @@ import functools
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -109,7 +110,7 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         # probabilities over instead of running SDPA and recomputing q @ K in the policy
         res = decode_attention(query, key, value, scale)
         res, layer.decode_probs = (res[0], None), res[1]
-    if res is None and bias is None and layer.phase == "prefill" and _FUSED.get(id(module.config), "never") != "never":
+    if res is None and bias is None and layer.phase != "decode" and _FUSED.get(id(module.config), "never") != "never":
         res = _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs)
     if res is None:
         if bias is not None:
@@ -129,10 +130,12 @@ def _fused_prefill(module, binding, layer, query, key, value, attention_mask, dr
     (``Policy.wants_prefill_scores``; ``kvtrim.attention.fused``), which are left in
     ``layer.attention_scores`` for its hook; None (run the model's attention) when the policy asks
     for nothing or the call is not a plain causal one that the fused kernel computes exactly."""
-    n = query.shape[-2]
-    if (n <= 1 or attention_mask is not None or dropout or _BASE.get(id(module.config), "sdpa") != "sdpa"
+    n, m = query.shape[-2], key.shape[-2]
+    if (n <= 1 or dropout or _BASE.get(id(module.config), "sdpa") != "sdpa"
             or any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
-        return None  # padding, sliding windows, soft-capping, sinks: the model's own attention
+        return None  # sliding windows, soft-capping, sinks: the model's own attention
+    if not (attention_mask is None and n == m) and not _bottom_right_causal(attention_mask, n, m):
+        return None  # padding, or a mask the kernel does not compute: the model's own attention
     want = binding.cache.policy.wants_prefill_scores(layer)
     if want is None or not (want.column_sums or (want.window > 0 and _FUSED.get(id(module.config)) == "always")):
         return None  # "auto": last-window rows alone are cheaper recomputed (window x T) than fused
@@ -145,6 +148,25 @@ def _fused_prefill(module, binding, layer, query, key, value, attention_mask, dr
     win = res.window_probs.unflatten(1, (n_kv, -1)) if res.window_probs is not None else None
     layer.attention_scores = PromptScores(col, win)
     return res.out, None
+
+
+# the last mask checked by _bottom_right_causal and its verdict: a forward hands the same mask
+# tensor to every layer, so it is compared once per forward, not once per layer
+_CHECKED: list = [None, False]
+
+
+def _bottom_right_causal(mask: torch.Tensor | None, n: int, m: int) -> bool:
+    """True when ``mask`` (boolean, ``[B, 1 | Hq, n, m]``) lets every row's query ``i`` see exactly the
+    keys ``<= m - n + i``: what a later chunk of a prompt (or a later turn) gets from transformers
+    over a cache without padding, and what the fused kernel computes."""
+    if mask is None or mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[-2:]) != (n, m):
+        return False
+    ref, verdict = _CHECKED
+    if ref is not None and ref() is mask:
+        return verdict
+    verdict = bool(torch.equal(mask, causal_mask(n, m, mask.device).expand(mask.shape)))
+    _CHECKED[:] = [weakref.ref(mask), verdict]
+    return verdict
 
 
 def causal_mask(n: int, m: int, device) -> torch.Tensor:
