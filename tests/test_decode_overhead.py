@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -255,3 +256,70 @@ def test_drop_slots_keeps_what_keep_indices_keeps(model):
         assert torch.equal(fast.state_view("h2o_acc").gather(-1, order), ref.state_view("h2o_acc"))
         for hd in range(h):
             assert not set(drop[0, hd].tolist()) & set(fast.positions[0, hd].tolist())
+
+
+def _filled_pair(model, policy_name, n, position):
+    """Two caches whose every layer holds the same random ``n`` tokens in decode phase."""
+    g = torch.Generator().manual_seed(n)
+    caches = [KVTrimCache(model, policy_name, max_tokens=n + 8, position=position) for _ in range(2)]
+    h, d = caches[0].num_kv_heads, caches[0].head_dim
+    keys, values = torch.randn(1, h, n, d, generator=g), torch.randn(1, h, n, d, generator=g)
+    pos = torch.arange(n).view(1, 1, n).expand(1, h, n).contiguous()
+    for c in caches:
+        meta = [{"initialized": True, "seen": n, "length": n, "phase": "decode", "n_new": 1, "token_state": [],
+                 "state": {}} for _ in c.layers]
+        tensors = {}
+        for i in range(len(c.layers)):
+            tensors.update({f"layers.{i}.keys": keys, f"layers.{i}.values": values, f"layers.{i}.positions": pos})
+            if position != "true":
+                tensors[f"layers.{i}.rotations"] = pos
+        c.load_state_dict(tensors, meta)
+    return caches
+
+
+@pytest.mark.parametrize("position", ["reassigned", "compressed", "true"])
+def test_drop_slot_equals_keep_indices(model, position):
+    """Dropping one slot in every head, order kept (Elastic Cache's fixed-point eviction): for every
+    slot, front half (drop_after_lead, or its refusal) and back half (the tail moves down and,
+    under ``reassigned``, is re-rotated by one), the layer is bit for bit what ``keep_indices``
+    leaves: keys, values, positions, rotations, offset and length."""
+    n = 30
+    for slot in range(n):
+        fast, ref = (c.compressed_layers[0] for c in _filled_pair(model, "elastic", n, position))
+        took = fast.drop_slot(slot)
+        if not took:  # declined (a front lead keep_indices re-rotates otherwise): changed nothing
+            assert fast.length == n
+            fast.keep_indices(torch.cat([torch.arange(slot), torch.arange(slot + 1, n)]).view(1, 1, -1).expand(1, fast.keys.shape[1], -1))
+        ref.keep_indices(torch.cat([torch.arange(slot), torch.arange(slot + 1, n)]).view(1, 1, -1).expand(1, ref.keys.shape[1], -1))
+        assert took or 5 * slot > n - 1, slot  # the fast path declines only where drop_after_lead does
+        assert fast.length == ref.length == n - 1 and fast.rot_offset == ref.rot_offset, slot
+        assert torch.equal(fast.keys, ref.keys) and torch.equal(fast.values, ref.values), slot
+        assert torch.equal(fast.positions, ref.positions), slot
+        if position != "true":
+            assert torch.equal(fast.rotations, ref.rotations), slot
+    layer = _filled_pair(model, "elastic", n, position)[0].compressed_layers[0]
+    assert not layer.drop_slot(n) and not layer.drop_slot(-1) and layer.length == n
+    layer.phase = "turn"
+    assert not layer.drop_slot(n - 2) and layer.length == n
+
+
+def test_elastic_decode_with_drop_slot_equals_keep_indices(model, prompt):
+    """Elastic Cache's decode steps through ``drop_slot`` give the same tokens, logits and cache as
+    through ``keep_indices``, step after step."""
+    caches = [KVTrimCache(model, "elastic", max_tokens=24) for _ in range(2)]
+    calls = []
+    with torch.no_grad(), kvtrim.attach(model):
+        outs = [model(input_ids=prompt, **c.kwargs(), use_cache=True) for c in caches]
+        fast_layer = caches[0].compressed_layers[0]
+        orig = fast_layer.drop_slot
+        fast_layer.drop_slot = lambda slot: calls.append(orig(slot)) or calls[-1]
+        for layer in caches[1].compressed_layers:
+            layer.drop_slot = lambda slot: False
+        for _ in range(6):
+            nxt = [o.logits[:, -1:].argmax(-1) for o in outs]
+            assert torch.equal(nxt[0], nxt[1])
+            outs = [model(input_ids=x, **c.kwargs(), use_cache=True) for x, c in zip(nxt, caches)]
+            for a, b in zip(_stream_state(caches[0]), _stream_state(caches[1])):
+                assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4])) and a[4:] == b[4:]
+            assert torch.equal(outs[0].logits, outs[1].logits)
+    assert calls and all(calls)  # the fast path ran, every step

@@ -119,7 +119,8 @@ class CompressedLayer(CacheLayerMixin):
         self.rot_offset = 0
         self.token_state: dict[str, torch.Tensor] = {}  # policy per-token state, [B, H, C]
         self.state: dict = {}  # policy per-layer state
-        self.q_delta: torch.Tensor | None = None  # [B, q] rotation the query of this step needs
+        # the rotation the query of this forward needs: one int for every query (a decode step), or [B, q]
+        self.q_delta: torch.Tensor | int | None = None
         # float32 [B, Hkv, G, 1, S]: this decode step's attention probabilities, while the policy's
         # hook runs, when the policy asked for them (Policy.wants_decode_probs; kvtrim.scores.decode_attention)
         self.decode_probs: torch.Tensor | None = None
@@ -195,6 +196,9 @@ class CompressedLayer(CacheLayerMixin):
         q = key_states.shape[-2]
         dev = key_states.device
         n_seen = q
+        # a decode step keeps its bookkeeping in Python integers: a few tensor ops fewer per layer and
+        # step, which the step time of a short cache notices
+        stream: torch.Tensor | int
         if self._next_positions is not None:  # earlier layers pruned this forward's hidden states
             if self._next_positions.numel() != q:
                 raise KVTrimError(
@@ -203,33 +207,35 @@ class CompressedLayer(CacheLayerMixin):
                 )
             stream, n_seen = self._next_positions.to(dev), self._next_seen
             self._next_positions = None
+        elif q == 1:
+            stream = self.seen
         else:
             stream = torch.arange(self.seen, self.seen + q, device=dev)
         self.q_delta = None
+        start = self.length + self.rot_offset
         if self._rot is not None:
             extra = kwargs.get("kwargs") or {}
             applied = extra.get("position_ids") if isinstance(extra, dict) else None
-            applied = stream.unsqueeze(0) if applied is None else applied.reshape(-1, q)[-1:].to(dev)
-            start = self.length + self.rot_offset
-            target = torch.arange(start, start + q, device=dev).unsqueeze(0)
-            delta = target - applied
-            if delta.numel() == 1:  # a decode step: one shift for the key and the query, angles memoised
-                if d := int(delta):
+            if q == 1:  # a decode step: one shift for the key and the query, angles memoised
+                if d := start - (int(stream) if applied is None else int(applied.reshape(-1)[-1])):
                     assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
                     key_states = self.cache.rotary.rotate_by(key_states, d)
+                    self.q_delta = d
+            else:
+                assert isinstance(stream, torch.Tensor)
+                applied = stream.unsqueeze(0) if applied is None else applied.reshape(-1, q)[-1:].to(dev)
+                delta = torch.arange(start, start + q, device=dev).unsqueeze(0) - applied
+                if bool((delta != 0).any()):
+                    assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
+                    key_states = self.cache.rotary.rotate(key_states, delta.unsqueeze(1))
                     self.q_delta = delta
-            elif bool((delta != 0).any()):
-                assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
-                key_states = self.cache.rotary.rotate(key_states, delta.unsqueeze(1))
-                self.q_delta = delta
         self._reserve(q)
         sl = slice(self.length, self.length + q)
         self._k[:, :, sl] = key_states
         self._v[:, :, sl] = value_states
         self._pos[:, :, sl] = stream
         if self._rot is not None:
-            start = self.length + self.rot_offset
-            self._rot[:, :, sl] = torch.arange(start, start + q, device=dev)
+            self._rot[:, :, sl] = start if q == 1 else torch.arange(start, start + q, device=dev)
         for t in self.token_state.values():
             t[:, :, sl] = 0
         self.phase = "prefill" if self.seen == 0 else ("decode" if q == 1 else "turn")
@@ -465,6 +471,35 @@ class CompressedLayer(CacheLayerMixin):
                     self._k[:, :, :lead] = self.cache.rotary.rotate_by(self._k[:, :, :lead], 1)
                     self._rot[:, :, :lead] += 1
                 self.rot_offset += 1
+        self.length = k
+        return True
+
+    def drop_slot(self, slot: int) -> bool:
+        """Drop slot ``slot`` (the same one in every head) during decoding and keep the others in
+        order: what ``keep_indices`` does for that index set (Elastic Cache's fixed-point eviction),
+        without analysing an index. In the front half it is :meth:`drop_after_lead`; otherwise the
+        later slots move down by one in the same allocation and, under ``reassigned``, only they are
+        re-rotated (one position back), as ``keep_indices`` chooses there. Returns False, having
+        changed nothing, where ``keep_indices`` would do otherwise (batch > 1, a re-allocation that
+        returns memory); the caller then uses ``keep_indices``.
+        """
+        k = self.length - 1
+        if not 0 <= slot <= k:
+            return False
+        if 2 * slot < k:
+            return self.drop_after_lead(slot)
+        if (self._k is None or self._k.shape[0] != 1 or self.phase != "decode"
+                or self.capacity > k + 2 * self.slack(k)):
+            return False
+        assert self._v is not None and self._pos is not None
+        if slot < k:
+            moved = slice(slot, k)
+            for t in (self._k, self._v, self._pos, *self.token_state.values(), *(() if self._rot is None else (self._rot,))):
+                t[:, :, moved] = t[:, :, slot + 1: k + 1].clone()
+            if self._rot is not None and self.cache.position_policy == "reassigned":
+                assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
+                self._k[:, :, moved] = self.cache.rotary.rotate_by(self._k[:, :, moved], -1)
+                self._rot[:, :, moved] -= 1
         self.length = k
         return True
 

@@ -97,7 +97,10 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
     layer = binding.layer
     if (delta := layer.q_delta) is not None:
         rotary = binding.cache.rotary
-        query = rotary.rotate_by(query, int(delta)) if delta.numel() == 1 else rotary.rotate(query, delta.unsqueeze(1))
+        if isinstance(delta, int) or delta.numel() == 1:
+            query = rotary.rotate_by(query, int(delta))
+        else:
+            query = rotary.rotate(query, delta.unsqueeze(1))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     prefill = _PREFILL.get(id(module.config))
     res = None

@@ -354,5 +354,7 @@ class Elastic(Policy):
         b, h = layer.keys.shape[:2]
         while layer.length > budget:
             p = self.eviction_slot(layer)
+            if layer.drop_slot(p):
+                continue  # one slot out, the others in order, without building an index
             keep = torch.cat([torch.arange(p), torch.arange(p + 1, layer.length)]).to(layer.keys.device)
             layer.keep_indices(keep.view(1, 1, -1).expand(b, h, -1))
