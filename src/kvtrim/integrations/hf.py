@@ -137,11 +137,11 @@ def _fused_prefill(module, binding, layer, query, key, value, attention_mask, dr
     if (n <= 1 or dropout or _BASE.get(id(module.config), "sdpa") != "sdpa"
             or any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
         return None  # sliding windows, soft-capping, sinks: the model's own attention
-    if not (attention_mask is None and n == m) and not _bottom_right_causal(attention_mask, n, m):
-        return None  # padding, or a mask the kernel does not compute: the model's own attention
     want = binding.cache.policy.wants_prefill_scores(layer)
     if want is None or not (want.column_sums or (want.window > 0 and _FUSED.get(id(module.config)) == "always")):
         return None  # "auto": last-window rows alone are cheaper recomputed (window x T) than fused
+    if not (attention_mask is None and n == m) and not _bottom_right_causal(attention_mask, n, m):
+        return None  # padding, or a mask the kernel does not compute: the model's own attention
     if (backend := fused_backend(query)) is None:
         return None
     res = causal_attention_scores(query, key, value, scale, column_sums=want.column_sums, window=want.window,
