@@ -494,7 +494,10 @@ class CompressedLayer(CacheLayerMixin):
         assert self._v is not None and self._pos is not None
         if slot < k:
             moved = slice(slot, k)
-            for t in (self._k, self._v, self._pos, *self.token_state.values(), *(() if self._rot is None else (self._rot,))):
+            buffers = [self._k, self._v, self._pos, *self.token_state.values()]
+            if self._rot is not None:
+                buffers.append(self._rot)
+            for t in buffers:
                 t[:, :, moved] = t[:, :, slot + 1: k + 1].clone()
             if self._rot is not None and self.cache.position_policy == "reassigned":
                 assert self.cache.rotary is not None  # found whenever keys are re-rotated (_rot exists)
