@@ -82,6 +82,19 @@ def test_native_kernel_builds_where_a_compiler_exists() -> None:
     assert load_native(), "kvtrim's native CPU kernel did not build (see the warning in the log)"
 
 
+def test_native_build_name_is_one_per_install(tmp_path) -> None:
+    """Two checkouts (or two torch installs) get two build directories, so neither rebuilds the
+    other's kernel when they alternate; the same install always gets the same name."""
+    from kvtrim.attention.native import _build_name
+
+    a, b = tmp_path / "one" / "csrc", tmp_path / "two" / "csrc"
+    assert _build_name(a, "/t") == _build_name(a, "/t")
+    assert _build_name(a, "/t") != _build_name(b, "/t")
+    assert _build_name(a, "/t") != _build_name(a, "/u")
+    assert _build_name().startswith(f"kvtrim_native_{torch.backends.cpu.get_cpu_capability().lower()}_")
+    assert _build_name().replace("_", "").isalnum()
+
+
 @pytest.mark.parametrize("name", list(PATTERNS_SMALL))
 @pytest.mark.parametrize("t", [63, 500])
 @pytest.mark.parametrize("d", [64, 128])

@@ -2,7 +2,8 @@
 
 The sources are ``csrc/sparse_attention.cpp`` (sparse prefill), ``csrc/fused_scores.cpp`` (dense
 causal attention that also returns a KV method's scores) and ``csrc/common.h``, shipped in the package. It is compiled once per
-machine (per CPU capability: it is built with ``-march=native``) with
+machine and install (per CPU capability, since it is built with ``-march=native``, and per
+checkout and torch install, so that two of them never rebuild each other's) with
 :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``; 12-15 s on 2 cores)
 into torch's extension cache (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``), then loaded from there.
@@ -19,6 +20,7 @@ report it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -49,10 +51,18 @@ def _choice() -> str:
     return value
 
 
-def _build_name() -> str:
-    """The extension's name in torch's build cache: one per CPU capability and torch version."""
+def _build_name(csrc: Path = _CSRC, torch_dir: str | None = None) -> str:
+    """The extension's name in torch's build cache: one per CPU capability, torch version and
+    install (this package's sources and torch's headers, by path).
+
+    ninja rebuilds a directory whose build file names other paths, so two checkouts or two
+    environments sharing one name would rebuild each other's kernel (~30 s) on every switch; a
+    short hash of both paths keeps one build per install.
+    """
     version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
-    return f"kvtrim_native_{torch.backends.cpu.get_cpu_capability().lower()}_{version}"
+    where = f"{Path(csrc).resolve()}\0{Path(torch_dir or os.path.dirname(torch.__file__)).resolve()}"
+    digest = hashlib.sha1(where.encode()).hexdigest()[:10]
+    return f"kvtrim_native_{torch.backends.cpu.get_cpu_capability().lower()}_{version}_{digest}"
 
 
 def load_native() -> bool:
@@ -76,8 +86,9 @@ def load_native() -> bool:
                 os.environ["PATH"] = os.pathsep.join(p for p in (ninja.BIN_DIR, path) if p)
             logger.info("building kvtrim's native CPU sparse-attention kernel (once per machine)")
             cpp_extension.load(
-                # -march=native: one build per CPU capability, in case the cache is shared between machines
-                # and one per torch version, so two environments (kvtrim's, vLLM's) do not rebuild each other's
+                # -march=native: one build per CPU capability, in case the cache is shared between machines,
+                # and one per torch version and install, so two checkouts or environments (kvtrim's, vLLM's)
+                # do not rebuild each other's (see _build_name)
                 name=_build_name(),
                 sources=[str(p) for p in _SOURCES],
                 extra_include_paths=[str(_CSRC)],
