@@ -27,10 +27,11 @@ CONFIGS = ("sdpa", "nocol", "colsums")
 def table(res: dict) -> str:
     """Markdown: per length, median seconds of each configuration and the kernel's ratios to SDPA."""
     m = res["machine"]
+    cpu = "".join(f"{m[key]}{unit}, " for key, unit in (("cpu_model", ""), ("l2_cache_kib", " KiB L2 per core")) if m.get(key))
     lines = [
         f"Causal attention of {res['heads']} query heads over {res['kv_heads']} KV heads, head size "
         f"{res['head_dim']}, {res['dtype']}, {res['threads']} thread(s), random inputs; medians of "
-        f"{res['reps']} interleaved repetition(s); CPU flags {', '.join(m.get('cpu_matrix_flags') or ['?'])}; "
+        f"{res['reps']} interleaved repetition(s); CPU {cpu}flags {', '.join(m.get('cpu_matrix_flags') or ['?'])}; "
         f"load average {m['loadavg_start'][0]:.1f} at the start, {m['loadavg_end'][0]:.1f} at the end.",
         "",
         "| length | SDPA s | fused, output only: s | x SDPA | fused, output + column sums: s | x SDPA |",

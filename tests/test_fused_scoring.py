@@ -299,6 +299,20 @@ def test_bench_fused_kernel_records_every_configuration(tmp_path):
     assert "| 130 |" in text and "column sums" in text
 
 
+def test_bench_fused_scoring_table_marks_paths_not_run():
+    """bench_fused_scoring.py --modes fused: the recompute cells say they were not run (no number
+    invented), the fused ones come from the result."""
+    bench = load_benchmark("bench_fused_scoring")
+    med = {"full": 10.0, "h2o:fused": 10.4, "streaming_llm": 9.9}
+    res = {"median_seconds": med, "ratio_to_full": {c: v / 10.0 for c, v in med.items()},
+           "cpu_ratio_to_full": {c: v / 10.0 for c, v in med.items()}, "machine": {"loadavg_start": [0.5], "loadavg_end": [0.9]},
+           "prompt_tokens": 100, "model": "m", "threads": 1, "dtype": "float32", "keep": 0.25, "reps": 1,
+           "methods": ["h2o", "streaming_llm"], "target_ratio": 1.05}
+    text = bench.table(res)
+    assert "| h2o | (not run) | | | 10.40 | 1.040 | 1.040 |" in text
+    assert "| streaming_llm | 9.90 | 0.990 | 0.990 | (no prompt scores) | | |" in text
+
+
 def test_bench_fused_kernel_refuses_bad_heads(tmp_path):
     with pytest.raises(SystemExit) as e:
         load_benchmark("bench_fused_kernel").main(["--heads", "5", "--kv-heads", "3", "--out", str(tmp_path / "k.json")])

@@ -134,11 +134,13 @@ def test_table_renders_json_and_jsonl_without_out(tmp_path, capsys):
 def test_machine_record_keys_and_load_at_end():
     rec = harness.machine_record()
     for key in ("date", "machine", "processor", "cpus", "torch_threads", "python", "torch", "transformers",
-                "kvtrim", "cpu_matrix_flags", "loadavg_start"):
+                "kvtrim", "cpu_matrix_flags", "cpu_model", "l2_cache_kib", "loadavg_start"):
         assert key in rec
     flags = rec["cpu_matrix_flags"]
-    assert flags is None or (flags == sorted(flags) and set(flags) <= {"avx512f", "avx512_bf16", "avx512_fp16",
-                                                                      "amx_tile", "amx_bf16", "amx_int8"})
+    assert flags is None or (flags == sorted(flags) and set(flags) <= {"avx2", "fma", "avx512f", "avx512_bf16",
+                                                                      "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8"})
+    assert rec["l2_cache_kib"] is None or (isinstance(rec["l2_cache_kib"], int) and rec["l2_cache_kib"] > 0)
+    assert rec["cpu_model"] is None or isinstance(rec["cpu_model"], str)
     assert "loadavg_end" not in rec
     assert harness.finish_record(rec) is rec and "loadavg_end" in rec
 

@@ -26,16 +26,18 @@ def machine_info() -> dict:
         "transformers": transformers.__version__,
         "kvtrim": getattr(kvtrim, "__version__", "?"),
         "cpu_matrix_flags": cpu_matrix_flags(),
+        "cpu_model": cpu_model(),
+        "l2_cache_kib": l2_cache_kib(),
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
 
-_MATRIX_FLAGS = ("avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+_MATRIX_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def cpu_matrix_flags() -> list[str] | None:
     """Which of the CPU's vector and matrix extensions that decide bfloat16 speed it reports
-    (``/proc/cpuinfo`` flags among AVX-512, AVX-512 BF16/FP16 and AMX), sorted; None where the OS
+    (``/proc/cpuinfo`` flags among AVX2, FMA, AVX-512, AVX-512 BF16/FP16 and AMX), sorted; None where the OS
     does not say. Machines of one name differ here (with and without AMX), and bfloat16 timings
     with them, so every result records it."""
     try:
@@ -45,6 +47,36 @@ def cpu_matrix_flags() -> list[str] | None:
                     have = set(line.split(":", 1)[1].split())
                     return sorted(flag for flag in _MATRIX_FLAGS if flag in have)
     except OSError:
+        return None
+    return None
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name as ``/proc/cpuinfo`` gives it (None where the OS does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
+def l2_cache_kib() -> int | None:
+    """One core's L2 cache in KiB (sysfs; None where the OS does not say). Attention kernels that
+    keep a block of scores in cache run differently with 512 KiB and 2 MiB, so results record it."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in sorted(os.listdir(base)):
+            with open(os.path.join(base, entry, "level")) as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(os.path.join(base, entry, "size")) as f:
+                size = f.read().strip().upper()
+            scale = {"K": 1, "M": 1024}.get(size[-1:], None)
+            return int(size[:-1]) * scale if scale else int(size) // 1024
+    except (OSError, ValueError):
         return None
     return None
 
