@@ -74,7 +74,7 @@ def l2_cache_kib() -> int | None:
                     continue
             with open(os.path.join(base, entry, "size")) as f:
                 size = f.read().strip().upper()
-            scale = {"K": 1, "M": 1024}.get(size[-1:], None)
+            scale = {"K": 1, "M": 1024}.get(size[-1:])
             return int(size[:-1]) * scale if scale else int(size) // 1024
     except (OSError, ValueError):
         return None
