@@ -68,7 +68,7 @@ def l2_cache_kib() -> int | None:
     keep a block of scores in cache run differently with 512 KiB and 2 MiB, so results record it."""
     base = "/sys/devices/system/cpu/cpu0/cache"
     try:
-        for entry in sorted(os.listdir(base)):
+        for entry in sorted(e for e in os.listdir(base) if e.startswith("index")):
             with open(os.path.join(base, entry, "level")) as f:
                 if f.read().strip() != "2":
                     continue
