@@ -280,7 +280,8 @@ def cmd_demo(args) -> int:
             f"{name:<15}{'yes' if ok else 'no':<9}{r.kv_bytes / 2**20:>8.1f}{r.kv_bytes / r.kv_bytes_full:>9.0%}"
             f"{r.prefill_seconds:>11.2f}{r.decode_tokens_per_s:>14.1f}  {r.answer[:40]!r}"
         )
-    print(f"\npass key: {key}; KV MiB = resident key/value buffers at the end (1 MiB = 2^20 bytes)")
+    print(f"\npass key: {key}; KV MiB = resident key/value buffers at the end (1 MiB = 2^20 bytes); of full = that "
+          "over what transformers' DynamicCache holds for the same tokens (kvtrim's buffers keep room for tokens to come)")
     return 0
 
 
