@@ -56,7 +56,7 @@ def _build_name(csrc: Path = _CSRC, torch_dir: str | None = None) -> str:
     install (this package's sources and torch's headers, by path).
 
     ninja rebuilds a directory whose build file names other paths, so two checkouts or two
-    environments sharing one name would rebuild each other's kernel (~30 s) on every switch; a
+    environments sharing one name would rebuild each other's kernel on every switch; a
     short hash of both paths keeps one build per install.
     """
     version = "".join(c if c.isalnum() else "_" for c in torch.__version__)
