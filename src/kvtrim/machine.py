@@ -35,32 +35,33 @@ def machine_info() -> dict:
 _MATRIX_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
+def _cpuinfo(key: str) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line named ``key`` (None where the OS does not say)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(key):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
 def cpu_matrix_flags() -> list[str] | None:
     """Which of the CPU's vector and matrix extensions that decide bfloat16 speed it reports
     (``/proc/cpuinfo`` flags among AVX2, FMA, AVX-512, AVX-512 BF16/FP16 and AMX), sorted; None where the OS
     does not say. Machines of one name differ here (with and without AMX), and bfloat16 timings
     with them, so every result records it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    have = set(line.split(":", 1)[1].split())
-                    return sorted(flag for flag in _MATRIX_FLAGS if flag in have)
-    except OSError:
+    flags = _cpuinfo("flags")
+    if flags is None:
         return None
-    return None
+    have = set(flags.split())
+    return sorted(flag for flag in _MATRIX_FLAGS if flag in have)
 
 
 def cpu_model() -> str | None:
     """The CPU's model name as ``/proc/cpuinfo`` gives it (None where the OS does not say)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        return None
-    return None
+    return _cpuinfo("model name")
 
 
 def l2_cache_kib() -> int | None:
