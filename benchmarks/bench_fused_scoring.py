@@ -7,7 +7,8 @@ the model's SDPA, then the policy computes ``q @ K`` and the softmax again from 
 ``fused`` (``fused_scores="always"``: kvtrim's kernel computes the attention and the scores in one
 pass, ``kvtrim.attention.fused``). The default, ``"auto"``, is ``fused`` for the column-sum
 methods (H2O, Elastic Cache) and ``recompute`` for the last-window ones (SnapKV, Inf-MLLM). The
-other methods run once. Each configuration is one prefill through
+other methods run once. ``--modes`` picks the paths; ``auto`` adds a third, each method's default
+as a user gets it (``fused_scores="auto"``), labelled as such rather than as one of the other two. Each configuration is one prefill through
 :mod:`kvtrim.decoding` (the timed step includes the policy's hook: scoring, selection, eviction),
 after one warm-up round on a short prompt; repetitions interleaved by :mod:`kvtrim.harness`
 (order alternating), medians of wall and of CPU seconds, the load average at the start and the end. Ratios within one run
@@ -36,22 +37,25 @@ TARGET = 1.05  # every method's prefill at most 5% above the full cache's
 def table(res: dict) -> str:
     """Markdown: per method, median prefill seconds and the ratio to the full cache's, both ways."""
     med, ratio, cpu = res["median_seconds"], res["ratio_to_full"], res["cpu_ratio_to_full"]
+    auto = any(c.endswith(":auto") for c in med)  # --modes auto: each method's default path, timed as such
     la = res["machine"].get("loadavg_start"), res["machine"].get("loadavg_end")
     lines = [
         f"Prefill of {res['prompt_tokens']} tokens ({res['model']}, {res['threads']} thread, {res['dtype']}, "
         f"keep {res['keep']}), medians of {res['reps']} interleaved repetition(s); full cache "
         f"{med['full']:.2f} s; load average {la[0][0]:.1f} at the start, {la[1][0]:.1f} at the end.",
         "",
-        "| method | recompute: s | x full | x full (CPU time) | fused: s | x full | x full (CPU time) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| method | recompute: s | x full | x full (CPU time) | fused: s | x full | x full (CPU time) |"
+        + (" default (auto): s | x full | x full (CPU time) |" if auto else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if auto else ""),
     ]
+    modes = ("recompute", "fused", "auto") if auto else ("recompute", "fused")
     for m in res["methods"]:
-        r, f = f"{m}:recompute", f"{m}:fused"
-        if r in med or f in med:
-            cells = [f"{med[c]:.2f} | {ratio[c]:.3f} | {cpu[c]:.3f}" if c in med else "(not run) | |" for c in (r, f)]
-            lines.append(f"| {m} | {cells[0]} | {cells[1]} |")
-        else:
-            lines.append(f"| {m} | {med[m]:.2f} | {ratio[m]:.3f} | {cpu[m]:.3f} | (no prompt scores) | | |")
+        names = [f"{m}:{mode}" for mode in modes]
+        if any(c in med for c in names):
+            cells = [f"{med[c]:.2f} | {ratio[c]:.3f} | {cpu[c]:.3f}" if c in med else "(not run) | |" for c in names]
+        else:  # no prompt scores: one configuration, shown in the first column
+            cells = [f"{med[m]:.2f} | {ratio[m]:.3f} | {cpu[m]:.3f}"] + ["(no prompt scores) | |"] * (len(modes) - 1)
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + (
         f"\n\nx full: median wall seconds / the full cache's; CPU time: the process's CPU seconds (one thread: "
         f"the work done, less sensitive than wall time to other jobs on the machine). Target: at most {res['target_ratio']}. "
@@ -72,8 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--keep", type=float, default=0.25)
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
-    ap.add_argument("--modes", nargs="+", choices=("recompute", "fused"), default=["recompute", "fused"],
-                    help="which scoring paths to time for the methods that score the prompt (default both)")
+    ap.add_argument("--modes", nargs="+", choices=("recompute", "fused", "auto"), default=["recompute", "fused"],
+                    help="which scoring paths to time for the methods that score the prompt (default recompute and "
+                         "fused; auto: kvtrim's default, fused_scores='auto')")
     args = ap.parse_args(argv)
     if harness.start(ap, args, table=table):
         return 0
@@ -85,14 +90,14 @@ def main(argv=None) -> int:
     configs = ["full"]
     for m in args.methods:
         scores = get_policy_class(m).wants_prefill_scores is not Policy.wants_prefill_scores
-        configs += [f"{m}:{mode}" for mode in ("recompute", "fused") if mode in args.modes] if scores else [m]
+        configs += [f"{m}:{mode}" for mode in ("recompute", "fused", "auto") if mode in args.modes] if scores else [m]
     backend = fused_backend(torch.zeros(1, dtype=model.dtype))
 
     def prefill(config: str, rep: int, prompt=ids) -> dict:
         name, _, mode = config.partition(":")
         policy = create_policy(name) if name == "full" else create_policy(name, keep=args.keep)
         times: list[float] = []
-        with kvtrim.attach(model, fused_scores="never" if mode == "recompute" else "always"):
+        with kvtrim.attach(model, fused_scores={"recompute": "never", "fused": "always"}.get(mode, "auto")):
             cpu = time.process_time()
             decoding.run(model, decoding.prefill(KVTrimCache(model, policy), prompt), on_step=lambda s, dt: times.append(dt))
             cpu = time.process_time() - cpu

@@ -313,6 +313,23 @@ def test_bench_fused_scoring_table_marks_paths_not_run():
     assert "| streaming_llm | 9.90 | 0.990 | 0.990 | (no prompt scores) | | |" in text
 
 
+def test_bench_fused_scoring_table_has_a_default_column_when_auto_ran():
+    """--modes auto: a third column, each method's default path; methods without it say not run."""
+    bench = load_benchmark("bench_fused_scoring")
+    med = {"full": 10.0, "h2o:auto": 10.2, "snapkv:auto": 9.8, "snapkv:fused": 10.6, "streaming_llm": 9.9}
+    res = {"median_seconds": med, "ratio_to_full": {c: v / 10.0 for c, v in med.items()},
+           "cpu_ratio_to_full": {c: v / 10.0 for c, v in med.items()}, "machine": {"loadavg_start": [0.5], "loadavg_end": [0.9]},
+           "prompt_tokens": 100, "model": "m", "threads": 1, "dtype": "float32", "keep": 0.25, "reps": 1,
+           "methods": ["h2o", "snapkv", "streaming_llm"], "target_ratio": 1.05}
+    text = bench.table(res)
+    assert "default (auto): s" in text
+    assert "| h2o | (not run) | | | (not run) | | | 10.20 | 1.020 | 1.020 |" in text
+    assert "| snapkv | (not run) | | | 10.60 | 1.060 | 1.060 | 9.80 | 0.980 | 0.980 |" in text
+    assert "| streaming_llm | 9.90 | 0.990 | 0.990 | (no prompt scores) | | | (no prompt scores) | | |" in text
+    header, rule = text.splitlines()[2:4]
+    assert header.count("|") == rule.count("|")  # a well-formed markdown table
+
+
 def test_bench_fused_kernel_refuses_bad_heads(tmp_path):
     with pytest.raises(SystemExit) as e:
         load_benchmark("bench_fused_kernel").main(["--heads", "5", "--kv-heads", "3", "--out", str(tmp_path / "k.json")])
