@@ -363,9 +363,29 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def verdict(res: dict, path: str) -> str:
+    """One line per kvtrim configuration of a results file: who is faster end to end, in prefill and
+    in decode, the KV ratio and the target, with the machine it ran on (for prose that quotes a run)."""
+    m, s = res["machine"], res["setting"]
+    flags = m.get("cpu_matrix_flags")
+    amx = "CPU flags not recorded" if flags is None else "with AMX" if any(f.startswith("amx") for f in flags) else "without AMX"
+    lines = [f"`{path}` ({m['date'][:10]}, {m.get('cpu_model') or m.get('processor', '?')}, {amx}, "
+             f"{s['threads']} threads per side, medians of {s['reps']}):", ""]
+    for c in res["comparison"]:
+        kvr = f"{c['kv_ratio']:.2f}x vLLM's" if c["kv_ratio"] is not None else "not measured"
+        missed = [w for w, ok in (("end to end", c["target_e2e"]), ("KV", c["target_kv"]), ("answers", c["answers_kept"])) if not ok]
+        lines.append(f"- {c['model']}, {c['length']} tokens, {c['kvtrim']}: end to end {winner(c['e2e_seconds_vllm_over_kvtrim'])}, "
+                     f"prefill {winner(c['prefill_seconds_vllm_over_kvtrim'])}, decode "
+                     f"{winner(c['decode_ms_per_token_vllm_over_kvtrim'])}; KV {kvr}; target "
+                     + ("met" if c["target_met"] else "missed (" + ", ".join(missed) + ")") + ".")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--table", metavar="JSON", help="print the tables of a results file and exit")
+    p.add_argument("--verdict", metavar="JSON", nargs="+",
+                   help="print one line per kvtrim configuration of each results file (who is faster, the target) and exit")
     p.add_argument("--out", help="the result JSON (required to measure; an existing file is refused unless --force)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--model", nargs="+", default=["smollm2"],
@@ -406,6 +426,9 @@ def main() -> None:
         return
     if args.table:
         print(table(summarize(json.loads(Path(args.table).read_text()))))
+        return
+    if args.verdict:
+        print("\n\n".join(verdict(summarize(json.loads(Path(f).read_text())), f) for f in args.verdict))
         return
     from kvtrim import harness
 

@@ -95,3 +95,18 @@ def test_targets_missed_are_named(mod):
     assert not c["target_e2e"] and not c["target_kv"] and not c["answers_kept"] and not c["target_met"]
     row = next(line for line in mod.table(res).splitlines() if "snapkv@0.25+minference | vLLM" in line)
     assert "| vLLM 1.53x | vLLM 1.67x | kvtrim 2.00x | 0.444x | 1/2 / 1/2 | 2, 5 of 5 | missed: end to end, KV, answers |" in row
+
+
+def test_verdict_states_each_configuration_both_ways(mod):
+    """--verdict: one line per kvtrim configuration, with who is faster, the KV ratio and what was
+    missed; the machine line says whether AMX was there, or that the flags were not recorded."""
+    res = mod.summarize(_res(5.0, 4000, kvtrim_correct=(False, True)))
+    res["machine"].update(cpu_model="CPU X", cpu_matrix_flags=["avx2", "amx_tile"])
+    text = mod.verdict(res, "r.json")
+    assert text.startswith("`r.json` (d, CPU X, with AMX, 2 threads per side, medians of 2):")
+    assert ("- M, 100 tokens, snapkv@0.25+minference: end to end vLLM 1.53x, prefill vLLM 1.67x, decode kvtrim 2.00x; "
+            "KV 0.44x vLLM's; target missed (end to end, KV, answers).") in text.splitlines()
+    res = mod.summarize(_res(1.0, 2500))
+    assert "CPU flags not recorded" in mod.verdict(res, "r.json") and mod.verdict(res, "r.json").endswith("target met.")
+    res["machine"]["cpu_matrix_flags"] = ["avx2"]
+    assert "without AMX" in mod.verdict(res, "r.json")
