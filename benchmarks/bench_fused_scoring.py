@@ -8,7 +8,8 @@ the model's SDPA, then the policy computes ``q @ K`` and the softmax again from 
 pass, ``kvtrim.attention.fused``). The default, ``"auto"``, is ``fused`` for the column-sum
 methods (H2O, Elastic Cache) and ``recompute`` for the last-window ones (SnapKV, Inf-MLLM). The
 other methods run once. ``--modes`` picks the paths; ``auto`` adds a third, each method's default
-as a user gets it (``fused_scores="auto"``), labelled as such rather than as one of the other two. Each configuration is one prefill through
+as a user gets it (``fused_scores="auto"``), labelled as such rather than as one of the other two.
+Each configuration is one prefill through
 :mod:`kvtrim.decoding` (the timed step includes the policy's hook: scoring, selection, eviction),
 after one warm-up round on a short prompt; repetitions interleaved by :mod:`kvtrim.harness`
 (order alternating), medians of wall and of CPU seconds, the load average at the start and the end. Ratios within one run
