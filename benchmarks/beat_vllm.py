@@ -314,6 +314,11 @@ def winner(ratio: float) -> str:
     return f"kvtrim {ratio:.2f}x" if ratio >= 1 else f"vLLM {1 / ratio:.2f}x"
 
 
+def missed_targets(c: dict) -> list[str]:
+    """The parts of the target a comparison row misses: end to end, KV, answers (empty: met)."""
+    return [w for w, ok in (("end to end", c["target_e2e"]), ("KV", c["target_kv"]), ("answers", c["answers_kept"])) if not ok]
+
+
 def table(res: dict) -> str:
     """Every row (both engines), then each kvtrim row against vLLM's stated both ways, and the target verdict."""
     s = res["setting"]
@@ -345,7 +350,7 @@ def table(res: dict) -> str:
     ]
     for c in res["comparison"]:
         kvr = f"{c['kv_ratio']:.3f}x" if c["kv_ratio"] is not None else "-"
-        missed = [w for w, ok in (("end to end", c["target_e2e"]), ("KV", c["target_kv"]), ("answers", c["answers_kept"])) if not ok]
+        missed = missed_targets(c)
         lines.append(f"| {c['model']} | {c['length']} | {c['kvtrim']} | {winner(c['e2e_seconds_vllm_over_kvtrim'])} | "
                      f"{winner(c['prefill_seconds_vllm_over_kvtrim'])} | {winner(c['decode_ms_per_token_vllm_over_kvtrim'])} | "
                      f"{kvr} | {c['correct_kvtrim']}/{c['n']} / {c['correct_vllm']}/{c['n']} | "
@@ -373,7 +378,7 @@ def verdict(res: dict, path: str) -> str:
              f"{s['threads']} threads per side, medians of {s['reps']}):", ""]
     for c in res["comparison"]:
         kvr = f"{c['kv_ratio']:.2f}x vLLM's" if c["kv_ratio"] is not None else "not measured"
-        missed = [w for w, ok in (("end to end", c["target_e2e"]), ("KV", c["target_kv"]), ("answers", c["answers_kept"])) if not ok]
+        missed = missed_targets(c)
         lines.append(f"- {c['model']}, {c['length']} tokens, {c['kvtrim']}: end to end {winner(c['e2e_seconds_vllm_over_kvtrim'])}, "
                      f"prefill {winner(c['prefill_seconds_vllm_over_kvtrim'])}, decode "
                      f"{winner(c['decode_ms_per_token_vllm_over_kvtrim'])}; KV {kvr}; target "
