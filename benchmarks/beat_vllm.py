@@ -314,6 +314,11 @@ def winner(ratio: float) -> str:
     return f"kvtrim {ratio:.2f}x" if ratio >= 1 else f"vLLM {1 / ratio:.2f}x"
 
 
+def winners(c: dict) -> list[str]:
+    """Who is faster in a comparison row, end to end, in prefill and in decode (:func:`winner` each)."""
+    return [winner(c[f"{q}_vllm_over_kvtrim"]) for q in ("e2e_seconds", "prefill_seconds", "decode_ms_per_token")]
+
+
 def missed_targets(c: dict) -> list[str]:
     """The parts of the target a comparison row misses: end to end, KV, answers (empty: met)."""
     return [w for w, ok in (("end to end", c["target_e2e"]), ("KV", c["target_kv"]), ("answers", c["answers_kept"])) if not ok]
@@ -351,9 +356,7 @@ def table(res: dict) -> str:
     for c in res["comparison"]:
         kvr = f"{c['kv_ratio']:.3f}x" if c["kv_ratio"] is not None else "-"
         missed = missed_targets(c)
-        lines.append(f"| {c['model']} | {c['length']} | {c['kvtrim']} | {winner(c['e2e_seconds_vllm_over_kvtrim'])} | "
-                     f"{winner(c['prefill_seconds_vllm_over_kvtrim'])} | {winner(c['decode_ms_per_token_vllm_over_kvtrim'])} | "
-                     f"{kvr} | {c['correct_kvtrim']}/{c['n']} / {c['correct_vllm']}/{c['n']} | "
+        lines.append(f"| {c['model']} | {c['length']} | {c['kvtrim']} | {' | '.join(winners(c))} | {kvr} | {c['correct_kvtrim']}/{c['n']} / {c['correct_vllm']}/{c['n']} | "
                      f"{', '.join(map(str, c['greedy_prefix_match_vs_vllm']))} of {c['new_tokens']} | "
                      + ("met" if c["target_met"] else "missed: " + ", ".join(missed)) + " |")
     lines += ["", "faster = the engine that took less time, by (slower time / faster time). vLLM KV = blocks the "
@@ -379,9 +382,9 @@ def verdict(res: dict, path: str) -> str:
     for c in res["comparison"]:
         kvr = f"{c['kv_ratio']:.2f}x vLLM's" if c["kv_ratio"] is not None else "not measured"
         missed = missed_targets(c)
-        lines.append(f"- {c['model']}, {c['length']} tokens, {c['kvtrim']}: end to end {winner(c['e2e_seconds_vllm_over_kvtrim'])}, "
-                     f"prefill {winner(c['prefill_seconds_vllm_over_kvtrim'])}, decode "
-                     f"{winner(c['decode_ms_per_token_vllm_over_kvtrim'])}; KV {kvr}; target "
+        e2e, pre, dec = winners(c)
+        lines.append(f"- {c['model']}, {c['length']} tokens, {c['kvtrim']}: end to end {e2e}, prefill {pre}, decode {dec}; "
+                     f"KV {kvr}; target "
                      + ("met" if c["target_met"] else "missed (" + ", ".join(missed) + ")") + ".")
     return "\n".join(lines)
 
