@@ -356,7 +356,8 @@ def table(res: dict) -> str:
     for c in res["comparison"]:
         kvr = f"{c['kv_ratio']:.3f}x" if c["kv_ratio"] is not None else "-"
         missed = missed_targets(c)
-        lines.append(f"| {c['model']} | {c['length']} | {c['kvtrim']} | {' | '.join(winners(c))} | {kvr} | {c['correct_kvtrim']}/{c['n']} / {c['correct_vllm']}/{c['n']} | "
+        lines.append(f"| {c['model']} | {c['length']} | {c['kvtrim']} | {' | '.join(winners(c))} | {kvr} | "
+                     f"{c['correct_kvtrim']}/{c['n']} / {c['correct_vllm']}/{c['n']} | "
                      f"{', '.join(map(str, c['greedy_prefix_match_vs_vllm']))} of {c['new_tokens']} | "
                      + ("met" if c["target_met"] else "missed: " + ", ".join(missed)) + " |")
     lines += ["", "faster = the engine that took less time, by (slower time / faster time). vLLM KV = blocks the "
