@@ -33,6 +33,8 @@ from kvtrim import decoding, harness
 # every text method (fastv and hae prune image/video tokens: a text prompt is refused)
 METHODS = ("streaming_llm", "h2o", "snapkv", "inf_mllm", "elastic")
 TARGET = 1.05  # every method's prefill at most 5% above the full cache's
+# the scoring paths a method that scores the prompt can be timed on: the path -> attach(fused_scores=...)
+MODES = {"recompute": "never", "fused": "always", "auto": "auto"}
 
 
 def table(res: dict) -> str:
@@ -49,7 +51,7 @@ def table(res: dict) -> str:
         + (" default (auto): s | x full | x full (CPU time) |" if auto else ""),
         "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if auto else ""),
     ]
-    modes = ("recompute", "fused", "auto") if auto else ("recompute", "fused")
+    modes = [mode for mode in MODES if mode != "auto" or auto]
     for m in res["methods"]:
         names = [f"{m}:{mode}" for mode in modes]
         if any(c in med for c in names):
@@ -77,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--keep", type=float, default=0.25)
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
-    ap.add_argument("--modes", nargs="+", choices=("recompute", "fused", "auto"), default=["recompute", "fused"],
+    ap.add_argument("--modes", nargs="+", choices=tuple(MODES), default=["recompute", "fused"],
                     help="which scoring paths to time for the methods that score the prompt (default recompute and "
                          "fused; auto: kvtrim's default, fused_scores='auto')")
     args = ap.parse_args(argv)
@@ -91,14 +93,14 @@ def main(argv=None) -> int:
     configs = ["full"]
     for m in args.methods:
         scores = get_policy_class(m).wants_prefill_scores is not Policy.wants_prefill_scores
-        configs += [f"{m}:{mode}" for mode in ("recompute", "fused", "auto") if mode in args.modes] if scores else [m]
+        configs += [f"{m}:{mode}" for mode in MODES if mode in args.modes] if scores else [m]
     backend = fused_backend(torch.zeros(1, dtype=model.dtype))
 
     def prefill(config: str, rep: int, prompt=ids) -> dict:
         name, _, mode = config.partition(":")
         policy = create_policy(name) if name == "full" else create_policy(name, keep=args.keep)
         times: list[float] = []
-        with kvtrim.attach(model, fused_scores={"recompute": "never", "fused": "always"}.get(mode, "auto")):
+        with kvtrim.attach(model, fused_scores=MODES.get(mode, "auto")):
             cpu = time.process_time()
             decoding.run(model, decoding.prefill(KVTrimCache(model, policy), prompt), on_step=lambda s, dt: times.append(dt))
             cpu = time.process_time() - cpu
