@@ -330,6 +330,26 @@ def test_bench_fused_scoring_table_has_a_default_column_when_auto_ran():
     assert header.count("|") == rule.count("|")  # a well-formed markdown table
 
 
+def test_bench_fused_scoring_own_work_table_sets_each_method_against_the_full_cache():
+    """The second table: attention + hook seconds, what a method adds over the full cache's, the
+    rest of the forward, and the ratio with the rest held at the full cache's (both signs shown)."""
+    bench = load_benchmark("bench_fused_scoring")
+    med = {"full": 10.0, "h2o:auto": 11.0, "streaming_llm": 10.5}
+    res = {"median_seconds": med, "ratio_to_full": {c: v / 10.0 for c, v in med.items()},
+           "cpu_ratio_to_full": {c: v / 10.0 for c, v in med.items()}, "machine": {"loadavg_start": [0.5], "loadavg_end": [0.9]},
+           "prompt_tokens": 100, "model": "m", "threads": 1, "dtype": "float32", "keep": 0.25, "reps": 1,
+           "methods": ["h2o", "streaming_llm"], "target_ratio": 1.05,
+           "median_attention_seconds": {"full": 3.0, "h2o:auto": 3.2, "streaming_llm": 2.9},
+           "median_rest_seconds": {"full": 7.0, "h2o:auto": 7.8, "streaming_llm": 7.6},
+           "median_minor_faults": {"full": 1200.0, "h2o:auto": 0.0, "streaming_llm": 5.0}}
+    text = bench.table(res)
+    assert "| h2o:auto | 3.20 | +0.20 | 7.80 | 0 | 1.020 |" in text
+    assert "| streaming_llm | 2.90 | -0.10 | 7.60 | 5 | 0.990 |" in text
+    assert "| full | 3.00 | +0.00 | 7.00 | 1,200 | 1.000 |" in text
+    del res["median_attention_seconds"]  # a result from before the attention was timed: the first table only
+    assert "Where the time goes" not in bench.table(res)
+
+
 def test_bench_fused_kernel_refuses_bad_heads(tmp_path):
     with pytest.raises(SystemExit) as e:
         load_benchmark("bench_fused_kernel").main(["--heads", "5", "--kv-heads", "3", "--out", str(tmp_path / "k.json")])
