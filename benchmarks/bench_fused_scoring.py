@@ -83,22 +83,36 @@ def own_work_table(res: dict) -> str:
     would take with the rest at the full cache's (the full cache's wall + the attention seconds
     the method adds)."""
     att, wall, faults = res["median_attention_seconds"], res["median_seconds"], res["median_minor_faults"]
+    hook = res.get("median_hook_seconds", {})
     full_att = att["full"]
     lines = [
-        "| configuration | attention + policy: s | added vs full: s | rest of the forward: s | minor page faults | "
-        "x full, own work only |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| configuration | attention + policy: s | of which the policy's hook: s | added vs full: s | "
+        "rest of the forward: s | minor page faults | x full, own work only |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in wall:
         added = att[c] - full_att
-        lines.append(f"| {c} | {att[c]:.2f} | {added:+.2f} | {res['median_rest_seconds'][c]:.2f} | {faults[c]:,.0f} | "
-                     f"{(wall['full'] + added) / wall['full']:.3f} |")
+        h = f"{hook[c]:.2f}" if c in hook else "(not timed)"
+        lines.append(f"| {c} | {att[c]:.2f} | {h} | {added:+.2f} | {res['median_rest_seconds'][c]:.2f} | "
+                     f"{faults[c]:,.0f} | {(wall['full'] + added) / wall['full']:.3f} |")
     return "\n".join(lines) + (
         "\n\nattention + policy: wall seconds inside kvtrim's attention function over all layers (SDPA or the "
-        "fused kernel, and the policy's hook); rest: the prefill's other seconds (the same work in every "
+        "fused kernel, and the policy's hook); the hook: scoring, selection and eviction alone; rest: the prefill's other seconds (the same work in every "
         "configuration; its spread between configurations is the machine's). x full, own work only: "
         "(full cache's prefill + added) / full cache's prefill, the ratio without that spread; the target is judged "
         "on the measured ratio above.")
+
+
+def timed_call(fn, spent: list[float]):
+    """``fn``, with the wall seconds of every call appended to ``spent``."""
+    def timed(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent.append(time.perf_counter() - t)
+
+    return timed
 
 
 @contextlib.contextmanager
@@ -110,15 +124,7 @@ def timed_attention(spent: list[float]):
     from kvtrim.integrations.hf import ATTN_NAME
 
     inner = AttentionInterface._global_mapping[ATTN_NAME]
-
-    def timed(*a, **kw):
-        t = time.perf_counter()
-        try:
-            return inner(*a, **kw)
-        finally:
-            spent.append(time.perf_counter() - t)
-
-    AttentionInterface._global_mapping[ATTN_NAME] = timed
+    AttentionInterface._global_mapping[ATTN_NAME] = timed_call(inner, spent)
     try:
         yield
     finally:
@@ -160,16 +166,19 @@ def main(argv=None) -> int:
         policy = create_policy(name) if name == "full" else create_policy(name, keep=args.keep)
         times: list[float] = []
         spent: list[float] = []
+        hooks: list[float] = []
+        cache = KVTrimCache(model, policy)
+        cache.after_attention = timed_call(cache.after_attention, hooks)  # this cache only: the policy's hook
         with kvtrim.attach(model, fused_scores=MODES.get(mode, "auto")), timed_attention(spent):
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             cpu = time.process_time()
-            decoding.run(model, decoding.prefill(KVTrimCache(model, policy), prompt), on_step=lambda s, dt: times.append(dt))
+            decoding.run(model, decoding.prefill(cache, prompt), on_step=lambda s, dt: times.append(dt))
             cpu = time.process_time() - cpu
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        att = sum(spent)
-        print(f"rep {rep}: {config} {times[0]:.2f}s (cpu {cpu:.2f}s, attention {att:.2f}s, {faults} faults) "
-              f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-        return {"wall": times[0], "cpu": cpu, "attention": att, "faults": faults}
+        att, hook = sum(spent), sum(hooks)
+        print(f"rep {rep}: {config} {times[0]:.2f}s (cpu {cpu:.2f}s, attention {att:.2f}s of which hook {hook:.2f}s, "
+              f"{faults} faults) load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+        return {"wall": times[0], "cpu": cpu, "attention": att, "hook": hook, "faults": faults}
 
     with torch.inference_mode():
         for c in configs:  # builds the native kernel, warms every path on a short prompt
@@ -188,6 +197,7 @@ def main(argv=None) -> int:
             med_cpu = {c: harness.median(v) for c, v in cpu.items()}
             att = {c: [s.value["attention"] for s in ss] for c, ss in runs.items()}
             rest = {c: [s.value["wall"] - s.value["attention"] for s in ss] for c, ss in runs.items()}
+            hook = {c: [s.value["hook"] for s in ss if "hook" in s.value] for c, ss in runs.items()}
             faults = {c: [s.value["faults"] for s in ss] for c, ss in runs.items()}
             return {
                 "benchmark": "fused_scoring",
@@ -211,6 +221,8 @@ def main(argv=None) -> int:
                 "attention_seconds": att,  # inside kvtrim's attention function: attention + the policy's hook
                 "median_attention_seconds": {c: harness.median(v) for c, v in att.items()},
                 "median_rest_seconds": {c: harness.median(v) for c, v in rest.items()},
+                "hook_seconds": hook,  # the policy's hook alone (scoring, selection, eviction), inside the attention's
+                "median_hook_seconds": {c: harness.median(v) for c, v in hook.items()},
                 "minor_faults": faults,
                 "median_minor_faults": {c: harness.median(v) for c, v in faults.items()},
                 "machine": harness.finish_record(dict(info)),
