@@ -51,14 +51,6 @@ def _choice() -> str:
     return value
 
 
-def _vector_width() -> list[str]:
-    """``-mprefer-vector-width=512`` on x86-64 CPUs with AVX-512: GCC's ``-march=native`` prefers
-    256-bit vectors on them, which halves the width of the kernels' elementwise loops (exponentials,
-    row maxima, column sums); elsewhere nothing (the flag is x86-only, and without AVX-512 it
-    changes nothing)."""
-    return ["-mprefer-vector-width=512"] if torch.backends.cpu.get_cpu_capability() == "AVX512" else []
-
-
 def _build_name(csrc: Path = _CSRC, torch_dir: str | None = None) -> str:
     """The extension's name in torch's build cache: one per CPU capability, torch version and
     install (this package's sources and torch's headers, by path).
@@ -100,7 +92,7 @@ def load_native() -> bool:
                 name=_build_name(),
                 sources=[str(p) for p in _SOURCES],
                 extra_include_paths=[str(_CSRC)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only", *_vector_width()],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,
