@@ -197,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{rec['seconds']:.0f} s", file=sys.stderr, flush=True)
         return rec
 
+    # Convert the model here, once, before any measured child: on a fresh machine the first child to load
+    # a GGUF model would otherwise convert it in-process, and the conversion's heap would inflate that
+    # child's resident set after loading and hide its prefill's own working set (the chunk-alone run's W).
+    from kvtrim.models import resolve_model
+
+    resolve_model(args.model)
     machine = harness.machine_record()
     oneshot = parse_oneshot(args.oneshot_at)
     mmap_at = parse_oneshot(args.mmap_at)
