@@ -200,9 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     # Convert the model here, once, before any measured child: on a fresh machine the first child to load
     # a GGUF model would otherwise convert it in-process, and the conversion's heap would inflate that
     # child's resident set after loading and hide its prefill's own working set (the chunk-alone run's W).
+    from kvtrim.errors import KVTrimError
     from kvtrim.models import resolve_model
 
-    resolve_model(args.model)
+    try:
+        resolve_model(args.model)
+    except KVTrimError as e:  # a model that cannot be loaded: one usage line, before anything runs
+        p.error(str(e))
     machine = harness.machine_record()
     oneshot = parse_oneshot(args.oneshot_at)
     mmap_at = parse_oneshot(args.mmap_at)
