@@ -132,12 +132,19 @@ def _gauge(llm, name: str):
     return None
 
 
+#: vLLM's limit on one model step in the worker (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, 300 by default)
+EXECUTE_MODEL_TIMEOUT_S = 3600
+
+
 def worker_main(args) -> None:
     """Run inside ``.venv-vllm``: load the model once, answer JSON commands from stdin."""
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_space_gib)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    # A one-step prefill of a long prompt on 2 cores can take longer than vLLM's default 300 s for one
+    # model step (Qwen2.5-0.5B at 32k in bfloat16 without AMX did), after which vLLM kills its engine.
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(EXECUTE_MODEL_TIMEOUT_S))
     import torch
     import transformers
     import vllm

@@ -32,8 +32,11 @@ it. Beyond the model's trained context (8k for the embedded model) the RoPE is s
 configurations run at a length (a 32k one-forward prefill takes ~10 minutes on one thread);
 ``full`` runs chunked only up to ``--full-chunked-max`` (its cache grows to the whole prompt and
 its attention costs as much as one forward's). ``--mmap-at`` adds chunked runs with glibc's
-``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB (see docs/memory.md, "The allocator"); ``--reuse FILE``
-takes the records of an earlier run instead of measuring them again.
+``MALLOC_MMAP_THRESHOLD_`` fixed at 1 MiB (see docs/memory.md, "The allocator"), and with
+``--mmap-only`` those configurations run with the fixed threshold only (no run with glibc's
+defaults: at 32k on the reference model each run takes 10-15 minutes on one thread); ``--reuse
+FILE ...`` takes the records of earlier runs instead of measuring them again (several files: runs
+made side by side, one process each, assembled into one result).
 """
 
 from __future__ import annotations
@@ -176,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
                         "returns every freed block of 1 MiB or more to the OS at once)")
     p.add_argument("--chunked-at", nargs="*", metavar="LENGTH=METHOD,...",
                    help="chunked configurations at a length (default: every method at every length)")
-    p.add_argument("--reuse", metavar="FILE", help="take the records (and one chunk's working set) of an earlier result "
-                                                   "of this script instead of measuring them again")
+    p.add_argument("--mmap-only", action="store_true",
+                   help="the --mmap-at configurations run with the fixed threshold only, not also with glibc's defaults")
+    p.add_argument("--reuse", metavar="FILE", nargs="+",
+                   help="take the records (and one chunk's working set, from the first file that has it) of earlier "
+                        "results of this script instead of measuring them again")
     p.add_argument("--one", nargs=3, metavar=("LENGTH", "METHOD", "CHUNK"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -211,7 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     oneshot = parse_oneshot(args.oneshot_at)
     mmap_at = parse_oneshot(args.mmap_at)
     chunked_at = parse_oneshot(args.chunked_at)
-    earlier = harness.read_result(args.reuse) if args.reuse else {"records": []}
+    earlier: dict = {"records": []}
+    for path in args.reuse or []:  # the first file's chunk-alone run and its records first
+        d = harness.read_result(path)
+        if d.get("model") != (args.model or "SmolLM2-135M-Instruct") or d.get("keep") != args.keep:
+            p.error(f"--reuse {path}: its records are of model {d.get('model')!r} at keep {d.get('keep')}, "
+                    f"not {args.model or 'SmolLM2-135M-Instruct'!r} at keep {args.keep}")
+        recs = [{**r, "reused_from": r.get("reused_from", path)} for r in d["records"]]
+        earlier = {**d, **earlier, "records": earlier["records"] + recs}
     reuse = earlier["records"]
     result: dict = {"benchmark": "prefill_memory", "date": machine["date"], "machine": machine,
                     "model": args.model or "SmolLM2-135M-Instruct", "keep": args.keep, "chunk": args.chunk,
@@ -235,11 +248,14 @@ def main(argv: list[str] | None = None) -> int:
                 def measured(mmap: bool, n=n, method=method, chunk=chunk) -> dict:
                     old = [r for r in reuse if (r["length"], r["method"], r["chunk"], bool(r.get("allocator"))) == (n, method, chunk, mmap)]
                     if old:  # measured by an earlier run of this script (--reuse)
-                        return {**old[0], "reused_from": old[0].get("reused_from", args.reuse)}
+                        return old[0]
                     return child(n, method, chunk, mmap)
 
-                runs = [measured(False)]
-                if chunk is not None and method in mmap_at.get(n, []):
+                fixed = chunk is not None and method in mmap_at.get(n, [])
+                runs = [] if fixed and args.mmap_only else [measured(False)]
+                if not runs:
+                    result["skipped"].append(f"{method} chunked at {n} with glibc's defaults")
+                if fixed:
                     runs.append(measured(True))
                 for rec in runs:
                     result["records"].append({**rec, **bound(rec, alone["base_rss"], w)})
