@@ -64,6 +64,70 @@ def test_decode_attention_matches_sdpa_and_gives_window_probs():
         assert err <= 2 * err_sdpa, (s, d, float(err), float(err_sdpa))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_in_low_precision_keeps_the_tolerance_rule(dtype):
+    """In bfloat16/float16 (both products in float32, the output rounded once) the output's error
+    against float64 from the same rounded inputs is at most twice SDPA's in that dtype."""
+    g = torch.Generator().manual_seed(1)
+    for s, d, n_kv, groups in ((63, 64, 2, 7), (2000, 64, 2, 7), (777, 128, 1, 4)):
+        q = torch.randn(1, n_kv * groups, 1, d, generator=g).to(dtype)
+        k = torch.randn(1, n_kv, s, d, generator=g).to(dtype)
+        v = torch.randn(1, n_kv, s, d, generator=g).to(dtype)
+        scale = d ** -0.5
+        out, _ = decode_attention(q, k, v, scale)
+        assert out.dtype == dtype
+        kr, vr = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        ref = F.scaled_dot_product_attention(q.double(), kr.double(), vr.double(), scale=scale).transpose(1, 2)
+        sdpa = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True).transpose(1, 2)
+        err, err_sdpa = (out.double() - ref).abs().max(), (sdpa.double() - ref).abs().max()
+        assert err <= 2 * err_sdpa, (dtype, s, float(err), float(err_sdpa))
+
+
+def test_every_cpu_decode_step_goes_through_decode_attention(model, prompt, monkeypatch):
+    """On CPU a decode step of any method (here SnapKV, which reads no decode scores, and the full
+    cache) takes kvtrim's grouped decode attention instead of SDPA (in bfloat16 and float16; in
+    float32 only with ``CPU_DECODE_FP32``), and generates what SDPA does (the same greedy
+    tokens, logits within float32 rounding); ``KVTRIM_DECODE_ATTENTION=sdpa`` turns it off."""
+    import kvtrim.integrations.hf as hf
+
+    calls = []
+
+    def counting(*a, **k):
+        calls.append(a[0].shape)
+        return decode_attention(*a, **k)
+
+    def sdpa(q, k, v, scale):  # what the step computed before: SDPA (and the probabilities from q @ K)
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True).transpose(1, 2).contiguous()
+        return out, window_probs(q, k, scale, 1)
+
+    for method in ("snapkv", "full"):
+        kw = {} if method == "full" else {"keep": 0.5}
+        # float32: SDPA stays by default, kvtrim's attention is not called
+        monkeypatch.setattr(hf, "decode_attention", counting)
+        greedy(model, prompt, KVTrimCache(model, method, **kw), 2)
+        assert not calls, method
+        monkeypatch.setattr(hf, "CPU_DECODE_FP32", True)  # as in bfloat16 and float16
+        monkeypatch.setattr(hf, "decode_attention", sdpa)
+        want, want_logits = greedy(model, prompt, KVTrimCache(model, method, **kw), 6)
+        monkeypatch.setattr(hf, "decode_attention", counting)
+        got, got_logits = greedy(model, prompt, KVTrimCache(model, method, **kw), 6)
+        monkeypatch.undo()
+        n_layers = model.config.num_hidden_layers
+        assert len(calls) == 6 * n_layers and all(c[-2] == 1 for c in calls), method
+        calls.clear()
+        assert got == want
+        for a, b in zip(got_logits, want_logits):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(hf, "CPU_DECODE_FP32", True)
+    monkeypatch.setattr(hf, "decode_attention", counting)
+    monkeypatch.setenv("KVTRIM_DECODE_ATTENTION", "sdpa")
+    greedy(model, prompt, KVTrimCache(model, "snapkv", keep=0.5), 2)
+    assert not calls
+    monkeypatch.setenv("KVTRIM_DECODE_ATTENTION", "fast")
+    with pytest.raises(kvtrim.KVTrimError, match="KVTRIM_DECODE_ATTENTION"):
+        greedy(model, prompt, KVTrimCache(model, "snapkv", keep=0.5), 2)
+
+
 def test_h2o_cheap_decode_keeps_what_the_plain_path_keeps(model, prompt):
     """Scores from the decode attention and holes filled by the newest token: the same tokens are
     generated and the same token set is kept per head, with the same accumulated scores."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -108,11 +109,22 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         res = prefill(module, query, key, value, attention_mask, scale, **kwargs)  # None: run dense
     bias = layer.token_state.get(LOGIT_BIAS)
     if (res is None and bias is None and attention_mask is None and query.shape[-2] == 1 and layer.phase == "decode"
-            and _BASE.get(id(module.config), "sdpa") == "sdpa" and binding.cache.policy.wants_decode_probs(layer)):
-        # the policy scores this step from its attention: compute it here and hand the
-        # probabilities over instead of running SDPA and recomputing q @ K in the policy
-        res = decode_attention(query, key, value, scale)
-        res, layer.decode_probs = (res[0], None), res[1]
+            and not dropout and _BASE.get(id(module.config), "sdpa") == "sdpa"
+            and not any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))
+            and ((wants := binding.cache.policy.wants_decode_probs(layer))
+                 or (query.device.type == "cpu" and (query.dtype != torch.float32 or CPU_DECODE_FP32)
+                     and cpu_decode_attention()))):
+        # One decode query over every stored key. When the policy scores this step from its
+        # attention, the probabilities are computed here and handed over instead of running SDPA
+        # and recomputing q @ K in the policy. On CPU every decode step goes this way: two grouped
+        # float32 products (kvtrim.scores.decode_attention) cost a fraction of PyTorch's CPU SDPA
+        # for one query row with grouped KV heads in bfloat16 and float16 (2.9-12x less,
+        # benchmarks/bench_decode_attention.py). Float32 steps keep SDPA, which is as fast or
+        # faster there up to 8k keys on a model with 3 KV heads; on GPUs SDPA's kernels stay.
+        out, probs = decode_attention(query, key, value, scale)
+        res = (out, None)
+        if wants:
+            layer.decode_probs = probs
     if res is None and bias is None and layer.phase != "decode" and _FUSED.get(id(module.config), "never") != "never":
         res = _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs)
     if res is None:
@@ -126,6 +138,21 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         layer.decode_probs = None
         layer.attention_scores = None
     return out, weights
+
+
+#: whether float32 CPU decode steps take kvtrim's decode attention too (not by default: measured
+#: slower than SDPA below 32k keys on SmolLM2, faster on Qwen2.5-0.5B; bench_decode_attention.py)
+CPU_DECODE_FP32 = False
+
+
+def cpu_decode_attention() -> bool:
+    """Whether a CPU decode step runs kvtrim's grouped decode attention (``KVTRIM_DECODE_ATTENTION``:
+    ``auto``, the default, or ``sdpa`` for the model's SDPA, which a policy that reads the step's
+    probabilities then recomputes from ``q @ K``)."""
+    value = os.environ.get("KVTRIM_DECODE_ATTENTION", "auto").strip().lower() or "auto"
+    if value not in ("auto", "sdpa"):
+        raise KVTrimError(f"KVTRIM_DECODE_ATTENTION={value!r}: use 'auto' (kvtrim's decode attention on CPU) or 'sdpa'")
+    return value == "auto"
 
 
 def _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs):
