@@ -146,9 +146,10 @@ CPU_DECODE_FP32 = False
 
 
 def cpu_decode_attention() -> bool:
-    """Whether a CPU decode step runs kvtrim's grouped decode attention (``KVTRIM_DECODE_ATTENTION``:
-    ``auto``, the default, or ``sdpa`` for the model's SDPA, which a policy that reads the step's
-    probabilities then recomputes from ``q @ K``)."""
+    """Whether a CPU decode step of a method that reads no decode probabilities runs kvtrim's grouped
+    decode attention (``KVTRIM_DECODE_ATTENTION``: ``auto``, the default, or ``sdpa`` for the model's
+    SDPA; methods that score the step from its probabilities take them from kvtrim's decode attention
+    either way, as before)."""
     value = os.environ.get("KVTRIM_DECODE_ATTENTION", "auto").strip().lower() or "auto"
     if value not in ("auto", "sdpa"):
         raise KVTrimError(f"KVTRIM_DECODE_ATTENTION={value!r}: use 'auto' (kvtrim's decode attention on CPU) or 'sdpa'")
