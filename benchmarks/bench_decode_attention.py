@@ -94,19 +94,26 @@ def model_rows(args) -> tuple[str, list[dict]]:
     rows = []
     for n in args.model_lengths:
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        saved = os.environ.get("KVTRIM_DECODE_ATTENTION")
         with attach(model):
             cache = KVTrimCache(model, create_policy("full"))
             logits = decoding.run(model, decoding.prefill(cache, ids))
-            times: dict[str, list[float]] = {"sdpa": [], "kvtrim": []}
-            order = ["sdpa", "kvtrim"]
-            for rep in range(args.reps + 1):  # round 0 is a warm-up
-                for config in order if rep % 2 == 0 else order[::-1]:
-                    os.environ["KVTRIM_DECODE_ATTENTION"] = "sdpa" if config == "sdpa" else "auto"
-                    got: list[float] = []
-                    decoding.run(model, decoding.decode(cache, logits, args.steps + 1), on_step=lambda s, t, g=got: g.append(t))
-                    if rep:
-                        times[config] += got
-            os.environ.pop("KVTRIM_DECODE_ATTENTION", None)
+
+            def steps(config: str, rep: int, cache=cache, logits=logits) -> list[float]:
+                """``--steps`` decode steps on the shared cache with one attention; their seconds."""
+                os.environ["KVTRIM_DECODE_ATTENTION"] = "sdpa" if config == "sdpa" else "auto"
+                got: list[float] = []
+                decoding.run(model, decoding.decode(cache, logits, args.steps + 1), on_step=lambda s, t: got.append(t))
+                return got
+
+            try:
+                samples = harness.interleave(["sdpa", "kvtrim"], steps, reps=args.reps, warmup=1)
+            finally:  # the caller's setting back
+                if saved is None:
+                    os.environ.pop("KVTRIM_DECODE_ATTENTION", None)
+                else:
+                    os.environ["KVTRIM_DECODE_ATTENTION"] = saved
+        times = {c: [t for s in samples[c] for t in s.value] for c in samples}
         med = {c: harness.median(v) for c, v in times.items()}
         row = {"stored": n, "dtype": args.dtype, "sdpa_step_ms": 1000 * med["sdpa"], "kvtrim_step_ms": 1000 * med["kvtrim"],
                "speedup": med["sdpa"] / med["kvtrim"], "steps_each": len(times["sdpa"])}
