@@ -106,7 +106,8 @@ def test_every_cpu_decode_step_goes_through_decode_attention(model, prompt, monk
         monkeypatch.setattr(hf, "decode_attention", counting)
         greedy(model, prompt, KVTrimCache(model, method, **kw), 2)
         assert not calls, method
-        monkeypatch.setattr(hf, "CPU_DECODE_FP32", True)  # as in bfloat16 and float16
+        monkeypatch.setattr(hf, "CPU_DECODE_FP32", True)
+        monkeypatch.setattr(hf, "CPU_DECODE_MIN_KEYS", 0)  # as in bfloat16 and float16 over a longer cache
         monkeypatch.setattr(hf, "decode_attention", sdpa)
         want, want_logits = greedy(model, prompt, KVTrimCache(model, method, **kw), 6)
         monkeypatch.setattr(hf, "decode_attention", counting)
@@ -119,6 +120,7 @@ def test_every_cpu_decode_step_goes_through_decode_attention(model, prompt, monk
         for a, b in zip(got_logits, want_logits):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(hf, "CPU_DECODE_FP32", True)
+    monkeypatch.setattr(hf, "CPU_DECODE_MIN_KEYS", 0)
     monkeypatch.setattr(hf, "decode_attention", counting)
     monkeypatch.setenv("KVTRIM_DECODE_ATTENTION", "sdpa")
     greedy(model, prompt, KVTrimCache(model, "snapkv", keep=0.5), 2)

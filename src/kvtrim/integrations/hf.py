@@ -113,6 +113,7 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
             and not any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))
             and ((wants := binding.cache.policy.wants_decode_probs(layer))
                  or (query.device.type == "cpu" and (query.dtype != torch.float32 or CPU_DECODE_FP32)
+                     and key.shape[-2] >= CPU_DECODE_MIN_KEYS
                      and cpu_decode_attention()))):
         # One decode query over every stored key. When the policy scores this step from its
         # attention, the probabilities are computed here and handed over instead of running SDPA
@@ -143,6 +144,8 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
 #: whether float32 CPU decode steps take kvtrim's decode attention too (not by default: measured
 #: slower than SDPA below 32k keys on SmolLM2, faster on Qwen2.5-0.5B; bench_decode_attention.py)
 CPU_DECODE_FP32 = False
+#: the fewest stored keys at which it does (below, SDPA is faster: results/decode_attention/epyc_short.json)
+CPU_DECODE_MIN_KEYS = 256
 
 
 def cpu_decode_attention() -> bool:
