@@ -49,18 +49,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
 
+    from kvtrim import harness
+
+    if harness.start(p, args):  # a bad --out or --reps is a usage error before anything loads
+        return
     import anchor_vllm as av
     import torch
 
-    torch.set_num_threads(args.threads)
     import kvtrim
-    from kvtrim import harness
     from kvtrim.eval import make_samples
     from kvtrim.integrations.prefill import make_prefill
     from kvtrim.models import build_prompt_ids, load_model
     from kvtrim.registry import create_policy
 
-    out_path = harness.check_out(args.out, force=args.force)
     lm = load_model(args.model, dtype=args.dtype)
     model, tok = lm.model, lm.tokenizer
     ids = build_prompt_ids(tok, make_samples("passkey", tok, args.length, n=1, seed=0)[0].prompt)
@@ -84,7 +85,7 @@ def main() -> None:
     out["summary"] = {k: harness.median(m[k] for m in out["measurements"])
                       for k in ("prefill_seconds", "prefill_cpu_seconds", "decode_ms_per_token")}
     harness.finish_record(out["machine"])
-    harness.write_json(out_path, out)
+    harness.write_json(args.out, out)
     print(out["summary"])
 
 

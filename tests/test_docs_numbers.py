@@ -32,7 +32,16 @@ def paragraph(path: Path, start: str, end: str) -> str:
 @pytest.fixture(scope="module")
 def runs():
     return {"morning": summary("idle_qwen8k_noamx.json"), "qwen": summary("idle_qwen8k_noamx_decattn.json"),
-            "smol": summary("idle_smollm2_8k_epyc_decattn.json")}
+            "smol": summary("idle_smollm2_8k_epyc_decattn.json"),
+            "morning32": summary("idle_qwen32k_noamx.json", 32000), "qwen32": summary("idle_qwen32k_noamx_decattn.json", 32000)}
+
+
+def numbers_32k(runs) -> list[str]:
+    m, q = runs["morning32"], runs["qwen32"]
+    return [ratio(q["vllm"]["e2e_seconds"], q["kvtrim"]["e2e_seconds"]),
+            ratio(m["vllm"]["decode_ms_per_token"], m["kvtrim"]["decode_ms_per_token"]),
+            ratio(q["vllm"]["decode_ms_per_token"], q["kvtrim"]["decode_ms_per_token"]),
+            f"{m['kvtrim']['decode_ms_per_token']:.1f}", f"{q['kvtrim']['decode_ms_per_token']:.1f}"]
 
 
 def expected_numbers(runs) -> list[str]:
@@ -45,11 +54,13 @@ def expected_numbers(runs) -> list[str]:
 def test_readme_p6_paragraph_quotes_the_results(runs):
     text = paragraph(ROOT / "README.md", "kvtrim is ahead at 32k tokens in every run listed.", "<!-- generated")
     m, q = runs["morning"], runs["qwen"]
-    want = expected_numbers(runs) + [f"{m['kvtrim']['prefill_seconds']:.1f}", f"{q['kvtrim']['prefill_seconds']:.1f}"]
+    want = expected_numbers(runs) + numbers_32k(runs) + [f"{m['kvtrim']['prefill_seconds']:.1f}",
+                                                         f"{q['kvtrim']['prefill_seconds']:.1f}"]
     missing = [n for n in want if n not in text]
     assert not missing, f"README's P6 paragraph lacks {missing}"
     assert q["vllm"]["e2e_seconds"] < q["kvtrim"]["e2e_seconds"], "the paragraph says vLLM is ahead on Qwen at 8k"
     assert runs["smol"]["kvtrim"]["e2e_seconds"] < runs["smol"]["vllm"]["e2e_seconds"]
+    assert runs["qwen32"]["kvtrim"]["e2e_seconds"] < runs["qwen32"]["vllm"]["e2e_seconds"]
 
 
 def test_dtypes_p6_rerun_paragraph_quotes_the_results(runs):
@@ -65,3 +76,27 @@ def test_dtypes_p6_rerun_paragraph_quotes_the_results(runs):
         ratio(s["vllm"]["decode_ms_per_token"], s["kvtrim"]["decode_ms_per_token"])]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/dtypes.md's P6 rerun paragraph lacks {missing}"
+
+
+def test_dtypes_p6_32k_rerun_paragraph_quotes_the_results(runs):
+    text = paragraph(ROOT / "docs" / "dtypes.md", "At 32k on Qwen2.5-0.5B kvtrim is ahead by",
+                     "**Rerun of both models on a CPU with AMX")
+    m, q = runs["morning32"], runs["qwen32"]
+    want = numbers_32k(runs) + [f"{q['kvtrim']['e2e_seconds']:.2f}", f"{q['vllm']['e2e_seconds']:.2f}",
+                                f"{q['vllm']['decode_ms_per_token']:.1f}", f"{q['kvtrim']['prefill_seconds']:.2f}",
+                                f"{m['kvtrim']['prefill_seconds']:.2f}", f"{q['vllm']['prefill_seconds']:.2f}",
+                                f"{m['vllm']['prefill_seconds']:.2f}"]
+    missing = [n for n in want if n not in text]
+    assert not missing, f"docs/dtypes.md's 32k rerun paragraph lacks {missing}"
+
+
+def test_dtypes_code_or_machine_paragraph_quotes_kvtrim_side():
+    text = paragraph(ROOT / "docs" / "dtypes.md", "The prefill's slowdown is the machine's", "In the two beat_vllm runs")
+    head = json.loads((SIDE / "head_0fde532.json").read_text())
+    old = json.loads((SIDE / "old_7b1aebc.json").read_text())
+    assert old["kvtrim_commit"].startswith("7b1aebc") and head["kvtrim_commit"].startswith("0fde532")
+    want = [f"{head['summary']['prefill_seconds']:.2f}", f"{old['summary']['prefill_seconds']:.2f}",
+            f"{head['summary']['decode_ms_per_token']:.1f}", f"{old['summary']['decode_ms_per_token']:.1f}",
+            f"{head['measurements'][0]['prefill_seconds']:.2f}"]
+    missing = [n for n in want if n not in text]
+    assert not missing, f"docs/dtypes.md's code-or-machine paragraph lacks {missing}"
