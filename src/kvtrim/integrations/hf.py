@@ -117,11 +117,12 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
                      and cpu_decode_attention()))):
         # One decode query over every stored key. When the policy scores this step from its
         # attention, the probabilities are computed here and handed over instead of running SDPA
-        # and recomputing q @ K in the policy. On CPU every decode step goes this way: two grouped
-        # float32 products (kvtrim.scores.decode_attention) cost a fraction of PyTorch's CPU SDPA
-        # for one query row with grouped KV heads in bfloat16 and float16 (2.9-12x less,
-        # benchmarks/bench_decode_attention.py). Float32 steps keep SDPA, which is as fast or
-        # faster there up to 8k keys on a model with 3 KV heads; on GPUs SDPA's kernels stay.
+        # and recomputing q @ K in the policy. On CPU, bfloat16 and float16 steps over at least
+        # CPU_DECODE_MIN_KEYS stored keys go this way too: two grouped float32 products
+        # (kvtrim.scores.decode_attention) cost a fraction of PyTorch's CPU SDPA for one query row
+        # with grouped KV heads (2.9-12x less, benchmarks/bench_decode_attention.py). Float32 steps
+        # keep SDPA (unless CPU_DECODE_FP32), which is as fast or faster there up to 8k keys on a
+        # model with 3 KV heads; shorter caches and GPUs keep SDPA's kernels.
         out, probs = decode_attention(query, key, value, scale)
         res = (out, None)
         if wants:
