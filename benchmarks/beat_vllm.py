@@ -165,13 +165,14 @@ def run_model(name: str, args, configs: list, out: dict) -> None:
     from bench_minference_prefill import scale_rope
 
     from kvtrim import harness
+    from kvtrim.cpu_linear import packed_count
     from kvtrim.eval import make_samples
     from kvtrim.eval.metrics import score
     from kvtrim.integrations.prefill import make_prefill
     from kvtrim.models import build_prompt_ids, load_model, resolve_model
     from kvtrim.registry import create_policy
 
-    lm = load_model(name, dtype=args.kvtrim_dtype)
+    lm = load_model(name, dtype=args.kvtrim_dtype)  # bfloat16 on a CPU: linears packed (kvtrim.cpu_linear)
     model, tok = lm.model, lm.tokenizer
     model_dir, label = resolve_model(name)
     base_ctx = int(model.config.max_position_embeddings)
@@ -183,6 +184,7 @@ def run_model(name: str, args, configs: list, out: dict) -> None:
     unscaled = max((p["context"] for p in plans.values() if p["factor"] == 1.0), default=base_ctx)
     out["models"][label] = {"arg": name, "model_dir": str(model_dir), "trained_context": base_ctx,
                             "kvtrim_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                            "packed_linears": packed_count(model)[0],
                             "rope": {str(L): p for L, p in plans.items()}}
     theta = (getattr(model.config, "rope_parameters", None) or {}).get("rope_theta")
     log = Path(args.log)

@@ -44,6 +44,9 @@ def main() -> None:
     p.add_argument("--no-minference", action="store_true", help="dense prefill")
     p.add_argument("--min-length", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--pack-linears", choices=["auto", "off", "tied"], default="auto",
+                   help="load_model's pack_linears: auto (default, None), off (False), tied (True); "
+                        "only auto works with a kvtrim older than kvtrim.cpu_linear")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-new", type=int, default=65)
     p.add_argument("--threads", type=int, default=2)
@@ -62,7 +65,8 @@ def main() -> None:
     from kvtrim.models import build_prompt_ids, load_model
     from kvtrim.registry import create_policy
 
-    lm = load_model(args.model, dtype=args.dtype)
+    pack = {"off": {"pack_linears": False}, "tied": {"pack_linears": True}}.get(args.pack_linears, {})
+    lm = load_model(args.model, dtype=args.dtype, **pack)
     model, tok = lm.model, lm.tokenizer
     ids = build_prompt_ids(tok, make_samples("passkey", tok, args.length, n=1, seed=0)[0].prompt)
     kv_file = Path(kvtrim.__file__).resolve()

@@ -100,3 +100,42 @@ def test_dtypes_code_or_machine_paragraph_quotes_kvtrim_side():
             f"{head['measurements'][0]['prefill_seconds']:.2f}"]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/dtypes.md's code-or-machine paragraph lacks {missing}"
+
+
+def test_packed_linear_numbers_are_the_results():
+    """The prose about packed linears (README, docs/dtypes.md) quotes benchmarks/results/cpu_linear
+    and the packed P6 run, and the P6 claims hold in those files."""
+    lin = json.loads((ROOT / "benchmarks" / "results" / "cpu_linear" / "epyc.json").read_text())
+    steps = {r["stored"]: r for r in lin["model_rows"]}
+    sums = [r for r in lin["forward_sums"] if r["rows"] == 1]
+    text = paragraph(ROOT / "docs" / "dtypes.md", "Packing pays at decode", "## Quality")
+    want = [f"{steps[n][k]:.1f}" for n in (2048, 8192) for k in ("plain_step_ms", "packed_step_ms")]
+    want += [f"{steps[n]['speedup']:.2f}x" for n in (2048, 8192)]
+    lo, hi = (min(r["speedup"] for r in lin["forward_sums"] if r["rows"] == 512),
+              max(r["speedup"] for r in lin["forward_sums"] if r["rows"] == 512))
+    want.append(f"{lo:.2f}-{hi:.2f}x")
+    missing = [n for n in want if n not in text]
+    assert not missing, f"docs/dtypes.md's packed-linear paragraph lacks {missing}"
+    readme = (ROOT / "README.md").read_text()
+    one_row = f"{min(r['speedup'] for r in sums):.2f}-{max(r['speedup'] for r in sums):.2f}x"
+    assert one_row in readme, one_row
+
+    run = summary("idle_qwen8k_noamx_packed.json")
+    v, k = run["vllm"], run["kvtrim"]
+    assert k["e2e_seconds"] < v["e2e_seconds"] and k["decode_ms_per_token"] < v["decode_ms_per_token"]
+    earlier = summary("idle_qwen8k_noamx_decattn.json")
+    text = paragraph(ROOT / "docs" / "dtypes.md", "The target is met again at 8k on Qwen2.5-0.5B",
+                     "**Rerun of both models on a CPU with AMX")
+    side = {n: json.loads((SIDE / f"{n}.json").read_text())["summary"] for n in ("pack_off", "pack_auto")}
+    want = [ratio(v["e2e_seconds"], k["e2e_seconds"]), f"{k['e2e_seconds']:.2f}", f"{v['e2e_seconds']:.2f}",
+            f"{k['decode_ms_per_token']:.1f}", f"{v['decode_ms_per_token']:.1f}",
+            ratio(v["decode_ms_per_token"], k["decode_ms_per_token"]),
+            f"{k['prefill_seconds']:.2f}", f"{earlier['kvtrim']['prefill_seconds']:.2f}",
+            f"{v['prefill_seconds']:.2f}", f"{earlier['vllm']['prefill_seconds']:.2f}",
+            f"{side['pack_off']['prefill_seconds']:.2f}", f"{side['pack_auto']['prefill_seconds']:.2f}",
+            f"{side['pack_off']['decode_ms_per_token']:.1f}", f"{side['pack_auto']['decode_ms_per_token']:.1f}"]
+    missing = [n for n in want if n not in text]
+    assert not missing, f"docs/dtypes.md's packed P6 paragraph lacks {missing}"
+    readme = paragraph(ROOT / "README.md", "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
+    for n in (ratio(v["e2e_seconds"], k["e2e_seconds"]), f"{k['decode_ms_per_token']:.1f}", f"{v['decode_ms_per_token']:.1f}"):
+        assert n in readme, n

@@ -544,7 +544,7 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str | None = torch.float32,
-               device: torch.device | str | None = "cpu") -> LoadedModel:
+               device: torch.device | str | None = "cpu", *, pack_linears: bool | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -556,6 +556,12 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
             bytes; the KV cache is stored in this dtype, kvtrim's scores stay float32). A GGUF
             is converted once to float32 and loaded from there in this dtype.
         device: ``"cpu"`` (default), ``"cuda"`` or ``"cuda:N"``; checked before anything loads.
+        pack_linears: store the linear layers' weights in oneDNN's packed layout
+            (:func:`kvtrim.cpu_linear.pack_linears`: the same products, a decode step's linears
+            1.5-1.8x as fast on the CPU measured, no extra memory). ``None`` (default) packs where it applies: a
+            bfloat16 model on a CPU that supports it; a linear tied to the input embeddings is left
+            plain (packing it would copy it). ``False`` never packs; ``True`` packs where it
+            applies, tied linears too. Undo with :func:`kvtrim.cpu_linear.unpack_linears`.
 
     Raises:
         KVTrimError: an unknown dtype, or a device that is not ``cpu``/``cuda[:N]`` or not there.
@@ -583,6 +589,10 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
         if dev.type != "cpu":
             m = m.to(dev)  # type: ignore[arg-type]  # transformers types .to as a decorated method
     m.eval()
+    if pack_linears is not False and dev.type == "cpu":
+        from kvtrim.cpu_linear import pack_linears as pack
+
+        pack(m, tied=bool(pack_linears))
     return LoadedModel(model=m, tokenizer=tok, source=label)
 
 

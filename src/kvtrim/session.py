@@ -558,19 +558,62 @@ def _vocab_size(model) -> int:
 def _weights_digest(model) -> str:
     """SHA-256 over every parameter's name, shape and dtype and the bytes of a fixed sample of its
     elements (``_WEIGHT_SAMPLES`` evenly spaced ones, the first and last included): cheap (a few
-    hundred small reads), and any other checkpoint, fine-tune or dtype differs."""
+    hundred small reads), and any other checkpoint, fine-tune or dtype differs. Packed linears
+    (:mod:`kvtrim.cpu_linear`) digest as the plain ones."""
     h = hashlib.sha256()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in _named_weights(model):
             h.update(f"{name}|{tuple(p.shape)}|{p.dtype}\n".encode())
-            flat = p.detach().reshape(-1)
-            if flat.numel() == 0 or flat.device.type == "meta":
+            n = p.numel()
+            if n == 0 or p.device.type == "meta":
                 continue
-            n, k = flat.numel(), min(_WEIGHT_SAMPLES, flat.numel())
+            k = min(_WEIGHT_SAMPLES, n)
             idx = torch.arange(k, dtype=torch.int64) * (n - 1) // max(k - 1, 1)  # exact in int64
-            sample = flat[idx.to(flat.device)].cpu().contiguous()
-            h.update(sample.view(torch.uint8).numpy().tobytes())
+            if isinstance(p, _PackedWeight):
+                sample = p.module.weight_elements(idx)
+            else:
+                sample = p.detach().reshape(-1)[idx.to(p.device)]
+            # -0.0 reads as +0.0: a packed weight's elements come out of a product, which loses
+            # the sign of a zero.
+            sample = torch.where(sample == 0, torch.zeros_like(sample), sample)
+            h.update(sample.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+class _PackedWeight:
+    """The weight of a :class:`kvtrim.cpu_linear.PackedLinear` as the digest sees it: the plain
+    weight's shape and dtype, its elements read through the module."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.shape = torch.Size((module.out_features, module.in_features))
+        self.dtype = torch.bfloat16
+        self.device = torch.device("cpu")
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+def _named_weights(model):
+    """``model.named_parameters()`` with each packed linear's weight where the plain linear's was
+    (same names, same order), so that packing the linears (:mod:`kvtrim.cpu_linear`) leaves the
+    digest as it was."""
+    from kvtrim.cpu_linear import PackedLinear
+
+    seen: set[int] = set()
+    for mod_name, mod in model.named_modules():
+        prefix = mod_name + "." if mod_name else ""
+        if isinstance(mod, PackedLinear):
+            shared = mod._shared_weight
+            if shared is None:
+                yield prefix + "weight", _PackedWeight(mod)
+            elif id(shared) not in seen:
+                seen.add(id(shared))
+                yield prefix + "weight", shared
+        for pname, p in mod.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield prefix + pname, p
 
 
 def _policy_text(policy: Any) -> str:
