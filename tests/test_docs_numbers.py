@@ -139,3 +139,42 @@ def test_packed_linear_numbers_are_the_results():
     readme = paragraph(ROOT / "README.md", "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
     for n in (ratio(v["e2e_seconds"], k["e2e_seconds"]), f"{k['decode_ms_per_token']:.1f}", f"{v['decode_ms_per_token']:.1f}"):
         assert n in readme, n
+
+
+def test_smollm2_packed_paragraph_quotes_the_results():
+    at8, at32 = summary("idle_smollm2_epyc_packed.json"), summary("idle_smollm2_epyc_packed.json", 32000)
+    before = summary("idle_smollm2_8k_epyc_decattn.json")
+    for run in (at8, at32):
+        assert run["kvtrim"]["e2e_seconds"] < run["vllm"]["e2e_seconds"]
+    assert at8["vllm"]["decode_ms_per_token"] < at8["kvtrim"]["decode_ms_per_token"]  # "vLLM's decode step still faster"
+    assert at32["kvtrim"]["decode_ms_per_token"] < at32["vllm"]["decode_ms_per_token"]
+    text = paragraph(ROOT / "docs" / "dtypes.md", "SmolLM2 keeps the target at both lengths", "**Rerun of both models on a CPU with AMX")
+    want = [ratio(at8["vllm"]["e2e_seconds"], at8["kvtrim"]["e2e_seconds"]), f"{at8['kvtrim']['e2e_seconds']:.2f}",
+            f"{at8['vllm']['e2e_seconds']:.2f}", ratio(at8["vllm"]["decode_ms_per_token"], at8["kvtrim"]["decode_ms_per_token"]),
+            ratio(before["vllm"]["decode_ms_per_token"], before["kvtrim"]["decode_ms_per_token"]),
+            ratio(at32["vllm"]["e2e_seconds"], at32["kvtrim"]["e2e_seconds"]), f"{at32['kvtrim']['e2e_seconds']:.2f}",
+            f"{at32['vllm']['e2e_seconds']:.2f}", ratio(at32["vllm"]["prefill_seconds"], at32["kvtrim"]["prefill_seconds"]),
+            ratio(at32["vllm"]["decode_ms_per_token"], at32["kvtrim"]["decode_ms_per_token"]),
+            f"{at32['kvtrim']['prefill_density']:.2f}"]
+    missing = [n for n in want if n not in text]
+    assert not missing, f"docs/dtypes.md's SmolLM2 packed paragraph lacks {missing}"
+    readme = paragraph(ROOT / "README.md", "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
+    for n in (ratio(at8["vllm"]["e2e_seconds"], at8["kvtrim"]["e2e_seconds"]),
+              ratio(at32["vllm"]["e2e_seconds"], at32["kvtrim"]["e2e_seconds"])):
+        assert n in readme, n
+
+
+def test_qwen32k_packed_paragraph_quotes_the_results():
+    run, before = summary("idle_qwen32k_noamx_packed.json", 32000), summary("idle_qwen32k_noamx_decattn.json", 32000)
+    v, k = run["vllm"], run["kvtrim"]
+    assert k["e2e_seconds"] < v["e2e_seconds"] and k["decode_ms_per_token"] < v["decode_ms_per_token"]
+    text = paragraph(ROOT / "docs" / "dtypes.md", "kvtrim stays 1.98x ahead end to end", "**Rerun of both models on a CPU with AMX")
+    want = [ratio(v["e2e_seconds"], k["e2e_seconds"]), f"{k['e2e_seconds']:.2f}", f"{v['e2e_seconds']:.2f}",
+            f"{k['decode_ms_per_token']:.1f}", f"{v['decode_ms_per_token']:.1f}",
+            ratio(v["decode_ms_per_token"], k["decode_ms_per_token"]),
+            ratio(before["vllm"]["decode_ms_per_token"], before["kvtrim"]["decode_ms_per_token"])]
+    missing = [n for n in want if n not in text]
+    assert not missing, f"docs/dtypes.md's 32k packed paragraph lacks {missing}"
+    readme = paragraph(ROOT / "README.md", "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
+    for n in (ratio(v["e2e_seconds"], k["e2e_seconds"]), ratio(v["decode_ms_per_token"], k["decode_ms_per_token"])):
+        assert n in readme, n

@@ -2,21 +2,22 @@
 layout, so that a decode step's matrix-vector products read the weights at close to the memory
 bandwidth.
 
-PyTorch's ``F.linear`` on a bfloat16 CPU tensor re-lays the weight out on every call; for one row
-of input (a decode step) that costs as much as the product itself. oneDNN, which PyTorch ships,
-can take a weight reordered once (``torch.ops.mkldnn._reorder_linear_weight``, the call
-PyTorch's own CPU compiler uses when it freezes a model) and multiply by it directly
-(``torch.ops.mkldnn._linear_pointwise``); vLLM's CPU backend packs its weights the same way. On
-the 2-core AVX-512 machine of ``benchmarks/results/cpu_linear/`` one decode step's linears take
-about half the time, and a long prefill's a few per cent less. The results are the same products
+PyTorch's ``F.linear`` on a bfloat16 CPU tensor multiplies by the weight in its plain layout;
+for one row of input (a decode step) that measures about twice as slow as a product with a
+weight oneDNN has reordered once for its kernel. oneDNN, which PyTorch ships, does that reorder
+(``torch.ops.mkldnn._reorder_linear_weight``, the call PyTorch's own CPU compiler uses when it
+freezes a model) and multiplies by the result (``torch.ops.mkldnn._linear_pointwise``); vLLM's
+CPU backend packs its weights the same way. On the 2-core AVX-512 machine of
+``benchmarks/results/cpu_linear/`` one decode step's linears take 0.55x (Qwen2.5-0.5B) to 0.65x
+(SmolLM2) of the time, a prefill chunk's a few per cent less. The results are the same products
 with fp32 accumulation (the tests compare them with ``F.linear``).
 
 :func:`pack_linears` replaces each packable ``nn.Linear`` of a model by a :class:`PackedLinear`
 holding only the packed weight (the plain one is freed, so the weights take no more memory);
-:func:`unpack_linears` puts plain ``nn.Linear`` modules back with the exact weights (unpacked by a
-product with the identity, which is exact). A linear whose weight is shared with another module
-(an output projection tied to the input embeddings) is packed only with ``tied=True``: the
-packed copy is then extra memory (``PackedLinear.extra_bytes``), because the embedding lookup
+:func:`unpack_linears` puts plain ``nn.Linear`` modules back with the same weights (unpacked by
+a product with the identity: exact, except that a -0.0 comes back as +0.0). A linear whose weight
+is shared with another module (an output projection tied to the input embeddings) is packed
+only with ``tied=True``: the packed copy is then extra memory (``PackedLinear.extra_bytes``), because the embedding lookup
 still needs the plain layout. ``state_dict()`` of a packed module holds the plain weight, so
 saving and copying a model keep working.
 
@@ -83,7 +84,7 @@ class PackedLinear(nn.Module):
 
     def plain_weight(self) -> torch.Tensor:
         """The weight in the plain ``(out_features, in_features)`` layout: the shared Parameter for a
-        tied weight, else unpacked exactly (the product with the identity, fp32 accumulation)."""
+        tied weight, else unpacked by the product with the identity (exact; -0.0 reads as +0.0)."""
         if self._shared_weight is not None:
             return self._shared_weight
         with torch.no_grad():
