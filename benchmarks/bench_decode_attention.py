@@ -124,10 +124,7 @@ def model_rows(args) -> tuple[str, list[dict]]:
 
 
 def table(d: dict) -> str:
-    m = d["machine"]
-    head = (f"torch {m['torch']}, {d['args']['threads']} thread(s), {m.get('cpu_model') or m['machine']} "
-            f"({', '.join(m.get('cpu_matrix_flags') or []) or 'flags not recorded'}), load average "
-            f"{m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}, {d['date'][:10]}; medians of {d['args']['reps']} "
+    head = (f"{harness.machine_line(d['machine'], d['args']['threads'])}, {d['date'][:10]}; medians of {d['args']['reps']} "
             "interleaved rounds.")
     lines = [head, ""]
     if d.get("kernel"):

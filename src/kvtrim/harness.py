@@ -245,6 +245,14 @@ def finish_record(record: dict) -> dict:
     return record
 
 
+def machine_line(record: dict, threads: int) -> str:
+    """``torch V, N thread(s), CPU (matrix flags), load average A -> B`` for a table's first line,
+    from a finished :func:`machine_record`."""
+    flags = ", ".join(record.get("cpu_matrix_flags") or []) or "flags not recorded"
+    return (f"torch {record['torch']}, {threads} thread(s), {record.get('cpu_model') or record['machine']} ({flags}), "
+            f"load average {record['loadavg_start'][0]:.1f} -> {record['loadavg_end'][0]:.1f}")
+
+
 # ----------------------------------------------------------------------------- output
 
 
