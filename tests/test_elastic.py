@@ -128,6 +128,30 @@ def test_every_other_token_is_merged_into_its_nearest_anchor(model, prompt, merg
             torch.testing.assert_close(layer.values[0, :, -1], v_full[0, :, -1])
 
 
+def test_merge_in_bfloat16_is_the_float32_mean_rounded(model, prompt):
+    """A bfloat16 cache is averaged in float32 and written back: every anchor slot is the mean of its
+    members (not the anchor left as it was), rounded once to bfloat16. First layer only: its keys and
+    values come from the same embeddings in both runs, while a later layer's inputs already differ by
+    bfloat16 rounding between kvtrim's attention and transformers' (in slots nothing was merged into too)."""
+    import copy
+
+    bf = copy.deepcopy(model).to(torch.bfloat16)
+    cache, _ = _prefill(bf, prompt, keep=0.3)
+    t = prompt.shape[1]
+    merged = 0
+    for layer, (k_full, v_full) in list(zip(cache.compressed_layers, _full_kv(bf, prompt)))[:1]:
+        assert layer.keys.dtype == torch.bfloat16
+        anchors = layer.positions[0, 0].tolist()
+        targets = [a for a in anchors if a not in (0, t - 1)]
+        for slot, a in enumerate(anchors):
+            mem = [a] + [j for j in range(t) if j not in anchors and min(targets, key=lambda x: (abs(x - j), x)) == a]
+            ix = torch.tensor(mem)
+            for got, full in ((layer.keys, k_full), (layer.values, v_full)):
+                torch.testing.assert_close(got[0, :, slot], full[0][:, ix].float().mean(dim=1).to(torch.bfloat16))
+            merged += len(mem) > 1
+    assert merged > 0
+
+
 def test_aligned_merge_rotates_members_to_the_anchor_position(model, prompt):
     keep = 0.3
     cache, _ = _prefill(model, prompt, keep=keep, align=True)

@@ -292,18 +292,24 @@ class Elastic(Policy):
             members = (~is_anchor).nonzero().squeeze(-1)
             pos = layer.positions[i, 0]
             tgt = targets[nearest_anchor(pos[members], pos[a[targets]])]  # [M] index into anchors
-            km, vm = keys[i].index_select(1, members).float(), values[i].index_select(1, members).float()
-            if self.align:  # re-rotate each member key to its anchor's rotation before averaging
-                rot = layer.rotations[i, 0]
-                km = rotary.rotate(km, (rot[a[tgt]] - rot[members]).view(1, -1))
             w_a, w_m = sizes[i, a].view(1, k, 1), sizes[i, members].view(1, -1, 1)
             count = w_a.clone().index_add_(1, tgt, w_m)
-            sk = (new_k[i].float() * w_a).index_add_(1, tgt, km * w_m)
-            sv = (new_v[i].float() * w_a).index_add_(1, tgt, vm * w_m)
             if self.proportional:
                 new_sizes.append((i, count.view(k)))
-            new_k[i] = (sk / count).to(keys.dtype)
-            new_v[i] = (sv / count).to(values.dtype)
+            # keys, then values, each in place: the working set is one copy of the members' rows (and,
+            # for a model in float32, none of the anchors': they are averaged inside new_k/new_v
+            # themselves); in a chunked prefill every layer merges once per chunk, and temporaries of
+            # the anchors' and members' size would raise its peak (docs/memory.md)
+            for new, src, is_key in ((new_k, keys, True), (new_v, values, False)):
+                part = src[i].index_select(1, members).float()
+                if is_key and self.align:  # re-rotate each member key to its anchor's rotation before averaging
+                    rot = layer.rotations[i, 0]
+                    part = rotary.rotate(part, (rot[a[tgt]] - rot[members]).view(1, -1))
+                acc = new[i].float()  # new[i] itself when the cache is float32
+                acc.mul_(w_a).index_add_(1, tgt, part.mul_(w_m)).div_(count)
+                del part
+                if acc.data_ptr() != new[i].data_ptr():
+                    new[i] = acc.to(new.dtype)
         layer.replace(new_k, new_v, idx)
         for i, count in new_sizes:
             layer.state_view(LOGIT_BIAS)[i] = count.log().unsqueeze(0)
