@@ -47,3 +47,21 @@ def test_qwen_32k_elastic_paragraph_quotes_the_results():
             f"{min(others):.0f}-{max(others):.0f} MiB over loaded"]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/memory.md's Qwen 32k paragraph lacks {missing}"
+
+
+def test_qwen_16k_paragraph_quotes_the_results():
+    d = json.loads((RESULTS / "qwen_16k_epyc_mmap.json").read_text())
+    rows = {r["method"]: r for r in d["records"]}
+    assert set(rows) == {"full", "snapkv", "h2o", "streaming_llm", "inf_mllm", "elastic"}
+    assert all(r["holds"] for r in rows.values())  # "every method holds the bound"
+    full = rows.pop("full")
+    over = [over_loaded(d, r) for r in rows.values()]
+    kv = {round(r["kv"] / MIB, 1) for r in rows.values()}
+    assert len(kv) == 1
+    text = paragraph("The five compressing methods peak", "The earlier measurement (2026-12-01")
+    ratio = over_loaded(d, full) / max(over)
+    want = [f"{min(over):.0f}-{max(over):.0f} MiB over loaded", f"{kv.pop():.1f} MiB of compressed KV",
+            f"peaks {over_loaded(d, full):.0f} MiB over loaded", f"{full['kv'] / MIB:.1f} MiB of KV",
+            f"by {int(ratio * 10) / 10:.1f}x or more", f"({d['chunk_working_set'] / MIB:.0f} MiB)"]
+    missing = [n for n in want if n not in text]
+    assert not missing, f"docs/memory.md's Qwen 16k paragraph lacks {missing}"
