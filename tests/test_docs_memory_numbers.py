@@ -65,3 +65,19 @@ def test_qwen_16k_paragraph_quotes_the_results():
             f"by {int(ratio * 10) / 10:.1f}x or more", f"({d['chunk_working_set'] / MIB:.0f} MiB)"]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/memory.md's Qwen 16k paragraph lacks {missing}"
+
+
+def test_qwen_16k_defaults_sentence_quotes_the_results():
+    d = json.loads((RESULTS / "qwen_16k_epyc.json").read_text())
+    plain = {r["method"]: r for r in d["records"] if not r.get("allocator")}
+    fixed = {r["method"]: r for r in d["records"] if r.get("allocator")}
+    assert set(plain) == set(fixed) == {"full", "snapkv", "h2o", "streaming_llm", "inf_mllm", "elastic"}
+    assert not any(r["holds"] for r in plain.values()) and all(r["holds"] for r in fixed.values())
+    full = plain.pop("full")
+    over = [over_loaded(d, r) for r in plain.values()]
+    text = paragraph("With glibc's defaults (item 9b", "The earlier measurement (2026-12-01")
+    el = plain["elastic"]
+    want = [f"{min(over):.0f}-{max(over):.0f} MiB over loaded", f"full cache {over_loaded(d, full):.0f}",
+            f"by {round(el['peak_rss'] / MIB) - round(el['bound'] / MIB)} MiB"]
+    missing = [n for n in want if n not in text]
+    assert not missing, f"docs/memory.md's Qwen 16k defaults sentence lacks {missing}"
