@@ -48,6 +48,11 @@ def _prefill(model, ids, **kw):
     return cache, out
 
 
+def _members(a, anchors, targets, t):
+    """Anchor ``a`` and the non-anchor positions whose nearest merge target it is (ties -> earlier)."""
+    return [a] + [j for j in range(t) if j not in anchors and min(targets, key=lambda x: (abs(x - j), x)) == a]
+
+
 def _expected_anchors(attn, budget):
     imp = attn.sum(dim=2).mean(dim=1)[0]  # column sums, averaged over all query heads: [T]
     imp[0] = imp[-1] = float("inf")
@@ -139,16 +144,16 @@ def test_merge_in_bfloat16_is_the_float32_mean_rounded(model, prompt):
     cache, _ = _prefill(bf, prompt, keep=0.3)
     t = prompt.shape[1]
     merged = 0
-    for layer, (k_full, v_full) in list(zip(cache.compressed_layers, _full_kv(bf, prompt)))[:1]:
-        assert layer.keys.dtype == torch.bfloat16
-        anchors = layer.positions[0, 0].tolist()
-        targets = [a for a in anchors if a not in (0, t - 1)]
-        for slot, a in enumerate(anchors):
-            mem = [a] + [j for j in range(t) if j not in anchors and min(targets, key=lambda x: (abs(x - j), x)) == a]
-            ix = torch.tensor(mem)
-            for got, full in ((layer.keys, k_full), (layer.values, v_full)):
-                torch.testing.assert_close(got[0, :, slot], full[0][:, ix].float().mean(dim=1).to(torch.bfloat16))
-            merged += len(mem) > 1
+    layer, (k_full, v_full) = cache.compressed_layers[0], _full_kv(bf, prompt)[0]
+    assert layer.keys.dtype == torch.bfloat16
+    anchors = layer.positions[0, 0].tolist()
+    targets = [a for a in anchors if a not in (0, t - 1)]
+    for slot, a in enumerate(anchors):
+        mem = _members(a, anchors, targets, t)
+        ix = torch.tensor(mem)
+        for got, full in ((layer.keys, k_full), (layer.values, v_full)):
+            torch.testing.assert_close(got[0, :, slot], full[0][:, ix].float().mean(dim=1).to(torch.bfloat16))
+        merged += len(mem) > 1
     assert merged > 0
 
 
@@ -164,8 +169,7 @@ def test_aligned_merge_rotates_members_to_the_anchor_position(model, prompt):
     for slot, a in enumerate(anchors):
         if a not in targets:
             continue
-        mem = [a] + [j for j in range(t) if j not in anchors and min(targets, key=lambda x: (abs(x - j), x)) == a]
-        ix = torch.tensor(mem)
+        ix = torch.tensor(_members(a, anchors, targets, t))
         aligned = rotate(k_full[0][:, ix].double(), (a - ix).double().view(1, -1), inv)
         torch.testing.assert_close(layer.keys[0, :, slot].double(), aligned.mean(dim=1), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(layer.keys, plain.compressed_layers[0].keys)
