@@ -143,6 +143,39 @@ def test_cli_refuses_before_loading(argv, message, capsys):
     assert err.startswith("kvtrim: error: ") and err.count("\n") == 1 and message in err, err
 
 
+def test_chunked_prefill_trims_the_heap_after_every_module_with_the_same_result(model, monkeypatch):
+    """Inside a chunked prefill the heap is trimmed after each module's forward (the activations
+    freed by one layer go back to the OS before the next allocates); the hooks are gone afterwards,
+    the result is the one without trimming, and a one-forward prefill installs none."""
+    import kvtrim.machine as machine
+
+    assert all(not m._forward_hooks for m in model.modules())
+    policy = create_policy("h2o", keep=0.2)
+    monkeypatch.setattr(machine, "_malloc_trim", lambda: None)  # no malloc_trim: nothing installed
+    plain = generate_ids(model, None, _ids(100), policy, max_new_tokens=4, stop_at_eos=False, prefill_chunk=30)
+    calls: list[int] = []
+    monkeypatch.setattr(machine, "_malloc_trim", lambda: calls.append)
+    trimmed = generate_ids(model, None, _ids(100), policy, max_new_tokens=4, stop_at_eos=False, prefill_chunk=30)
+    assert trimmed.token_ids == plain.token_ids and trimmed.kv_bytes == plain.kv_bytes
+    layers = model.config.num_hidden_layers
+    # 4 chunks; per chunk at least every decoder layer, its attention and its MLP; the 3 between-chunk trims
+    assert len(calls) >= 4 * 3 * layers + 3 and set(calls) == {0}
+    assert all(not m._forward_hooks for m in model.modules())
+    n = len(calls)
+    generate_ids(model, None, _ids(100), policy, max_new_tokens=4, stop_at_eos=False)  # one forward
+    assert len(calls) == n
+
+
+def test_heap_trimming_hooks_are_removed_on_an_error(model, monkeypatch):
+    import kvtrim.machine as machine
+
+    monkeypatch.setattr(machine, "_malloc_trim", lambda: lambda pad: None)
+    with pytest.raises(RuntimeError, match="boom"), machine.heap_trimmed_per_module(model):
+        assert all(m._forward_hooks for m in model.modules())
+        raise RuntimeError("boom")
+    assert all(not m._forward_hooks for m in model.modules())
+
+
 def test_generate_trims_the_heap_after_every_chunk(model, monkeypatch):
     """glibc keeps freed activation blocks in its heap; generate hands them back after each chunk
     (and never for a one-forward prefill, whose timing stays as it was)."""

@@ -14,6 +14,7 @@ cache and method, is prefilled alone, and all of them decode together as the row
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from kvtrim.cache import KVTrimCache
 from kvtrim.decoding import Clock, Sampler, check_context, check_prefill_chunk, check_token_ids, chunk_size, max_context, run
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.hf import attach
-from kvtrim.machine import release_memory
+from kvtrim.machine import heap_trimmed_per_module, release_memory
 from kvtrim.policies.base import Policy
 
 logger = logging.getLogger(__name__)
@@ -266,11 +267,14 @@ class _Row:
         if sparse is not None:
             sparse.reset_stats()
         t0 = time.perf_counter()
-        # between chunks, hand the freed activations back to the OS: glibc keeps freed blocks of up
-        # to 32 MiB in its heap, and without a trim the resident set grows chunk after chunk even
-        # though the cache stays at its budget (docs/memory.md measures both)
+        # a chunked prefill hands freed activations back to the OS after every module's forward and
+        # collects garbage between chunks: glibc keeps freed blocks of up to 32 MiB in its heap, and
+        # without a trim the resident set grows past the prefill-memory bound even though the cache
+        # stays at its budget (docs/memory.md measures both); a one-forward prefill runs as it was
         between = (lambda step, seconds: release_memory()) if self.chunk else None
-        self.logits = run(model, decoding.prefill(self.cache, self.ids, chunk=self.chunk, extra=extra), on_step=between)
+        with heap_trimmed_per_module(model) if self.chunk else contextlib.nullcontext():
+            self.logits = run(model, decoding.prefill(self.cache, self.ids, chunk=self.chunk, extra=extra),
+                              on_step=between)
         self.prefill_seconds = time.perf_counter() - t0
         self.prefill_stats = sparse.stats() if sparse is not None else None
 
