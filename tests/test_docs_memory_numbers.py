@@ -81,3 +81,36 @@ def test_qwen_16k_defaults_sentence_quotes_the_results():
             f"by {round(el['peak_rss'] / MIB) - round(el['bound'] / MIB)} MiB"]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/memory.md's Qwen 16k defaults sentence lacks {missing}"
+
+
+
+def span(d: dict, recs: list[dict]) -> str:
+    over = [over_loaded(d, r) for r in recs]
+    return f"{min(over):.0f}-{max(over):.0f}"
+
+
+def trimmed_against_earlier(name: str, earlier: str, n: int) -> tuple[str, str, str, float]:
+    """(the trimmed run's compressing span, the earlier defaults' span, the earlier fixed threshold's
+    span, the trimmed full cache's MiB over loaded), all against the same bound."""
+    d = json.loads((RESULTS / name).read_text())
+    rows = {r["method"]: r for r in d["records"]}
+    assert set(rows) == {"full", "snapkv", "h2o", "streaming_llm", "inf_mllm", "elastic"}
+    assert all(r["length"] == n and not r.get("allocator") for r in rows.values())  # glibc's defaults
+    assert all(r["holds"] for r in rows.values())  # "every method holds the bound"
+    full = rows.pop("full")
+    e = json.loads((RESULTS / earlier).read_text())
+    assert (e["base_rss"], e["chunk_working_set"]) == (d["base_rss"], d["chunk_working_set"])  # the same bound
+    old = [r for r in e["records"] if r["method"] != "full" and not r.get("allocator")]
+    fixed = [r for r in e["records"] if r["method"] != "full" and r.get("allocator")]
+    return span(d, list(rows.values())), span(e, old), span(e, fixed), over_loaded(d, full)
+
+
+def test_qwen_trimmed_paragraph_quotes_the_results():
+    t8, o8, f8, full8 = trimmed_against_earlier("qwen_8k_trim.json", "qwen_8k_epyc_mmap4.json", 8192)
+    t16, o16, f16, full16 = trimmed_against_earlier("qwen_16k_trim.json", "qwen_16k_epyc.json", 16384)
+    text = paragraph("With the trimming, every method holds the bound", "The earlier measurement (2026-12-01")
+    want = [f"at 8k {t8} MiB over loaded (before:\n{o8} with the defaults, {f8} with the fixed threshold)",
+            f"at 16k {t16} (before: {o16} and {f16})", f"peaks {full8:.0f} MiB over loaded at 8k and {full16:.0f} at 16k"]
+    text = " ".join(text.split())  # the prose is wrapped at any space
+    missing = [w for w in (" ".join(w.split()) for w in want) if w not in text]
+    assert not missing, f"docs/memory.md's trimmed-heap paragraph lacks {missing}"
