@@ -114,3 +114,16 @@ def test_qwen_trimmed_paragraph_quotes_the_results():
     text = " ".join(text.split())  # the prose is wrapped at any space
     missing = [w for w in (" ".join(w.split()) for w in want) if w not in text]
     assert not missing, f"docs/memory.md's trimmed-heap paragraph lacks {missing}"
+
+
+def test_qwen_32k_trimmed_sentence_quotes_the_result():
+    d, r = record("qwen_32k_elastic_trim.json", "elastic")
+    fixed_d, fixed = record("qwen_32k_epyc_mmap.json", "elastic")
+    assert r["holds"] and not r.get("allocator") and fixed.get("allocator")
+    assert (d["base_rss"], d["chunk_working_set"]) == (fixed_d["base_rss"], fixed_d["chunk_working_set"])
+    bound_over = round(r["bound"] / MIB) - round(d["base_rss"] / MIB)  # as the table rounds them
+    text = " ".join(paragraph("At 32k only Elastic Cache was measured with the trimming", "The earlier measurement").split())
+    want = [f"peaks {over_loaded(d, r):.0f} MiB over loaded against the bound's {bound_over}",
+            f"it peaked {over_loaded(fixed_d, fixed):.0f}"]
+    missing = [w for w in want if w not in text]
+    assert not missing, f"docs/memory.md's 32k trimmed sentence lacks {missing}"
