@@ -177,6 +177,18 @@ def test_heap_trimming_hooks_are_removed_on_an_error(model, monkeypatch):
     assert [len(m._forward_hooks) for m in model.modules()] == hooks
 
 
+def test_heap_trimming_skips_a_model_that_is_not_on_the_cpu(monkeypatch):
+    import kvtrim.machine as machine
+
+    monkeypatch.setattr(machine, "_malloc_trim", lambda: lambda pad: None)
+    meta = torch.nn.Linear(4, 4, device="meta")  # stands for weights on an accelerator
+    with machine.heap_trimmed_per_module(meta):
+        assert not meta._forward_hooks
+    cpu = torch.nn.Linear(4, 4)
+    with machine.heap_trimmed_per_module(cpu):
+        assert len(cpu._forward_hooks) == 1
+
+
 def test_generate_trims_the_heap_after_every_chunk(model, monkeypatch):
     """glibc keeps freed activation blocks in its heap; generate hands them back after each chunk
     (and never for a one-forward prefill, whose timing stays as it was)."""

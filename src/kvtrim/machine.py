@@ -134,9 +134,11 @@ def heap_trimmed_per_module(model):
     its own, and a chunked prefill's resident set grows well past what is alive (docs/memory.md,
     "The allocator"). Trimming after each module returns them as soon as they are freed; the
     arithmetic is untouched. The hooks are removed on leaving the block, also on an error; no
-    allocator setting is changed. A no-op where there is no ``malloc_trim``.
+    allocator setting is changed. A no-op where there is no ``malloc_trim``, and for a model whose
+    weights are not on the CPU (its activations are not in this heap: the trims would only cost time).
     """
-    if _malloc_trim() is None:
+    first = next(model.parameters(), None)
+    if _malloc_trim() is None or (first is not None and first.device.type != "cpu"):
         yield
         return
 
