@@ -23,9 +23,10 @@ def over_loaded(d: dict, r: dict) -> float:
 
 
 def paragraph(start: str, end: str) -> str:
+    """The text of docs/memory.md from ``start`` to ``end``, its line breaks as spaces (prose wraps at any space)."""
     text = (ROOT / "docs" / "memory.md").read_text()
     i = text.index(start)
-    return text[i:text.index(end, i)]
+    return " ".join(text[i:text.index(end, i)].split())
 
 
 def test_qwen_32k_elastic_paragraph_quotes_the_results():
@@ -83,7 +84,6 @@ def test_qwen_16k_defaults_sentence_quotes_the_results():
     assert not missing, f"docs/memory.md's Qwen 16k defaults sentence lacks {missing}"
 
 
-
 def span(d: dict, recs: list[dict]) -> str:
     over = [over_loaded(d, r) for r in recs]
     return f"{min(over):.0f}-{max(over):.0f}"
@@ -109,10 +109,9 @@ def test_qwen_trimmed_paragraph_quotes_the_results():
     t8, o8, f8, full8 = trimmed_against_earlier("qwen_8k_trim.json", "qwen_8k_epyc_mmap4.json", 8192)
     t16, o16, f16, full16 = trimmed_against_earlier("qwen_16k_trim.json", "qwen_16k_epyc.json", 16384)
     text = paragraph("With the trimming, every method holds the bound", "The earlier measurement (2026-12-01")
-    want = [f"at 8k {t8} MiB over loaded (before:\n{o8} with the defaults, {f8} with the fixed threshold)",
+    want = [f"at 8k {t8} MiB over loaded (before: {o8} with the defaults, {f8} with the fixed threshold)",
             f"at 16k {t16} (before: {o16} and {f16})", f"peaks {full8:.0f} MiB over loaded at 8k and {full16:.0f} at 16k"]
-    text = " ".join(text.split())  # the prose is wrapped at any space
-    missing = [w for w in (" ".join(w.split()) for w in want) if w not in text]
+    missing = [w for w in want if w not in text]
     assert not missing, f"docs/memory.md's trimmed-heap paragraph lacks {missing}"
 
 
@@ -122,7 +121,7 @@ def test_qwen_32k_trimmed_sentence_quotes_the_result():
     assert r["holds"] and not r.get("allocator") and fixed.get("allocator")
     assert (d["base_rss"], d["chunk_working_set"]) == (fixed_d["base_rss"], fixed_d["chunk_working_set"])
     bound_over = round(r["bound"] / MIB) - round(d["base_rss"] / MIB)  # as the table rounds them
-    text = " ".join(paragraph("At 32k only Elastic Cache was measured with the trimming", "The earlier measurement").split())
+    text = paragraph("At 32k only Elastic Cache was measured with the trimming", "The earlier measurement")
     want = [f"peaks {over_loaded(d, r):.0f} MiB over loaded against the bound's {bound_over}",
             f"it peaked {over_loaded(fixed_d, fixed):.0f}"]
     missing = [w for w in want if w not in text]

@@ -127,7 +127,7 @@ def release_memory() -> None:
 
 @contextlib.contextmanager
 def heap_trimmed_per_module(model):
-    """Within the block, trim the heap (:func:`trim_heap`) after the forward of every module of ``model``.
+    """Within the block, trim the heap (glibc ``malloc_trim(0)``) after the forward of every module of ``model``.
 
     glibc keeps freed blocks of up to 32 MiB in its heap once it has raised its mmap threshold, so
     inside one forward the activations freed by one layer stay resident while the next allocates
@@ -137,13 +137,14 @@ def heap_trimmed_per_module(model):
     allocator setting is changed. A no-op where there is no ``malloc_trim``, and for a model whose
     weights are not on the CPU (its activations are not in this heap: the trims would only cost time).
     """
+    trim = _malloc_trim()
     first = next(model.parameters(), None)
-    if _malloc_trim() is None or (first is not None and first.device.type != "cpu"):
+    if trim is None or (first is not None and first.device.type != "cpu"):
         yield
         return
 
     def after(module, args, output):
-        trim_heap()
+        trim(0)
 
     handles = [m.register_forward_hook(after) for m in model.modules()]
     try:
