@@ -5,6 +5,7 @@ checked by tests/test_docs.py)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,14 +116,68 @@ def test_qwen_trimmed_paragraph_quotes_the_results():
     assert not missing, f"docs/memory.md's trimmed-heap paragraph lacks {missing}"
 
 
-def test_qwen_32k_trimmed_sentence_quotes_the_result():
-    d, r = record("qwen_32k_elastic_trim.json", "elastic")
-    fixed_d, fixed = record("qwen_32k_epyc_mmap.json", "elastic")
-    assert r["holds"] and not r.get("allocator") and fixed.get("allocator")
-    assert (d["base_rss"], d["chunk_working_set"]) == (fixed_d["base_rss"], fixed_d["chunk_working_set"])
-    bound_over = round(r["bound"] / MIB) - round(d["base_rss"] / MIB)  # as the table rounds them
-    text = paragraph("At 32k only Elastic Cache was measured with the trimming", "The earlier measurement")
-    want = [f"peaks {over_loaded(d, r):.0f} MiB over loaded against the bound's {bound_over}",
-            f"it peaked {over_loaded(fixed_d, fixed):.0f}"]
+def test_qwen_32k_trimmed_paragraph_quotes_the_results():
+    d = json.loads((RESULTS / "qwen_32k_trim.json").read_text())
+    rows = {r["method"]: r for r in d["records"]}
+    assert set(rows) == {"full", "snapkv", "h2o", "streaming_llm", "inf_mllm", "elastic"}
+    assert all(r["length"] == 32768 and not r.get("allocator") for r in rows.values())  # glibc's defaults
+    el_d, el = record("qwen_32k_elastic_trim.json", "elastic")
+    assert rows["elastic"]["peak_rss"] == el["peak_rss"]  # the Elastic row is item 10b's
+    fixed_d = json.loads((RESULTS / "qwen_32k_epyc_mmap.json").read_text())
+    fixed = {r["method"]: r for r in fixed_d["records"]}
+    for e in (el_d, fixed_d):
+        assert (e["base_rss"], e["chunk_working_set"]) == (d["base_rss"], d["chunk_working_set"])  # the same bound
+    full, elastic = rows.pop("full"), rows.pop("elastic")
+    assert full["holds"] and elastic["holds"] and not any(r["holds"] for r in rows.values())  # "Elastic Cache only"
+    bound_over = round(elastic["bound"] / MIB) - round(d["base_rss"] / MIB)  # as the table rounds them
+    missed = [round(r["peak_rss"] / MIB) - round(r["bound"] / MIB) for r in rows.values()]
+    old = [over_loaded(fixed_d, fixed[m]) for m in rows]
+    text = paragraph("At 32k only Elastic Cache holds the bound with the trimming", "Where the 32k excess comes from")
+    want = [f"peaks {over_loaded(d, elastic):.0f} MiB over loaded against the bound's {bound_over}",
+            f"peaked {over_loaded(fixed_d, fixed['elastic']):.0f}, the 32k table above",
+            f"peak {span(d, list(rows.values()))} MiB over loaded, {min(missed)}-{max(missed)} MiB over the bound",
+            f"they peaked {min(old):.0f}-{max(old):.0f}", f"peaks {over_loaded(d, full):.0f} MiB over loaded",
+            f"its {full['kv'] / MIB:.1f} MiB of KV"]
     missing = [w for w in want if w not in text]
-    assert not missing, f"docs/memory.md's 32k trimmed sentence lacks {missing}"
+    assert not missing, f"docs/memory.md's 32k trimmed paragraph lacks {missing}"
+
+
+def test_heap_trim_cost_sentence_quotes_the_results():
+    text = paragraph("The trimming makes this prefill", "The earlier measurement (2026-12-01")
+    want = []
+    for name in ("heap_trim_time_qwen.json", "heap_trim_time_smollm2.json"):
+        d = json.loads((RESULTS / name).read_text())
+        on, off = d["results"]["on"], d["results"]["off"]
+        assert on["trims"] > 0 and off["trims"] == 0
+        assert d["ratio_on_over_off"] == on["median"] / off["median"]
+        want += [f"{(d['ratio_on_over_off'] - 1) * 100:.0f}% slower", f"{on['median']:.2f} against {off['median']:.2f} s",
+                 f"{on['trims']:,} trims", f"{(on['median'] - off['median']) / on['trims'] * 1000:.1f} ms"]
+    missing = [w for w in want if w not in text]
+    assert not missing, f"docs/memory.md's trimming-cost sentence lacks {missing}"
+
+
+def test_qwen_12k_same_budget_sentence_quotes_the_results():
+    trimmed, fixed, ws = {}, {}, []
+    for m in ("streaming_llm", "snapkv"):
+        d = json.loads((RESULTS / f"qwen_12k_budget3277_{m}.json").read_text())
+        assert d["keep"] == 0.2667 and math.floor(12288 * d["keep"]) == math.floor(32768 * 0.1) + 1  # about 32k's budget
+        recs = {bool(r.get("allocator")): r for r in d["records"] if r["method"] == m and r["length"] == 12288}
+        assert all(r["holds"] for r in recs.values())
+        trimmed[m], fixed[m] = over_loaded(d, recs[False]), over_loaded(d, recs[True])
+        ws.append(d["chunk_working_set"] / MIB)
+    d32 = json.loads((RESULTS / "qwen_32k_trim.json").read_text())
+    el = next(r for r in d32["records"] if r["method"] == "elastic")
+    bound_over = (el["bound"] - d32["base_rss"]) / MIB
+    assert max(trimmed.values()) < bound_over and max(fixed.values()) < bound_over  # "inside the 32k bound's 416 too"
+    saved = [trimmed[m] - fixed[m] for m in trimmed]
+    w10 = json.loads((RESULTS / "qwen_8k_trim.json").read_text())["chunk_working_set"] / MIB
+    budget = paragraph("Where the 32k excess comes from", "There the peaks are")
+    assert f"budget ({math.floor(32768 * 0.1):,} tokens)" in budget and f"= {math.floor(32768 * 0.1) + 2048:,} keys" in budget
+    assert f"keep 0.2667: {math.floor(12288 * 0.2667):,} tokens" in budget
+    text = paragraph("There the peaks are", "**What the trimming costs in time.**")
+    want = [f"{trimmed['streaming_llm']:.0f} (StreamingLLM) and {trimmed['snapkv']:.0f} MiB (SnapKV) over loaded",
+            f"{fixed['streaming_llm']:.0f} and {fixed['snapkv']:.0f} with the fixed threshold",
+            f"32k bound's {round(el['bound'] / MIB) - round(d32['base_rss'] / MIB)} too",
+            f"only {min(saved):.0f}-{max(saved):.0f} MiB", f"measured {w10:.0f} MiB", f"{ws[0]:.0f} and {ws[1]:.0f} (item 12)"]
+    missing = [w for w in want if w not in text]
+    assert not missing, f"docs/memory.md's same-budget sentence lacks {missing}"
