@@ -69,24 +69,15 @@ def main() -> int:
     scale_rope(model, args.length, int(model.config.max_position_embeddings))
     ids = prompt_ids(lm.tokenizer, args.length)
     trimmed = generation.heap_trimmed_per_module
-    trims = {"n": 0}
-    real_trim = machine._malloc_trim()
-    if real_trim is None:
+    if machine._malloc_trim() is None:
         p.error("this system has no glibc malloc_trim: the trimming is a no-op here, nothing to measure")
+    trims = {"n": 0}
 
     @contextlib.contextmanager
-    def counted_trims(m):
-        # the hooks of kvtrim.machine.heap_trimmed_per_module, counting the calls
-        def after(module, a, o):
-            trims["n"] += 1
-            real_trim(0)
-
-        handles = [mod.register_forward_hook(after) for mod in m.modules()]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
+    def counted_trims(m):  # generate's own per-module trimming, keeping the count it yields
+        with trimmed(m) as count:
+            yield count
+        trims["n"] = count.trims
 
     def run(name: str, rep: int) -> dict:
         trims["n"] = 0

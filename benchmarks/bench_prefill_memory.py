@@ -2,14 +2,17 @@
 
 For each length, method and mode, one prefill (no decoding) of a prompt of essays on the embedded
 model (default) runs in a fresh process (:func:`kvtrim.harness.isolated`, one torch thread). The
-child loads the model, runs one 16-token forward, resets the kernel's high-water mark of its
+child loads the model, runs one 16-token forward, reads every weight once, resets the kernel's high-water mark of its
 resident set (``/proc/self/clear_refs``, so the model load's own peak does not count), prefills
 exactly as ``kvtrim generate`` does (:func:`kvtrim.generate_ids` with ``max_new_tokens=0``;
 ``prefill_chunk=None``: one forward; ``N``: pieces of N tokens, each later piece a policy "turn"
 that evicts down to the budget, the heap trimmed between pieces) and reports:
 
-* ``base_rss``: resident bytes after loading and one 16-token forward (the weights are memory-mapped
-  and become resident when first read: the weights plus the Python/torch runtime);
+* ``base_rss``: resident bytes after loading, one 16-token forward and reading every parameter and
+  buffer once (the weights are memory-mapped and a page becomes resident when first read): all the
+  weights plus the Python/torch runtime (``weights_read``: true; results made before this read only
+  the weight pages the 16-token forward touched, so the embedding rows of a prompt's other tokens
+  counted in their peaks);
 * ``peak_rss``: the high-water mark during the prefill (``VmHWM``); ``rss_after``: the resident set after it;
 * ``weights``: bytes of the parameters and buffers; ``kv``: the compressed cache's resident
   key/value buffers at the end (``KVTrimCache.kv_bytes``), ``kv_index``: its bookkeeping;
@@ -20,8 +23,11 @@ The bound of issue P7 is ``loaded + 2 x kv + W``, with ``loaded`` the chunk-alon
 (one value for every row; a row's own varies when the kernel has dropped pages of the memory-mapped
 weights under memory pressure, which then count again in its peak) and ``W`` one chunk's working set: the peak
 increment (``peak_rss - base_rss``) of a full-cache prefill of one chunk alone (config
-``chunk-alone``, measured at the first length), i.e. what one chunk's activations, attention and
-its own KV cost when nothing else is held. ``holds`` says whether a configuration's peak is within
+``chunk-alone``), i.e. what one chunk's activations, attention and its own KV cost when nothing
+else is held. That increment varies from process to process by up to ~100 MiB on the reference
+model (how glibc's heap happens to place the activations), so the chunk-alone prefill runs
+``--alone-reps`` times (default 3) and the run with the median increment gives ``W`` and ``loaded``
+(all of them are kept, ``chunk_alone_runs``). ``holds`` says whether a configuration's peak is within
 it. Beyond the model's trained context (8k for the embedded model) the RoPE is scaled linearly
 (``bench_minference_prefill.scale_rope``; memory and time do not depend on it, outputs are not judged).
 
@@ -97,8 +103,14 @@ def run_one(n: int, method: str, chunk: int | None, keep: float, model_name: str
     ids = prompt_ids(lm.tokenizer, n)
     policy = create_policy(method) if method == "full" else create_policy(method, keep=keep)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    with torch.inference_mode():  # the weights are memory-mapped: a first forward makes them resident
+    with torch.inference_mode():
         model(input_ids=torch.tensor([ids[:16]]), logits_to_keep=1)
+        # The weights are memory-mapped: a page becomes resident when first read, and a forward reads only
+        # the embedding rows of its own tokens. Read every weight once, so `base_rss` holds all of them and
+        # a prompt's new tokens do not count their embedding rows in the prefill's peak.
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.layout == torch.strided:
+                t.sum()
     gc.collect()
     base = rss_bytes()
     reset_hwm()
@@ -109,7 +121,7 @@ def run_one(n: int, method: str, chunk: int | None, keep: float, model_name: str
     harness.child_result({
         "length": n, "method": method, "chunk": chunk, "keep": None if method == "full" else keep,
         "allocator": os.environ.get("MALLOC_MMAP_THRESHOLD_") and f"MALLOC_MMAP_THRESHOLD_={os.environ['MALLOC_MMAP_THRESHOLD_']}",
-        "base_rss": base, "peak_rss": peak, "rss_after": after, "weights": weights, "kv": res.kv_bytes,
+        "weights_read": True, "base_rss": base, "peak_rss": peak, "rss_after": after, "weights": weights, "kv": res.kv_bytes,
         "kv_stored": res.kv_bytes_stored, "kv_index": res.index_bytes, "kv_full": res.kv_bytes_full,
         "stored_tokens": res.stored_tokens, "seconds": res.prefill_seconds, "loadavg": [load0, load_average()],
     })
@@ -124,16 +136,29 @@ def bound(rec: dict, loaded: int, w: int) -> dict:
     return {"bound": b, "holds": rec["peak_rss"] <= b}
 
 
+def alone_runs(d: dict) -> str:
+    """How W was chosen, for the table's header: the median of several chunk-alone runs, or one."""
+    runs = d.get("chunk_alone_runs") or []
+    if len(runs) < 2:
+        return ""
+    ws = sorted((r["peak_rss"] - r["base_rss"]) / 2**20 for r in runs)
+    return f"; the median of {len(runs)} runs, {ws[0]:.0f}-{ws[-1]:.0f}"
+
+
 def table(d: dict) -> str:
     """The markdown table of a result (docs/memory.md)."""
     m = d["machine"]
     mib = 2**20
     w = d.get("chunk_working_set")
+    loaded = ("resident after loading and reading every weight once (all the weights + runtime)"
+              if d.get("chunk_alone", {}).get("weights_read") else
+              "resident after loading and a 16-token forward (runtime + the weight pages read so far; the "
+              "memory-mapped weights' other pages count in a row's peak when its prompt first reads them)")
     lines = [
         f"{d['model']}, float32, torch {m['torch']}, 1 thread, {d['date'][:10]}; keep {d['keep']}, chunks of "
-        f"{d['chunk']} tokens; one prefill per process; MiB. Weights {d['weights'] / mib:.0f} MiB; resident after "
-        f"loading (weights + runtime) {d['base_rss'] / mib:.0f} MiB; one chunk's working set W "
-        + (f"{w / mib:.0f} MiB (a full-cache prefill of {d['chunk']} tokens alone)." if w else "not measured."),
+        f"{d['chunk']} tokens; one prefill per process; MiB. Weights {d['weights'] / mib:.0f} MiB; {loaded} "
+        f"{d['base_rss'] / mib:.0f} MiB; one chunk's working set W "
+        + (f"{w / mib:.0f} MiB (a full-cache prefill of {d['chunk']} tokens alone{alone_runs(d)})." if w else "not measured."),
         "",
         "| length | method | prefill | peak RSS | peak - loaded | KV at end | KV full | bound (loaded + 2 KV + W) | holds | seconds |",
         "|---:|---|---|---:|---:|---:|---:|---:|---|---:|",
@@ -182,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mmap-only", action="store_true",
                    help="the --mmap-at configurations run with the fixed threshold only, not also with glibc's defaults")
     p.add_argument("--reuse", metavar="FILE", nargs="+",
-                   help="take the records (and one chunk's working set, from the first file that has it) of earlier "
+                   help="take the records (and the chunk-alone runs, from the first file) of earlier "
                         "results of this script instead of measuring them again")
+    p.add_argument("--alone-reps", type=int, default=3,
+                   help="chunk-alone runs; the one with the median working set gives W and loaded (default 3)")
     p.add_argument("--one", nargs=3, metavar=("LENGTH", "METHOD", "CHUNK"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -203,6 +230,24 @@ def main(argv: list[str] | None = None) -> int:
               f"{rec['seconds']:.0f} s", file=sys.stderr, flush=True)
         return rec
 
+    if args.alone_reps < 1:
+        p.error("--alone-reps must be at least 1")
+    earlier: dict = {"records": []}
+    for path in args.reuse or []:  # the first file's chunk-alone run and its records first
+        try:
+            d = harness.read_result(path)
+        except (OSError, ValueError) as e:
+            p.error(f"--reuse {path}: cannot read it ({e})")
+        if d.get("model") != (args.model or "SmolLM2-135M-Instruct") or d.get("keep") != args.keep:
+            p.error(f"--reuse {path}: its records are of model {d.get('model')!r} at keep {d.get('keep')}, "
+                    f"not {args.model or 'SmolLM2-135M-Instruct'!r} at keep {args.keep}")
+        if not d.get("chunk_alone", {}).get("weights_read"):
+            p.error(f"--reuse {path}: measured before this benchmark read every weight before its base, so its "
+                    "rows count weight pages in their peaks; measure them again")
+        recs = [{**r, "reused_from": r.get("reused_from", path)} for r in d["records"]]
+        d.setdefault("chunk_alone_runs", [d["chunk_alone"]])
+        earlier = {**d, **earlier, "records": earlier["records"] + recs}
+    reuse = earlier["records"]
     # Convert the model here, once, before any measured child: on a fresh machine the first child to load
     # a GGUF model would otherwise convert it in-process, and the conversion's heap would inflate that
     # child's resident set after loading and hide its prefill's own working set (the chunk-alone run's W).
@@ -217,21 +262,16 @@ def main(argv: list[str] | None = None) -> int:
     oneshot = parse_oneshot(args.oneshot_at)
     mmap_at = parse_oneshot(args.mmap_at)
     chunked_at = parse_oneshot(args.chunked_at)
-    earlier: dict = {"records": []}
-    for path in args.reuse or []:  # the first file's chunk-alone run and its records first
-        d = harness.read_result(path)
-        if d.get("model") != (args.model or "SmolLM2-135M-Instruct") or d.get("keep") != args.keep:
-            p.error(f"--reuse {path}: its records are of model {d.get('model')!r} at keep {d.get('keep')}, "
-                    f"not {args.model or 'SmolLM2-135M-Instruct'!r} at keep {args.keep}")
-        recs = [{**r, "reused_from": r.get("reused_from", path)} for r in d["records"]]
-        earlier = {**d, **earlier, "records": earlier["records"] + recs}
-    reuse = earlier["records"]
     result: dict = {"benchmark": "prefill_memory", "date": machine["date"], "machine": machine,
                     "model": args.model or "SmolLM2-135M-Instruct", "keep": args.keep, "chunk": args.chunk,
                     "lengths": args.lengths, "records": [], "skipped": []}
-    alone = earlier["chunk_alone"] if earlier.get("chunk") == args.chunk else child(args.chunk, "full", None)
+    alone_runs = earlier.get("chunk_alone_runs", [])
+    if earlier.get("chunk") != args.chunk or len(alone_runs) < args.alone_reps:
+        alone_runs = [child(args.chunk, "full", None) for _ in range(args.alone_reps)]
+    alone = sorted(alone_runs, key=lambda r: r["peak_rss"] - r["base_rss"])[(len(alone_runs) - 1) // 2]
     w = alone["peak_rss"] - alone["base_rss"]
-    result.update(chunk_working_set=w, chunk_alone=alone, weights=alone["weights"], base_rss=alone["base_rss"])
+    result.update(chunk_working_set=w, chunk_alone=alone, chunk_alone_runs=alone_runs, weights=alone["weights"],
+                  base_rss=alone["base_rss"])
     for n in args.lengths:
         for chunk in (args.chunk, None):  # the chunked runs of a length first (the one-forward runs are the slow ones)
             for method in args.methods:

@@ -76,6 +76,15 @@ def embedded_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, embedded_tokenizer):
+    """A tiny random Llama saved as a model directory with the embedded model's tokenizer (4k positions)."""
+    d = tmp_path_factory.mktemp("tiny-instruct")
+    tiny_llama(vocab_size=len(embedded_tokenizer), max_position_embeddings=4096).save_pretrained(d)
+    embedded_tokenizer.save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
 def real():
     """The embedded SmolLM2-135M-Instruct (converted once into the user cache)."""
     from kvtrim.models import load_model

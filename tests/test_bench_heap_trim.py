@@ -34,3 +34,15 @@ def test_table_of_a_committed_result(name):
     assert f"| on | {d['results']['on']['median']:.2f} |" in res.stdout
     assert f"| off | {d['results']['off']['median']:.2f} |" in res.stdout
     assert f"ratio of medians: {d['ratio_on_over_off']:.3f}" in res.stdout
+
+
+def test_it_counts_generates_own_trims(tiny_dir, tmp_path):
+    out = tmp_path / "r.json"
+    res = run("--model", str(tiny_dir), "--length", "256", "--chunk", "64", "--reps", "1", "--warmup", "0",
+              "--threads", "1", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    d = json.loads(out.read_text())
+    layers = 3  # tiny_llama's
+    # 4 chunks, each at least every decoder layer with its attention and MLP; none with the trimming off
+    assert d["results"]["on"]["trims"] >= 4 * 3 * layers
+    assert d["results"]["off"]["trims"] == 0

@@ -201,3 +201,19 @@ def test_generate_trims_the_heap_after_every_chunk(model, monkeypatch):
     assert len(calls) == 4  # 30 + 30 + 30 + 10
     generate_ids(model, None, _ids(100), policy, max_new_tokens=2, stop_at_eos=False)
     assert len(calls) == 4
+
+
+def test_heap_trimming_yields_the_count_of_its_trims(monkeypatch):
+    import kvtrim.machine as machine
+
+    calls: list[int] = []
+    monkeypatch.setattr(machine, "_malloc_trim", lambda: calls.append)
+    lin = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with machine.heap_trimmed_per_module(lin) as count:
+        assert count.trims == 0
+        lin(torch.ones(1, 4))  # three modules: the Sequential, the Linear, the ReLU
+        assert count.trims == len(calls) == 3
+    monkeypatch.setattr(machine, "_malloc_trim", lambda: None)
+    with machine.heap_trimmed_per_module(lin) as count:  # no malloc_trim: nothing counted
+        lin(torch.ones(1, 4))
+    assert count.trims == 0

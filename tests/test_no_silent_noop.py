@@ -144,24 +144,6 @@ def test_hae_with_a_budget_passes_the_span_check(tmp_path, capsys):
 
 
 # --- on a saved tiny model (the embedded tokenizer) ------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from conftest import tiny_llama
-    from transformers import AutoTokenizer
-
-    from kvtrim.models import resolve_model
-
-    try:
-        path = resolve_model(None)[0]
-    except KVTrimError as e:
-        pytest.skip(str(e))
-    tok = AutoTokenizer.from_pretrained(str(path))
-    d = tmp_path_factory.mktemp("tiny-instruct")
-    tiny_llama(vocab_size=len(tok), max_position_embeddings=4096).save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
-
-
 def test_generate_json_reports_the_default_budget(tiny_dir, tmp_path, capsys):
     ctx = tmp_path / "ctx.txt"
     ctx.write_text("The house by the river is painted in a bright colour. " * 120)  # > 1024 tokens

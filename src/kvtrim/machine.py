@@ -4,6 +4,7 @@ and the benchmark harness (:mod:`kvtrim.harness`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import os
@@ -125,6 +126,13 @@ def release_memory() -> None:
     trim_heap()
 
 
+@dataclasses.dataclass
+class TrimCount:
+    """How many heap trims :func:`heap_trimmed_per_module` has made (benchmarks report it)."""
+
+    trims: int = 0
+
+
 @contextlib.contextmanager
 def heap_trimmed_per_module(model):
     """Within the block, trim the heap (glibc ``malloc_trim(0)``) after the forward of every module of ``model``.
@@ -136,19 +144,23 @@ def heap_trimmed_per_module(model):
     arithmetic is untouched. The hooks are removed on leaving the block, also on an error; no
     allocator setting is changed. A no-op where there is no ``malloc_trim``, and for a model whose
     weights are not on the CPU (its activations are not in this heap: the trims would only cost time).
+
+    Yields a :class:`TrimCount` whose ``trims`` counts the trims made so far in the block.
     """
+    count = TrimCount()
     trim = _malloc_trim()
     first = next(model.parameters(), None)
     if trim is None or (first is not None and first.device.type != "cpu"):
-        yield
+        yield count
         return
 
     def after(module, args, output):
         trim(0)
+        count.trims += 1
 
     handles = [m.register_forward_hook(after) for m in model.modules()]
     try:
-        yield
+        yield count
     finally:
         for h in handles:
             h.remove()
