@@ -58,10 +58,10 @@ def main(argv=None) -> int:
             layer.update(k.clone(), v.clone())
             layer.awaiting_attention = False
             t0 = time.perf_counter()
-            imp = pol.layer_importance(layer, q, k, scaling)
+            imp = pol.layer_importance(layer.view, q, k, scaling)
             t1 = time.perf_counter()
             anchors = pol.select_anchors(imp, pol.budget(layer.seen))
-            pol.merge(layer, anchors)
+            layer.apply(pol.merge(layer.view, anchors))
             t_imp += t1 - t0
             t_merge += time.perf_counter() - t1
         print(f"rep {rep}: importance {t_imp:.2f}s merge {t_merge:.3f}s", file=sys.stderr, flush=True)

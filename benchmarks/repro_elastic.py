@@ -61,7 +61,7 @@ from kvtrim.decoding import Step
 # one list of instructions for both protocols
 from kvtrim.eval.longtext import LABELFREE_INSTRUCTIONS as INSTRUCTIONS
 from kvtrim.eval.replay import make_policy, record_prefill, replay
-from kvtrim.policies.elastic import Elastic
+from kvtrim.policies.elastic import Elastic, attention_importance
 
 #: the committed results folder (read by ``--report`` unless ``--results`` names another)
 COMMITTED = Path(__file__).resolve().parent / "results" / "elastic_repro"
@@ -276,7 +276,7 @@ def anchor_stats(args) -> None:
                 pol = Elastic(keep=0.5, importance=how)
                 for i in sorted(record):
                     q, k, _, scaling = record[i]
-                    a = pol.select_anchors(pol.layer_importance(None, q, k, scaling), pol.budget(t))[0]
+                    a = pol.select_anchors(attention_importance(q, k, scaling, how), pol.budget(t))[0]
                     d = acc.setdefault(how, {"first10pct": [], "tail32_kept": []})
                     d["first10pct"].append(float((a < t // 10).float().mean()))
                     d["tail32_kept"].append(float((a >= t - 32).sum()) / 32)

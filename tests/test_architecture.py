@@ -98,7 +98,7 @@ def check(rule, allowances: dict[tuple[str, str], str]) -> None:
 
 def test_every_module_was_read():
     assert "kvtrim.attention.patterns" in MODULES and "kvtrim.integrations.prefill" in MODULES
-    assert any(imp.importer == "kvtrim.cache" and top(imp.target) == "transformers" for imp in IMPORTS)
+    assert any(imp.importer == "kvtrim.storage" and top(imp.target) == "transformers" for imp in IMPORTS)
 
 
 # -- kernels ----------------------------------------------------------------------------------------
@@ -142,7 +142,9 @@ def test_kernels_load_without_transformers():
 # Modules below the integrations and the top layer that import transformers, and why.
 TRANSFORMERS_ALLOWED = {
     ("kvtrim.cache", "transformers.cache_utils"):
-        "a KVTrimCache is a transformers Cache: it subclasses Cache, CacheLayerMixin and DynamicSlidingWindowLayer",
+        "a KVTrimCache is a transformers Cache: it subclasses Cache and builds DynamicSlidingWindowLayer",
+    ("kvtrim.storage", "transformers.cache_utils"):
+        "the transformers storage: a CompressedLayer is a transformers CacheLayerMixin",
     ("kvtrim.models", "transformers"):
         "loading a model and its tokenizer is this module's job (AutoConfig, AutoModelForCausalLM, AutoTokenizer)",
     ("kvtrim.models", "transformers.models.auto.modeling_auto"):
@@ -168,17 +170,13 @@ def test_only_integrations_and_the_top_layer_import_transformers():
 
 
 # -- policies ---------------------------------------------------------------------------------------
-POLICY_KVTRIM = ("kvtrim.policies", "kvtrim.errors", "kvtrim.validate", "kvtrim.scores", "kvtrim.rope", "kvtrim.spans")
-POLICY_ALLOWED = {
-    ("kvtrim.policies.base", "kvtrim.cache"):
-        "type hints only (under TYPE_CHECKING): the hooks receive the cache's CompressedLayer",
-    ("kvtrim.policies.elastic", "kvtrim.cache"):
-        "LOGIT_BIAS, the context variable through which a policy adds a bias to the attention scores",
-}
+POLICY_KVTRIM = ("kvtrim.policies", "kvtrim.errors", "kvtrim.validate", "kvtrim.scores", "kvtrim.rope", "kvtrim.spans",
+                 "kvtrim.decisions")
 
 
 def test_policies_import_only_base_helpers():
-    """A policy sees tensors and hooks: never an integration, the evaluation, a tool or the CLI."""
+    """A policy sees a layer's view and returns decisions (``kvtrim.decisions``): it imports no
+    storage, cache, integration, evaluation, tool or CLI module, with no exception."""
 
     def rule(imp: Import) -> bool:
         if layer(imp.importer) != "policies":
@@ -188,7 +186,134 @@ def test_policies_import_only_base_helpers():
             return inside(imp.target, *POLICY_KVTRIM)
         return t == "torch" or t in sys.stdlib_module_names
 
-    check(rule, POLICY_ALLOWED)
+    check(rule, {})
+
+
+# -- one direction: no module imports from a layer above its own, and no circles --------------------
+RANKS = [
+    ("leaves", ("kvtrim.errors", "kvtrim.validate")),
+    ("kernels", ("kvtrim.attention",)),
+    ("base helpers", ("kvtrim.scores", "kvtrim.rope", "kvtrim.spans", "kvtrim.decisions", "kvtrim.cpu_linear")),
+    ("policies", ("kvtrim.policies", "kvtrim.registry")),
+    ("core", ("kvtrim.storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache", "kvtrim.decoding")),
+    ("integrations", ("kvtrim.integrations",)),
+    ("models and the Python API", ()),  # every module not named elsewhere
+    ("top", ("kvtrim.eval", "kvtrim.tools", "kvtrim.cli", "kvtrim.cli_batch", "kvtrim.cli_eval", "kvtrim.cli_session",
+             "kvtrim.__main__")),
+]
+
+
+def rank(module: str) -> int:
+    """The index in ``RANKS`` of the layer ``module`` belongs to (docs/architecture.md)."""
+    default = next(i for i, (_, prefixes) in enumerate(RANKS) if not prefixes)
+    best = (-1, default)
+    for i, (_, prefixes) in enumerate(RANKS):
+        for p in prefixes:
+            if inside(module, p) and len(p) > best[0]:
+                best = (len(p), i)
+    return best[1]
+
+
+def kvtrim_module(target: str) -> str | None:
+    """The kvtrim module an import names (``kvtrim.a.b.name`` -> ``kvtrim.a.b``), or None."""
+    if top(target) != "kvtrim":
+        return None
+    while target not in MODULES and "." in target:
+        target = target.rsplit(".", 1)[0]
+    return target if target in MODULES else None
+
+
+def test_no_module_imports_from_a_higher_layer():
+    """Every import between kvtrim modules runs down or sideways. The package's ``__init__`` is the
+    public face (it hands on names from every layer, lazily) and is exempt."""
+
+    def rule(imp: Import) -> bool:
+        t = kvtrim_module(imp.target)
+        return imp.importer == "kvtrim" or t is None or t == "kvtrim" or rank(imp.importer) >= rank(t)
+
+    check(rule, {})
+
+
+def test_no_import_cycle_between_modules():
+    """No two modules import each other, directly or through others (imports inside functions and
+    under ``TYPE_CHECKING`` count: a circle is a circle to a reader too)."""
+    edges: dict[str, set[str]] = {m: set() for m in MODULES}
+    for imp in IMPORTS:
+        t = kvtrim_module(imp.target)
+        if t is not None and t != imp.importer and t != "kvtrim" and imp.importer != "kvtrim":
+            edges[imp.importer].add(t)
+    # Tarjan's strongly connected components, iteratively
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for root in MODULES:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    circles.append(sorted(comp))
+    assert not circles, "modules that import each other:\n" + "\n".join(" <-> ".join(c) for c in circles)
+
+
+# -- engines apply decisions, whatever the method ---------------------------------------------------
+ENGINE_MODULES = ("kvtrim.storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache", "kvtrim.decoding",
+                  "kvtrim.integrations.hf", "kvtrim.integrations.batched", "kvtrim.integrations.pruning",
+                  "kvtrim.integrations.vllm")
+
+
+def method_names_and_classes() -> tuple[set[str], set[str]]:
+    """The registered methods' names and their policy classes' names."""
+    from kvtrim.registry import methods
+
+    return {m.name for m in methods()}, {m.cls for m in methods()}
+
+
+def test_no_method_name_or_per_method_branch_in_storages_and_engine_integrations():
+    """A storage or an engine integration carries out decisions and asks policies for what they need
+    (capability flags, ``wants_*``, ``eviction_target``): no string in its code is a method's name
+    (what ``if method == "snapkv"`` would compare with), it names no policy class, and it imports no
+    single policy's module (``kvtrim.policies.base`` and the registry are general)."""
+    names, classes = method_names_and_classes()
+    found = []
+    for name, path in MODULES.items():
+        if not any(inside(name, p) for p in ENGINE_MODULES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: the string {node.value!r}")
+            elif (isinstance(node, ast.Name) and node.id in classes) or (isinstance(node, ast.Attribute) and node.attr in classes):
+                found.append(f"{path.relative_to(SRC)}:{node.lineno}: the policy class {ast.unparse(node)}")
+        found += [imp.where() for imp in IMPORTS if imp.importer == name and inside(imp.target, "kvtrim.policies")
+                  and not inside(imp.target, "kvtrim.policies.base")]
+    assert not found, "method names in storages or engine integrations:\n" + "\n".join(found)
 
 
 # -- nothing imports upwards into the top layer ---------------------------------------------------

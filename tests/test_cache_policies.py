@@ -11,11 +11,13 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 import kvtrim
-from kvtrim.cache import CompressedLayer, KVTrimCache
+from kvtrim import persistence
+from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_ids
 from kvtrim.policies.base import SINKS
 from kvtrim.registry import create_policy, get_policy_class, method_names, spans_error
+from kvtrim.storage import CompressedLayer
 
 ALL = method_names()
 COMPRESSING = [m for m in ALL if get_policy_class(m).takes_budget]
@@ -377,7 +379,7 @@ def test_layer_state_round_trip_continues_identically(model, prompt, method, kw)
     cache, tok = _filled_cache(model, prompt, method, **kw)
     tensors, meta = cache.state_dict(), cache.state_meta()
     layer = cache.compressed_layers[0]
-    own = layer.state_dict()
+    own = persistence.layer_state_dict(layer)
     assert set(own) == {"keys", "values", "positions", *(["rotations"] if kw.get("position") == "reassigned" else []),
                         *(f"state.{n}" for n in layer.token_state)}
     assert all(t.is_contiguous() and t.shape[2] == layer.length for t in own.values())
@@ -398,7 +400,7 @@ def test_layer_state_round_trip_continues_identically(model, prompt, method, kw)
 def test_layer_state_of_an_unused_layer_round_trips(model):
     cache = KVTrimCache(model, "snapkv", keep=0.5)
     layer = cache.compressed_layers[0]
-    assert layer.state_dict() == {}
+    assert persistence.layer_state_dict(layer) == {}
     fresh = KVTrimCache(model, "snapkv", keep=0.5)
     fresh.load_state_dict({}, cache.state_meta())
     assert not fresh.compressed_layers[0].is_initialized and fresh.state_meta() == cache.state_meta()
@@ -416,7 +418,7 @@ def _bad(tensors, key, value):
 def test_layer_load_refuses_inconsistent_input(model, prompt):
     cache, _ = _filled_cache(model, prompt)
     layer = cache.compressed_layers[0]
-    t, m = layer.state_dict(), layer.state_meta()
+    t, m = persistence.layer_state_dict(layer), persistence.layer_state_meta(layer)
     n = layer.length
     fresh = KVTrimCache(model, "h2o", keep=0.5, position="reassigned").compressed_layers[0]
     cases = [
@@ -439,14 +441,14 @@ def test_layer_load_refuses_inconsistent_input(model, prompt):
     ]
     for tensors, meta, message in cases:
         with pytest.raises(KVTrimError, match=message):
-            fresh.load_state_dict(tensors, meta)
+            persistence.load_layer_state(fresh, tensors, meta)
         assert not fresh.is_initialized and fresh.length == 0 and fresh.seen == 0  # left reset
     heads = {k: v[:, :1] for k, v in t.items()}
     with pytest.raises(KVTrimError, match="1 KV heads saved, the model has 2"):
-        fresh.load_state_dict(heads, m)
+        persistence.load_layer_state(fresh, heads, m)
     true_pos = KVTrimCache(model, "h2o", keep=0.5).compressed_layers[0]  # position "true": no rotations
     with pytest.raises(KVTrimError, match=r"unexpected \['rotations'\]"):
-        true_pos.load_state_dict(t, m)
+        persistence.load_layer_state(true_pos, t, m)
 
 
 def test_cache_load_refuses_wrong_layers(model, prompt):

@@ -38,12 +38,15 @@ def greedy(model, ids, cache, steps):
 
 @dataclass
 class PlainH2O(H2O):
-    """H2O on the plain paths: SDPA plus a second ``q @ K`` pass, evictions through ``keep_indices``."""
-
-    stream_ordered_slots = True
+    """H2O on the plain paths: SDPA plus a second ``q @ K`` pass, evictions as kept slots (``Keep``,
+    ``keep_indices``) instead of dropped ones (``DropSlots``)."""
 
     def wants_decode_probs(self, layer) -> bool:
         return False
+
+    def on_decode(self, layer, query, key, scaling):
+        self._accumulate(layer, query, key, scaling)
+        return self.evict_by_score(layer, query, key, scaling)
 
 
 def test_decode_attention_matches_sdpa_and_gives_window_probs():

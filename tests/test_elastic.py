@@ -249,10 +249,10 @@ def test_frequency_eviction_removes_the_least_important_entry(model, prompt):
     seen_state = []
 
     class Spy(Elastic):
-        def eviction_slot(self, layer):
-            slot = super().eviction_slot(layer)
-            seen_state.append((layer.layer_idx, layer.state_view("elastic_importance")[0, 0].clone(),
-                               layer.positions[0, 0].clone(), slot))
+        def eviction_slot(self, layer, length, importance=None):
+            slot = super().eviction_slot(layer, length, importance)
+            assert importance is not None and importance.numel() == length
+            seen_state.append((layer.layer_idx, importance.clone(), layer.positions[0, 0, :length].clone(), slot))
             return slot
 
     cache = KVTrimCache(model, Spy(keep=0.5, eviction="frequency"))

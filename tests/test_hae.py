@@ -167,7 +167,7 @@ def ddes_layer(model, policy, t=30, seed=0):
     hkv, hq, d = cache.num_kv_heads, cache.num_heads, cache.head_dim
     k = torch.randn(1, hkv, t, d, generator=g)
     layer.update(k, torch.randn(1, hkv, t, d, generator=g))
-    policy.after_attention(layer, torch.randn(1, hq, t, d, generator=g), k, d**-0.5)
+    cache.after_attention(layer, torch.randn(1, hq, t, d, generator=g), k, d**-0.5)
     return cache, layer, g
 
 
@@ -176,7 +176,7 @@ def decode_step(cache, layer, policy, g, query=None, key=None):
     k_new = torch.randn(1, hkv, 1, d, generator=g) if key is None else key
     keys, _ = layer.update(k_new, torch.randn(1, hkv, 1, d, generator=g))
     q = torch.randn(1, hq, 1, d, generator=g) if query is None else query
-    policy.after_attention(layer, q, keys, d**-0.5)
+    cache.after_attention(layer, q, keys, d**-0.5)
 
 
 def test_ddes_restores_a_recovered_token(model):

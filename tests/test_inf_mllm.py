@@ -64,12 +64,12 @@ def test_turn_keeps_new_prompt_plus_topk_of_reference(model, bias, per_head):
     layer = cache.compressed_layers[0]
     hkv, hq, d = cache.num_kv_heads, cache.num_heads, cache.head_dim
     keys, _ = layer.update(torch.randn(1, hkv, n_old, d), torch.randn(1, hkv, n_old, d))
-    pol.after_attention(layer, torch.randn(1, hq, n_old, d), keys, d**-0.5)
+    cache.after_attention(layer, torch.randn(1, hq, n_old, d), keys, d**-0.5)
     pol.max_tokens = budget
     keys, _ = layer.update(torch.randn(1, hkv, n_new, d), torch.randn(1, hkv, n_new, d))
     keys = keys.clone()
     q = torch.randn(1, hq, n_new, d)
-    pol.after_attention(layer, q, keys, d**-0.5)
+    cache.after_attention(layer, q, keys, d**-0.5)
     s = n_old + n_new
     ref = reference_scores(q, keys, d**-0.5, window) * s + torch.arange(s).double() / (s - 1) * bias
     if not per_head:
@@ -90,7 +90,7 @@ def test_long_prompt_keeps_recent_share_and_competes_for_the_rest(model):
     hkv, hq, d = cache.num_kv_heads, cache.num_heads, cache.head_dim
     torch.manual_seed(5)
     keys, _ = layer.update(torch.randn(1, hkv, 90, d), torch.randn(1, hkv, 90, d))
-    pol.after_attention(layer, torch.randn(1, hq, 90, d), keys.clone(), d**-0.5)  # prefill longer than the budget
+    cache.after_attention(layer, torch.randn(1, hq, 90, d), keys.clone(), d**-0.5)  # prefill longer than the budget
     assert layer.length == 40
     for h in range(hkv):  # the last 20 (= 0.5 * 40) are always there
         assert set(range(70, 90)) <= set(layer.positions[0, h].tolist())
@@ -104,10 +104,10 @@ def test_large_bias_keeps_newer_tokens_than_zero_bias(model):
         layer = cache.compressed_layers[0]
         hkv, hq, d = cache.num_kv_heads, cache.num_heads, cache.head_dim
         keys, _ = layer.update(torch.randn(1, hkv, 80, d) * 3, torch.randn(1, hkv, 80, d))
-        pol.after_attention(layer, torch.randn(1, hq, 80, d), keys, d**-0.5)
+        cache.after_attention(layer, torch.randn(1, hq, 80, d), keys, d**-0.5)
         pol.max_tokens = 30
         keys, _ = layer.update(torch.randn(1, hkv, 10, d) * 3, torch.randn(1, hkv, 10, d))
-        pol.after_attention(layer, torch.randn(1, hq, 10, d) * 3, keys.clone(), d**-0.5)
+        cache.after_attention(layer, torch.randn(1, hq, 10, d) * 3, keys.clone(), d**-0.5)
         return layer.positions
 
     zero, large = kept(0.0), kept(1e6)
@@ -140,7 +140,7 @@ def test_history_keeps_max_of_decayed_and_current_scores(model, history):
             memory = cur
         else:
             memory = torch.maximum(torch.cat([memory * history, torch.zeros(1, hkv, n, dtype=torch.float64)], -1), cur)
-        pol.after_attention(layer, q, keys, sc)
+        cache.after_attention(layer, q, keys, sc)
     s = n1 + n2
     ref = memory + torch.arange(s).double() / (s - 1) * 0.5
     ref[..., n1:] = float("inf")  # the new prompt (20 <= budget / 2) is kept whole
@@ -156,7 +156,7 @@ def test_history_keeps_max_of_decayed_and_current_scores(model, history):
     q = torch.randn(1, hq, n3, d)
     cur = reference_scores(q, keys, sc, window) * keys.shape[2]
     prev = torch.cat([kept_memory.double() * history, torch.zeros(1, hkv, n3, dtype=torch.float64)], -1)
-    got = pol.score(layer, q, keys, sc) - bias_ramp(budget + n3, 0.5).double()
+    got = pol.score(layer.view, q, keys, sc) - bias_ramp(budget + n3, 0.5).double()
     torch.testing.assert_close(got.double(), torch.maximum(prev, cur), atol=1e-5, rtol=1e-5)
 
 
@@ -170,7 +170,7 @@ def test_history_zero_is_the_plain_method(model):
         hkv, hq, d = cache.num_kv_heads, cache.num_heads, cache.head_dim
         for n in (30, 25, 12):
             keys, _ = layer.update(torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d))
-            pol.after_attention(layer, torch.randn(1, hq, n, d), keys.clone(), d**-0.5)
+            cache.after_attention(layer, torch.randn(1, hq, n, d), keys.clone(), d**-0.5)
         return layer
 
     plain, explicit = run(), run(history=0.0)

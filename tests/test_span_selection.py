@@ -73,7 +73,7 @@ def test_policy_chunks_budget_sinks_window(model, prompt, method, kw, chunk):
     t = prompt.shape[1]
     pol = cache.policy
     budget = max(pol.min_tokens, math.floor(keep * t))
-    n_recent = pol.window_tokens(cache.compressed_layers[0])
+    n_recent = pol.window_tokens(cache.compressed_layers[0].view, budget)
     free = torch.ones(t, dtype=torch.bool)
     free[:SINKS] = False
     free[t - n_recent:] = False

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -20,15 +18,19 @@ def test_no_kvtrim_key_means_no_plugin():
 
 
 @pytest.mark.parametrize("raw, msg", [
-    ({"method": "h2o"}, "unknown kvtrim method 'h2o'"),
-    ({"method": "snapkv", "keep": 0}, "kvtrim keep must be a fraction"),
-    ({"method": "snapkv", "keep": 1.5}, "kvtrim keep must be a fraction"),
-    ({"method": "snapkv", "kep": 0.2}, "unknown kvtrim setting(s) ['kep']"),
+    ({"method": "nope"}, "unknown kvtrim method 'nope'; known methods: full, streaming_llm"),
+    ({"method": "snapkv", "keep": 0}, "snapkv: keep must be"),
+    ({"method": "snapkv", "keep": 1.5}, "snapkv: keep must be"),
+    ({"method": "snapkv", "kep": 0.2}, "unexpected keyword argument 'kep'; allowed parameters: keep, max_tokens"),
+    ({"keep": 0.2}, "kvtrim setting(s) ['keep'] are method parameters; give a method too"),
     ({"prefill": "sparse"}, "kvtrim prefill must be one of"),
     ({"prefill": "a_shape", "pattern_config": "x.json"}, "pattern_config is used with prefill 'minference' only"),
     ({"prefill": "minference", "sizes": {"k_v": 3}}, "sizes are used with a single-pattern prefill only"),
     ({"method": "snapkv", "kernel": 4}, "kernel must be a positive odd integer"),
     ({"prefill": "a_shape", "min_length": 0}, "kvtrim min_length must be"),
+    ({"method": "fastv"}, "kvtrim method 'fastv' rewrites the prefill forward"),
+    ({"method": "hae", "max_tokens": 64}, "kvtrim method 'hae' rewrites the prefill forward"),
+    ({"method": "streaming_llm", "max_tokens": 64, "position": "reassigned"}, "kvtrim position 'reassigned' re-rotates"),
 ])
 def test_bad_settings_fail_with_one_line(raw, msg):
     with pytest.raises(KVTrimError) as e:
@@ -36,8 +38,22 @@ def test_bad_settings_fail_with_one_line(raw, msg):
     assert msg in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("method", ["full", "snapkv", "h2o", "streaming_llm", "inf_mllm", "elastic"])
+def test_every_text_method_builds_its_policy_from_the_registry(method):
+    """The plugin takes any text method of the registry and builds it with ``create_policy``: the
+    parameters are the method's own, checked by its class, and positions stay true."""
+    from kvtrim.registry import create_policy
+
+    params = {} if method == "full" else {"keep": 0.25}
+    cfg = parse({"kvtrim": {"method": method, **params}})
+    assert cfg is not None and cfg.method == method and cfg.params == params
+    policy = cfg.policy()
+    assert policy == create_policy(method, position="true", **params)
+    assert policy.position_policy == "true"
+
+
 def test_engine_checks():
-    cfg = PluginConfig(method="snapkv")
+    cfg = PluginConfig(method="snapkv", params={"keep": 0.25})
     ok = dict(vllm_version="0.32.0", prefix_caching=False, speculative=False, scheduler_cls=SCHEDULER, platform="cpu")
     check_engine(cfg, **ok)
     for change, msg in [({"vllm_version": "0.33.0"}, "tested on vLLM 0.32.0, not 0.33.0"),
@@ -52,112 +68,53 @@ def test_engine_checks():
     check_engine(PluginConfig(prefill="a_shape"), **{**ok, "prefix_caching": True, "scheduler_cls": None})
 
 
-# -- block arithmetic ------------------------------------------------------------------------------
-@pytest.mark.parametrize("prompt_len", [5, 127, 128, 129, 700, 1000, 4097])
-@pytest.mark.parametrize("keep", [0.05, 0.25, 0.5, 1.0])
-def test_snapkv_range_keeps_the_budget_rounded_up_to_blocks(prompt_len, keep):
-    bs = 128
-    cfg = PluginConfig(method="snapkv", keep=keep)
-    first, stop = plan.evicted_range(cfg, prompt_len, prompt_len, bs)
-    full, tail = prompt_len // bs, prompt_len % bs
-    assert stop == max(first, full) and first <= max(full, 0)
-    kept = first * bs + tail if full else prompt_len
-    assert kept >= min(prompt_len, math.ceil(keep * prompt_len))  # never fewer than asked
-    assert kept - bs < max(math.ceil(keep * prompt_len), cfg.sinks + cfg.window, bs)  # at most one block more
-    if keep == 1.0:
-        assert first == stop  # keep 1: nothing evicted
-    # the decision is made once: later steps see the same range
-    assert plan.evicted_range(cfg, prompt_len, prompt_len + 50, bs) == (first, stop)
+# -- the ledger: which blocks stay ------------------------------------------------------------------
+def _drive(policy, steps, bs):
+    """Run a ledger through ``steps`` of ``(ctx, q)``; returns, per step, (freed, live, stored, kept)."""
+    ledger = plan.Ledger(bs)
+    out = []
+    for ctx, q in steps:
+        freed, _ = ledger.begin_step(ctx, q)
+        kept = ledger.end_step(policy, ctx, q)
+        out.append((freed, list(ledger.live), ledger.stored, kept))
+    return out
 
 
-def test_streaming_range_slides_with_the_stream():
-    bs = 32
-    cfg = PluginConfig(method="streaming_llm", keep=0.25, sinks=4)
-    prompt_len = 400
-    recent = math.ceil(0.25 * prompt_len) - 4
-    last = (0, 0)
-    for ctx in range(prompt_len, prompt_len + 200):
-        first, stop = plan.evicted_range(cfg, prompt_len, ctx, bs)
-        assert first == 1  # the sinks' block stays
-        assert stop * bs <= ctx - recent  # every token of the recent window is still there
-        assert (stop + 1) * bs > ctx - recent  # and no more than one extra block of older tokens
-        assert stop >= last[1]
-        last = (first, stop)
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "streaming_llm", "inf_mllm", "elastic"])
+@pytest.mark.parametrize("bs", [4, 16, 128])
+def test_ledger_frees_whole_blocks_and_keeps_the_first_and_the_writing_one(method, bs):
+    from kvtrim.registry import create_policy
+
+    policy = create_policy(method, keep=0.3, position="true")
+    steps = [(0, 150), (150, 97), *[(c, 1) for c in range(247, 520)]]
+    prev_live: list[int] = []
+    for (ctx, q), (freed, live, stored, kept) in zip(steps, _drive(policy, steps, bs)):
+        seen = ctx + q
+        assert stored % bs == seen % bs  # the next token's slot is the one vLLM computes from its position
+        assert live[0] == 0 and live[-1] == (seen - 1) // bs  # the first block and the one being written stay
+        assert live == sorted(set(live)) and -(-stored // bs) == len(live)
+        assert not set(freed) & set(live) and 0 not in freed
+        assert set(freed) <= set(prev_live)
+        target = policy.eviction_target(plan.phase_of(ctx, q), seen, stored)
+        if target is None or target >= stored:
+            assert kept == stored
+        else:  # whole blocks freed, never fewer tokens than the rule asks, and no block more than needed
+            assert (stored - kept) % bs == 0 and kept >= target
+            assert kept - bs < target or -(-stored // bs) - (stored - kept) // bs == 2
+        prev_live = live
 
 
-def test_compacted_row():
-    row = torch.tensor([7, 3, 9, 4, 8, 0, 0])
-    assert plan.compacted_row(row, 1, 3).tolist() == [7, 4, 8, 0, 0, 0, 0]
-    assert plan.compacted_row(row, 2, 2).tolist() == row.tolist()
+def test_ledger_refuses_a_step_that_skips_tokens():
+    ledger = plan.Ledger(16)
+    ledger.begin_step(0, 40)
+    ledger.end_step(PluginConfig(method="snapkv", params={"keep": 0.5}).policy(), 0, 40)
+    with pytest.raises(KVTrimError, match="continued at 50 cached tokens, its ledger is at 40"):
+        ledger.begin_step(50, 1)
 
 
-# -- token selection and compaction ------------------------------------------------------------------
-def test_select_tokens_is_the_top_k_with_sinks_and_window_forced():
-    g = torch.Generator().manual_seed(0)
-    scores = torch.rand(3, 40, generator=g)
-    idx = plan.select_tokens(scores, 16, sinks=4, protect_from=36)
-    for h in range(3):
-        got = set(idx[h].tolist())
-        assert {0, 1, 2, 3, 36, 37, 38, 39} <= got
-        rest = sorted(range(4, 36), key=lambda i: -scores[h, i].item())[:8]
-        assert got == {0, 1, 2, 3, 36, 37, 38, 39, *rest}
-        assert idx[h].tolist() == sorted(idx[h].tolist())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compact_moves_each_heads_tokens_in_order(dtype):
-    g = torch.Generator().manual_seed(1)
-    nb, hkv, bs, d = 9, 3, 4, 5
-    kv = torch.randn(nb, hkv, 2 * bs, d, generator=g).to(dtype)  # vLLM's CPU layout: keys then values per block
-    key_cache, value_cache = kv[:, :, :bs], kv[:, :, bs:]
-    blocks = torch.tensor([6, 2, 5, 8])  # the request's blocks in logical order: 16 tokens
-    logical_k = key_cache[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, d).clone()
-    logical_v = value_cache[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, d).clone()
-    untouched = kv[[0, 1, 3, 4, 7]].clone()
-    keep = torch.stack([torch.tensor([0, 1, 5, 6, 9, 10, 14, 15]), torch.arange(8), torch.arange(8, 16)])
-    plan.compact(key_cache, value_cache, blocks, keep)
-    got_k = key_cache[blocks[:2]].permute(1, 0, 2, 3).reshape(hkv, -1, d)
-    got_v = value_cache[blocks[:2]].permute(1, 0, 2, 3).reshape(hkv, -1, d)
-    for h in range(hkv):
-        assert torch.equal(got_k[h], logical_k[h, keep[h]])
-        assert torch.equal(got_v[h], logical_v[h, keep[h]])
-    assert torch.equal(kv[[0, 1, 3, 4, 7]], untouched)  # other requests' blocks are not written
-
-
-def test_compact_reads_and_writes_the_kernels_block_layout():
-    # vLLM's CPU kernel stores a block's keys channel-major ([D, bs]) and its values token-major;
-    # compaction must move tokens, not stored rows, whatever the layout
-    g = torch.Generator().manual_seed(2)
-    nb, hkv, bs, d = 6, 2, 4, 3
+def test_token_major_and_stored_are_inverse():
+    bs, d = 4, 3
     key_layout = torch.tensor([j * bs + t for t in range(bs) for j in range(d)])  # token-major t*d+j -> stored j*bs+t
-    assert plan.token_major(plan.stored(torch.arange(bs * d).float().view(1, 1, bs, d), key_layout), key_layout).flatten().tolist() \
-        == list(range(bs * d))
-    logical_k = torch.randn(nb, hkv, bs, d, generator=g)
-    logical_v = torch.randn(nb, hkv, bs, d, generator=g)
-    key_cache, value_cache = plan.stored(logical_k, key_layout).clone(), logical_v.clone()
-    # the stored keys of a block head are the token-major ones transposed
-    assert torch.equal(key_cache[0, 0].reshape(-1), logical_k[0, 0].t().reshape(-1))
-    blocks = torch.tensor([5, 0, 3])
-    flat_k = logical_k[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, d)
-    flat_v = logical_v[blocks].permute(1, 0, 2, 3).reshape(hkv, -1, d)
-    keep = torch.stack([torch.tensor([0, 2, 7, 11]), torch.tensor([1, 4, 5, 9])])
-    plan.compact(key_cache, value_cache, blocks, keep, (key_layout, None))
-    got_k = plan.token_major(key_cache[blocks[:1]], key_layout)[0]
-    for h in range(hkv):
-        assert torch.equal(got_k[h], flat_k[h, keep[h]])
-        assert torch.equal(value_cache[blocks[0], h], flat_v[h, keep[h]])
-    assert torch.equal(plan.token_major(key_cache[[1, 2, 4]], key_layout), logical_k[[1, 2, 4]])  # others untouched
-
-
-def test_snapkv_scores_outside_a_kvtrim_cache():
-    """The plugin's workers score a prompt with ``SnapKV.score(None, q, k, scale)`` (no kvtrim cache layer,
-    so no fused scores to read): the window scores are computed from q and k, as kvtrim's own path does."""
-    from kvtrim.policies.snapkv import SnapKV
-    from kvtrim.scores import group_reduce, window_probs
-
-    g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 6, 40, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g)
-    policy = SnapKV(keep=0.25, window=8, kernel=1)
-    got = policy.score(None, q, k, 0.25)
-    want = group_reduce(window_probs(q, k, 0.25, 8).sum(dim=-2), "mean")
-    torch.testing.assert_close(got, want)
+    x = torch.arange(2 * bs * d).float().view(1, 2, bs, d)
+    assert torch.equal(plan.token_major(plan.stored(x, key_layout), key_layout), x)
+    assert torch.equal(plan.stored(x, key_layout)[0, 0].reshape(-1), x[0, 0].t().reshape(-1))  # channel-major

@@ -34,6 +34,11 @@ class MethodInfo:
 
 _METHODS: dict[str, MethodInfo] = {}
 
+#: the method that keeps every token (a cache given no method runs it)
+NO_COMPRESSION = "full"
+#: the method ``kvtrim.compress`` runs when given none (a one-shot question over a long prompt)
+DEFAULT_METHOD = "snapkv"
+
 
 def register(name: str, module: str, cls: str) -> None:
     """Register a policy class by import path (imported only when used)."""

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.cache import CompressedLayer, KVTrimCache
+from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.scores import ScoreRequest
+from kvtrim.storage import CompressedLayer
 
 
 def replayable(method: "str | Policy | type[Policy]") -> bool:

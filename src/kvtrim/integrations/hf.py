@@ -25,14 +25,17 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvtrim import validate
 from kvtrim.attention.fused import causal_attention_scores, fused_backend
-from kvtrim.cache import ACTIVE, LOGIT_BIAS, KVTrimCache, cache_keyword
+from kvtrim.cache import ACTIVE, KVTrimCache, cache_keyword
+from kvtrim.decisions import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
+from kvtrim.registry import DEFAULT_METHOD
 from kvtrim.scores import PromptScores, decode_attention
 
 logger = logging.getLogger(__name__)
@@ -40,14 +43,30 @@ logger = logging.getLogger(__name__)
 ATTN_NAME = "kvtrim"
 _lock = threading.Lock()
 _users = 0
-# The name of the base attention each attached model wraps ("sdpa" or "eager"), keyed by id(config).
-_BASE: dict[int, str] = {}
-# Optional prefill attention override (sparse prefill), keyed by id(config): fn(module, q, k, v, mask, scaling, **kw)
-_PREFILL: dict[int, Callable[..., Any]] = {}
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """One model attached to kvtrim (:func:`attach`): its config (the one object its attention
+    modules share), the base attention kvtrim wraps ("sdpa" or "eager"), the optional sparse prefill
+    ``fn(module, q, k, v, mask, scaling, **kw)`` and the ``fused_scores`` choice."""
+
+    config: Any
+    base: str
+    prefill: Callable[..., Any] | None
+    fused: str
+
+
+# The models attached now, found by the identity of their config (held while attached, so a config
+# that is gone can never be mistaken for a new one); a model is attached once at a time.
+_ATTACHED: list[Attachment] = []
+
+
+def attachment(config) -> Attachment | None:
+    """The :class:`Attachment` of the model whose config is ``config``, or None."""
+    return next((a for a in _ATTACHED if a.config is config), None)
 #: ``attach(fused_scores=...)``: when a prefill's attention also computes the policy's scores
 FUSED_SCORES = ("auto", "always", "never")
-# the attached models' fused_scores choice, by id(config)
-_FUSED: dict[int, str] = {}
 
 
 def _base_fn(name: str, module=None):
@@ -78,19 +97,21 @@ def _eager(fn, module, query, key, value, attention_mask, **kwargs):
 def kvtrim_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers attention function: base attention, then the cache's policy hook, for every
     cache layer the published binding names."""
-    name = _BASE.get(id(module.config), "sdpa")
+    att = attachment(module.config)
+    name = att.base if att is not None else "sdpa"
     base = _base_fn(name, module) if name == "eager" else _base_fn(name)
     binding = ACTIVE.get()
 
     def attend_one(one, q, k, v, mask):
-        return _attend(base, module, one, q, k, v, mask, dropout, scaling, is_causal, kwargs)
+        return _attend(base, att, module, one, q, k, v, mask, dropout, scaling, is_causal, kwargs)
 
     if binding is None:
         return attend_one(None, query, key, value, attention_mask)
     return binding.attend(attend_one, query, key, value, attention_mask)
 
 
-def _attend(base, module, binding, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+def _attend(base, att: Attachment | None, module, binding, query, key, value, attention_mask, dropout, scaling,
+            is_causal, kwargs):
     layer_idx = getattr(module, "layer_idx", None)
     if binding is None or binding.layer.layer_idx != layer_idx:
         return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
@@ -103,15 +124,17 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         else:
             query = rotary.rotate(query, delta.unsqueeze(1))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    prefill = _PREFILL.get(id(module.config))
+    prefill = att.prefill if att is not None else None
+    base_name = att.base if att is not None else "sdpa"
+    fused = att.fused if att is not None else "never"
     res = None
     if prefill is not None and layer.phase == "prefill" and query.shape[-2] > 1:
         res = prefill(module, query, key, value, attention_mask, scale, **kwargs)  # None: run dense
     bias = layer.token_state.get(LOGIT_BIAS)
     if (res is None and bias is None and attention_mask is None and query.shape[-2] == 1 and layer.phase == "decode"
-            and not dropout and _BASE.get(id(module.config), "sdpa") == "sdpa"
+            and not dropout and base_name == "sdpa"
             and not any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))
-            and ((wants := binding.cache.policy.wants_decode_probs(layer))
+            and ((wants := binding.cache.policy.wants_decode_probs(layer.view))
                  or (query.device.type == "cpu" and (query.dtype != torch.float32 or CPU_DECODE_FP32)
                      and key.shape[-2] >= CPU_DECODE_MIN_KEYS
                      and cpu_decode_attention()))):
@@ -127,8 +150,8 @@ def _attend(base, module, binding, query, key, value, attention_mask, dropout, s
         res = (out, None)
         if wants:
             layer.decode_probs = probs
-    if res is None and bias is None and layer.phase != "decode" and _FUSED.get(id(module.config), "never") != "never":
-        res = _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs)
+    if res is None and bias is None and layer.phase != "decode" and fused != "never":
+        res = _fused_prefill(base_name, fused, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs)
     if res is None:
         if bias is not None:
             attention_mask = with_logit_bias(attention_mask, bias[:, :, : key.shape[-2]], query)
@@ -160,17 +183,17 @@ def cpu_decode_attention() -> bool:
     return value == "auto"
 
 
-def _fused_prefill(module, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs):
+def _fused_prefill(base_name, fused, binding, layer, query, key, value, attention_mask, dropout, scale, kwargs):
     """The prefill attention computed together with the scores the policy asked for
     (``Policy.wants_prefill_scores``; ``kvtrim.attention.fused``), which are left in
     ``layer.attention_scores`` for its hook; None (run the model's attention) when the policy asks
     for nothing or the call is not a plain causal one that the fused kernel computes exactly."""
     n, m = query.shape[-2], key.shape[-2]
-    if (n <= 1 or dropout or _BASE.get(id(module.config), "sdpa") != "sdpa"
+    if (n <= 1 or dropout or base_name != "sdpa"
             or any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
         return None  # sliding windows, soft-capping, sinks: the model's own attention
-    want = binding.cache.policy.wants_prefill_scores(layer)
-    if want is None or not (want.column_sums or (want.window > 0 and _FUSED.get(id(module.config)) == "always")):
+    want = binding.cache.policy.wants_prefill_scores(layer.view)
+    if want is None or not (want.column_sums or (want.window > 0 and fused == "always")):
         return None  # "auto": last-window rows alone are cheaper recomputed (window x T) than fused
     if not (attention_mask is None and n == m) and not _bottom_right_causal(attention_mask, n, m):
         return None  # padding, or a mask the kernel does not compute: the model's own attention
@@ -290,10 +313,8 @@ def attach(model, prefill_attention=None, fused_scores: str = "auto") -> Iterato
         if _users == 0:
             _register()
         _users += 1
-    _BASE[id(cfg)] = base
-    if prefill_attention is not None:
-        _PREFILL[id(cfg)] = prefill_attention
-    _FUSED[id(cfg)] = fused_scores
+    att = Attachment(cfg, base, prefill_attention, fused_scores)
+    _ATTACHED.append(att)
     try:
         model.set_attn_implementation(ATTN_NAME)
         from kvtrim.integrations.pruning import install as install_hooks
@@ -304,9 +325,7 @@ def attach(model, prefill_attention=None, fused_scores: str = "auto") -> Iterato
         try:
             model.set_attn_implementation(original)
         finally:
-            _BASE.pop(id(cfg), None)
-            _PREFILL.pop(id(cfg), None)
-            _FUSED.pop(id(cfg), None)
+            _ATTACHED.remove(att)
             ACTIVE.set(None)
             with _lock:
                 _users -= 1
@@ -315,7 +334,7 @@ def attach(model, prefill_attention=None, fused_scores: str = "auto") -> Iterato
 
 
 @contextlib.contextmanager
-def compress(model, method: str = "snapkv", prefill=None, **policy_kwargs) -> Iterator[KVTrimCache]:
+def compress(model, method: str = DEFAULT_METHOD, prefill=None, **policy_kwargs) -> Iterator[KVTrimCache]:
     """One line for transformers users: attach kvtrim and get a compressing cache.
 
     Example::

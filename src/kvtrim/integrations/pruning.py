@@ -190,7 +190,7 @@ def prune_after(cache, layer_idx: int, keep: torch.Tensor) -> None:
     ``KVTrimError`` when the hooks are not installed (run inside ``kvtrim.attach(model)``) or the
     model has sliding-window layers.
     """
-    from kvtrim.cache import CompressedLayer
+    from kvtrim.storage import CompressedLayer
 
     st = _FORWARD.get()
     if st is None or st.cache is not cache or not st.layers_hooked:

@@ -1,8 +1,12 @@
 """The policy base class: the mechanism every KV method shares.
 
-A policy is a small dataclass. The cache calls ``after_attention`` once per layer per forward
-pass, after the layer's attention output has been computed from the full set of keys (the
-stored ones plus the new ones). The base class decides the phase and calls one hook:
+A policy is a small dataclass that decides and never stores: an engine calls ``after_attention``
+once per layer per forward pass, after the layer's attention output has been computed from the
+full set of keys (the stored ones plus the new ones), with a read-only view of the layer
+(``kvtrim.decisions.LayerView``); the hook returns a decision (keep these slots, drop the lead,
+drop these slots, merge) that the engine's storage applies (``kvtrim.storage`` for transformers,
+``kvtrim.integrations.vllm.storage`` for vLLM's blocks). A policy imports no storage module. The
+base class decides the phase and calls one hook:
 
 * ``on_prefill`` - the first forward of a sequence (the prompt);
 * ``on_turn`` - a later forward with more than one new token (a new user turn, a stream chunk,
@@ -12,7 +16,9 @@ stored ones plus the new ones). The base class decides the phase and calls one h
 A score-based method only writes ``score()`` (higher = more worth keeping) and, if it keeps a
 window of recent tokens, ``window_tokens()``; ``evict_by_score`` then keeps exactly the
 top-``budget`` tokens of ``score`` with the protected ones forced in. Merging methods (Elastic
-Cache) and streaming methods override the hooks instead.
+Cache) and streaming methods override the hooks instead. When and down to how many tokens a
+method evicts is one integer rule, ``eviction_target``, which engines can evaluate without
+tensors (to plan memory) and which the hooks follow (``kept_target``).
 
 Do no harm by default (docs/methods-spec.md, "Always kept"):
 
@@ -34,16 +40,14 @@ import dataclasses
 import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from kvtrim import validate
+from kvtrim.decisions import Decisions, DropSlots, Keep, LayerView
 from kvtrim.errors import KVTrimError
 from kvtrim.scores import ScoreRequest, causal_column_sums, window_probs
-
-if TYPE_CHECKING:
-    from kvtrim.cache import CompressedLayer
 
 POSITION_POLICIES = ("true", "reassigned", "compressed")
 
@@ -111,11 +115,6 @@ class Policy:
     #: its prefill scores depend on the prompt only, not on the budget, so several budgets of the
     #: method on one prompt can compute them once: see :meth:`share_prefill_scores`
     shares_prefill_scores: ClassVar[bool] = False
-    #: relies on the cache's slots holding its tokens in stream order (index arithmetic on slots,
-    #: merges, a fixed eviction slot). A method that does not (H2O: scores and positions per slot)
-    #: lets a decode step that drops a few tokens move the newest into the holes
-    #: (``CompressedLayer.drop_slots``) instead of shifting every later token, under ``true`` positions
-    stream_ordered_slots: ClassVar[bool] = True
     #: ``max_tokens`` used when neither ``keep`` nor ``max_tokens`` is given (methods that take a
     #: budget only); None: the method has no default budget (its budget is optional)
     default_max_tokens: ClassVar[int | None] = DEFAULT_MAX_TOKENS
@@ -215,41 +214,71 @@ class Policy:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
     # --- hooks ---------------------------------------------------------------------------------
-    def after_attention(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    # Every hook receives a read-only view of one layer (``kvtrim.decisions.LayerView``) and returns
+    # what the storage should do: a decision, several in order, or None (nothing changes).
+    def after_attention(self, layer: LayerView, query: torch.Tensor, key: torch.Tensor, scaling: float) -> Decisions:
         if layer.phase == "prefill":
-            self.on_prefill(layer, query, key, scaling)
-        elif layer.phase == "turn":
-            self.on_turn(layer, query, key, scaling)
-        else:
-            self.on_decode(layer, query, key, scaling)
+            return self.on_prefill(layer, query, key, scaling)
+        if layer.phase == "turn":
+            return self.on_turn(layer, query, key, scaling)
+        return self.on_decode(layer, query, key, scaling)
 
-    def on_prefill(self, layer, query, key, scaling) -> None:
-        self.evict_by_score(layer, query, key, scaling)
+    def on_prefill(self, layer: LayerView, query, key, scaling) -> Decisions:
+        return self.evict_by_score(layer, query, key, scaling)
 
-    def on_turn(self, layer, query, key, scaling) -> None:
-        self.on_prefill(layer, query, key, scaling)
+    def on_turn(self, layer: LayerView, query, key, scaling) -> Decisions:
+        return self.on_prefill(layer, query, key, scaling)
 
-    def on_decode(self, layer, query, key, scaling) -> None:
+    def on_decode(self, layer: LayerView, query, key, scaling) -> Decisions:
         """Default: decoded tokens are appended; nothing is evicted until the next prompt."""
+        return None
+
+    # --- when and to how many: one integer rule for every engine ----------------------------------
+    def eviction_target(self, phase: str, seen: int, stored: int) -> int | None:
+        """How many tokens this method keeps after a forward of ``phase`` that leaves a layer having
+        seen ``seen`` and storing ``stored`` tokens, or None when it evicts nothing then.
+
+        Integers only, so an engine can plan the memory a layer will hold without its tensors (the
+        vLLM plugin's scheduler frees blocks by it). Default: evict down to the budget at each
+        prompt (prefill, turn), never while decoding. A method whose hooks evict elsewhere overrides
+        it, and its hooks use :meth:`kept_target` so that plan and deed are the same rule
+        (``tests/test_cache_policies.py`` checks it for every method)."""
+        if phase == "decode":
+            return None
+        budget = self.budget(seen)
+        return budget if stored > budget else None
+
+    def kept_target(self, layer: LayerView) -> int | None:
+        """Tokens to keep at this hook: :meth:`eviction_target` as the storage can hold it
+        (``LayerView.round_budget``: whole blocks in a paged storage), or None when nothing is evicted."""
+        target = self.eviction_target(layer.phase, layer.seen, layer.length)
+        if target is None:
+            return None
+        kept = layer.round_budget(target)
+        return kept if kept < layer.length else None
 
     # --- score-based selection -------------------------------------------------------------------
-    def score(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    def score(self, layer: LayerView, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         """Per-token scores ``[B, Hkv, stored]``; higher is more worth keeping."""
         raise NotImplementedError
 
-    def window_tokens(self, layer: "CompressedLayer") -> int:
-        """The most recent tokens this method keeps at this eviction (its observation window or
-        recent share); default 0."""
+    def window_tokens(self, layer: LayerView, budget: int) -> int:
+        """The most recent tokens this method keeps at an eviction down to ``budget`` (its observation
+        window or recent share); default 0."""
         return 0
 
-    def protected(self, layer: "CompressedLayer") -> torch.Tensor | None:
+    def protected(self, layer: LayerView, budget: int) -> torch.Tensor | None:
         """Boolean ``[B, Hkv, stored]`` of tokens that must be kept: the sinks and the window."""
-        return self.always_kept(layer, self.window_tokens(layer))
+        return self.always_kept(layer, self.window_tokens(layer, budget))
 
-    def always_kept(self, layer: "CompressedLayer", n_recent: int) -> torch.Tensor:
+    def always_kept(self, layer: LayerView, n_recent: int) -> torch.Tensor:
         """Boolean ``[B, Hkv, stored]``: the first ``n_sinks`` tokens of the stream and the ``n_recent`` newest."""
-        mask = self.first_mask(layer, self.n_sinks)
-        return mask | self.recent_mask(layer, n_recent) if n_recent > 0 else mask
+        return self.always_kept_at(layer.positions, layer.seen, n_recent)
+
+    def always_kept_at(self, positions: torch.Tensor, seen: int, n_recent: int) -> torch.Tensor:
+        """:meth:`always_kept` for slots holding the stream indices ``positions`` after ``seen`` tokens."""
+        mask = positions < self.n_sinks
+        return mask | (positions >= seen - n_recent) if n_recent > 0 else mask
 
     def ranking(self, scores: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
         """The float32 scores :meth:`select` ranks: averaged over heads unless ``per_head``, protected
@@ -284,22 +313,21 @@ class Policy:
         idx = torch.topk(s, budget, dim=-1, sorted=False).indices
         return idx.sort(dim=-1).values
 
-    def evict_by_score(self, layer, query, key, scaling, budget: int | None = None) -> torch.Tensor | None:
-        """Score the stored tokens and keep the top-``budget``; returns the kept slots, or None when
-        nothing was evicted or a decode step dropped a few tokens in place (``stream_ordered_slots``)."""
-        budget = self.budget(layer.seen) if budget is None else budget
-        if layer.length <= budget:
+    def evict_by_score(self, layer: LayerView, query, key, scaling, *, order_free: bool = False) -> Decisions:
+        """Score the stored tokens and keep the top :meth:`kept_target` (None: nothing evicted).
+
+        ``order_free``: the method keeps no meaning in its slots' order (its state lives per slot),
+        so a decode step that drops only a few tokens returns them as :class:`DropSlots` (a storage
+        may fill the holes with the newest tokens) instead of the kept slots."""
+        budget = self.kept_target(layer)
+        if budget is None:
             return None
-        scores, protected = self.score(layer, query, key, scaling), self.protected(layer)
-        if not self.stream_ordered_slots and layer.phase == "decode" and layer.cache.position_policy == "true":
-            s = self.ranking(scores, protected)
-            drop = self.few_dropped(s, budget)
-            if drop is not None and drop.shape[0] == 1:
-                layer.drop_slots(drop)
-                return None
-        idx = self.select(scores, protected, budget)
-        layer.keep_indices(idx)
-        return idx
+        scores, protected = self.score(layer, query, key, scaling), self.protected(layer, budget)
+        if order_free and layer.phase == "decode":
+            drop = self.few_dropped(self.ranking(scores, protected), budget)
+            if drop is not None:
+                return DropSlots(drop)
+        return Keep(self.select(scores, protected, budget))
 
     # --- capability hooks --------------------------------------------------------------------------
     def share_prefill_scores(self, memo: dict | None) -> "Policy":
@@ -315,11 +343,11 @@ class Policy:
         self._score_memo = memo
         return self
 
-    def sharing_prefill_scores(self, layer: "CompressedLayer") -> bool:
+    def sharing_prefill_scores(self, layer: LayerView) -> bool:
         """True when ``layer`` is in its prefill and a memo is shared (:meth:`share_prefill_scores`)."""
         return getattr(self, "_score_memo", None) is not None and layer.phase == "prefill"
 
-    def prefill_scores(self, layer: "CompressedLayer", key: Hashable, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def prefill_scores(self, layer: LayerView, key: Hashable, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``compute()``; during the prefill with a shared memo, computed once per ``(key, layer)``.
 
         ``key`` names the score and every parameter it depends on (not the budget).
@@ -332,7 +360,7 @@ class Policy:
             memo[k] = compute()
         return memo[k]
 
-    def prefill_column_sums(self, layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor,
+    def prefill_column_sums(self, layer: LayerView, query: torch.Tensor, key: torch.Tensor,
                             scaling: float) -> torch.Tensor:
         """Causal softmax column sums of a prefill, ``[B, Hkv, G, S]`` (``kvtrim.scores.causal_column_sums``),
         shared through the memo of :meth:`share_prefill_scores` (H2O and Elastic Cache use the same sums).
@@ -340,14 +368,14 @@ class Policy:
         (:meth:`wants_prefill_scores`), else they are computed from ``query`` and ``key``."""
 
         def compute() -> torch.Tensor:
-            got = getattr(layer, "attention_scores", None)  # layer None: scored outside a kvtrim cache (the vLLM plugin)
+            got = layer.attention_scores
             if got is not None and got.column_sums is not None and got.column_sums.shape[-1] == key.shape[-2]:
                 return got.column_sums
             return causal_column_sums(query, key, scaling)
 
         return self.prefill_scores(layer, "column_sums", compute)
 
-    def wants_prefill_scores(self, layer: "CompressedLayer") -> ScoreRequest | None:
+    def wants_prefill_scores(self, layer: LayerView) -> ScoreRequest | None:
         """What this prefill's hook will read from the prompt's attention probabilities, or None.
 
         kvtrim's attention function then computes the prefill attention with a kernel that also
@@ -360,16 +388,16 @@ class Policy:
         return None
 
     @staticmethod
-    def attention_window_probs(layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float,
+    def attention_window_probs(layer: LayerView, query: torch.Tensor, key: torch.Tensor, scaling: float,
                                window: int) -> torch.Tensor:
         """``window_probs(query, key, scaling, window)`` ``[B, Hkv, G, w, S]``: the prefill attention's own
         rows when it handed them over (:meth:`wants_prefill_scores`), else computed."""
-        got = getattr(layer, "attention_scores", None)  # layer None: scored outside a kvtrim cache (the vLLM plugin)
+        got = layer.attention_scores
         if got is not None and (rows := got.window(window, query.shape[-2])) is not None and rows.shape[-1] == key.shape[-2]:
             return rows
         return window_probs(query, key, scaling, window)
 
-    def wants_decode_probs(self, layer: "CompressedLayer") -> bool:
+    def wants_decode_probs(self, layer: LayerView) -> bool:
         """True when this decode step's hook reads the step's attention probabilities. kvtrim's
         attention function then computes the step's attention itself
         (:func:`kvtrim.scores.decode_attention`) and leaves the probabilities in
@@ -379,7 +407,7 @@ class Policy:
         return False
 
     @staticmethod
-    def decode_probs(layer: "CompressedLayer", query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    def decode_probs(layer: LayerView, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         """This decode step's softmax row ``[B, Hkv, G, 1, S]``: the attention's own when it handed
         them over (:meth:`wants_decode_probs`), else computed from ``query`` and ``key``."""
         if layer.decode_probs is not None:
@@ -394,12 +422,12 @@ class Policy:
 
     # --- helpers for subclasses ------------------------------------------------------------------
     @staticmethod
-    def recent_mask(layer: "CompressedLayer", n: int) -> torch.Tensor:
+    def recent_mask(layer: LayerView, n: int) -> torch.Tensor:
         """Boolean ``[B, H, stored]``: the ``n`` most recent tokens by stream index."""
         pos = layer.positions
         return pos >= (layer.seen - n)
 
     @staticmethod
-    def first_mask(layer: "CompressedLayer", n: int) -> torch.Tensor:
+    def first_mask(layer: LayerView, n: int) -> torch.Tensor:
         """Boolean ``[B, H, stored]``: tokens among the first ``n`` of the stream (attention sinks)."""
         return layer.positions < n

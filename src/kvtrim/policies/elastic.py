@@ -65,13 +65,14 @@ if they all had that key and value; with plain merging it counts as one token.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvtrim import validate
-from kvtrim.cache import LOGIT_BIAS
+from kvtrim.decisions import LOGIT_BIAS, DropSlot, Keep, Merge
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.scores import ScoreRequest, causal_prob_chunks, window_probs
@@ -225,7 +226,7 @@ class Elastic(Policy):
         return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk, self.query_rows)
 
     def wants_prefill_scores(self, layer) -> ScoreRequest | None:
-        if self.importance == "ema" or not (layer.length > self.budget(layer.seen) or self.eviction == "frequency"):
+        if self.importance == "ema" or not (self.kept_target(layer) is not None or self.eviction == "frequency"):
             return None  # the ema weights rows by their place: computed apart (attention_importance)
         if self.importance == "query":
             return ScoreRequest(window=self.query_rows)
@@ -247,8 +248,8 @@ class Elastic(Policy):
         s[:, -self.n_last :] = float("inf")
         return torch.topk(s, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
-    def merge(self, layer, anchors: torch.Tensor) -> None:
-        """Keep ``anchors [B, K]`` (slots, ascending, the first and last stored slot among them).
+    def merge(self, layer, anchors: torch.Tensor) -> Keep | Merge:
+        """The decision that keeps ``anchors [B, K]`` (slots, ascending, the first and last stored slot among them).
 
         With ``combine="merge"`` every other token joins the nearest *mergeable* anchor and that
         anchor's key and value become the unweighted mean of itself and its members (with
@@ -262,15 +263,14 @@ class Elastic(Policy):
         k = anchors.shape[-1]
         idx = anchors.unsqueeze(1).expand(b, h, k)
         if self.combine == "drop":
-            layer.keep_indices(idx)
-            return
+            return Keep(idx)
         keys, values = layer.keys, layer.values
         if b == 1:
             new_k, new_v = keys.index_select(2, anchors[0]), values.index_select(2, anchors[0])
         else:
             new_k = torch.stack([keys[i].index_select(1, anchors[i]) for i in range(b)])
             new_v = torch.stack([values[i].index_select(1, anchors[i]) for i in range(b)])
-        rotary = layer.cache.rotary
+        rotary = layer.rotary
         if self.align and rotary is None:
             raise KVTrimError("elastic: align=True needs a model whose RoPE kvtrim can re-rotate exactly (a plain rotary embedding)")
         last = layer.length - self.n_last  # slots >= last are protected
@@ -310,57 +310,79 @@ class Elastic(Policy):
                 del part
                 if acc.data_ptr() != new[i].data_ptr():
                     new[i] = acc.to(new.dtype)
-        layer.replace(new_k, new_v, idx)
-        for i, count in new_sizes:
-            layer.state_view(LOGIT_BIAS)[i] = count.log().unsqueeze(0)
+        states = {}
+        if self.proportional:
+            bias = torch.gather(layer.state_view(LOGIT_BIAS), 2, idx)
+            for i, count in new_sizes:
+                bias[i] = count.log().unsqueeze(0)
+            states[LOGIT_BIAS] = bias
+        return Merge(idx, new_k, new_v, states)
 
-    def on_prefill(self, layer, query, key, scaling) -> None:
+    def eviction_target(self, phase, seen, stored):
+        budget = self.budget(seen)  # at a prompt (the merge) and at every decode step (the fixed point)
+        return budget if stored > budget else None
+
+    def on_prefill(self, layer, query, key, scaling):
         if self.compresses and not self.kept_whole(layer.seen) and layer.length < self.min_tokens:
             raise KVTrimError(
                 f"elastic: the prompt has {layer.length} token(s), fewer than the {self.min_tokens} it always keeps "
                 f"({self.min_tokens_reason()}); give a longer prompt or use keep=1.0"
             )
         need_imp = self.eviction == "frequency"
-        budget = self.budget(layer.seen)
+        budget = self.kept_target(layer)
         imp = None
-        if layer.length > budget or need_imp:
+        if budget is not None or need_imp:
             imp = self.layer_importance(layer, query, key, scaling)
-        if layer.length > budget:
+        decision: Keep | Merge | None = None
+        length = layer.length
+        if budget is not None:
             assert imp is not None
             anchors = self.select_anchors(imp, budget)
-            self.merge(layer, anchors)
+            decision = self.merge(layer, anchors)
             imp = torch.gather(imp, 1, anchors)
+            length = budget
         if need_imp:
             assert imp is not None
-            acc = layer.new_token_state("elastic_importance")
-            acc[:, :, : layer.length] = imp.unsqueeze(1)
-        layer.state["elastic_P"] = max(min(self.n_sinks, layer.length - 1), layer.length - self.distance)
+            layer.new_token_state("elastic_importance")
+            b, h = layer.positions.shape[:2]
+            acc = imp.unsqueeze(1).expand(b, h, -1).contiguous()
+            if decision is None:
+                layer.state_view("elastic_importance")[:] = acc
+            else:
+                decision = dataclasses.replace(decision, states={**decision.states, "elastic_importance": acc})
+        layer.state["elastic_P"] = max(min(self.n_sinks, length - 1), length - self.distance)
+        return decision
 
-    def on_turn(self, layer, query, key, scaling) -> None:
-        self.on_prefill(layer, query, key, scaling)
+    def on_turn(self, layer, query, key, scaling):
+        return self.on_prefill(layer, query, key, scaling)
 
     # --- generation --------------------------------------------------------------------------------
-    def eviction_slot(self, layer) -> int:
-        """The slot the next decode-time eviction deletes."""
+    def eviction_slot(self, layer, length: int, importance: torch.Tensor | None = None) -> int:
+        """The slot the next decode-time eviction deletes from ``length`` stored tokens
+        (``importance``: the accumulated importance ``[length]`` of the ``frequency`` eviction)."""
         if self.eviction == "fixed":
-            return min(layer.state["elastic_P"], layer.length - 1)
+            return min(layer.state["elastic_P"], length - 1)
         if self.eviction == "recent":
             return self.n_sinks
-        acc = layer.state_view("elastic_importance")[0, 0, self.n_sinks : layer.length - 1]
-        return self.n_sinks + int(torch.argmin(acc))
+        assert importance is not None
+        return self.n_sinks + int(torch.argmin(importance[self.n_sinks : length - 1]))
 
     def wants_decode_probs(self, layer) -> bool:
         return self.eviction == "frequency"
 
-    def on_decode(self, layer, query, key, scaling) -> None:
+    def on_decode(self, layer, query, key, scaling):
         if self.eviction == "frequency":
             row = self.decode_probs(layer, query, key, scaling)[..., 0, :].mean(dim=(1, 2))  # [B, S]
             layer.state_view("elastic_importance")[:] += row.unsqueeze(1)
-        budget = self.budget(layer.seen)
-        b, h = layer.keys.shape[:2]
-        while layer.length > budget:
-            p = self.eviction_slot(layer)
-            if layer.drop_slot(p):
-                continue  # one slot out, the others in order, without building an index
-            keep = torch.cat([torch.arange(p), torch.arange(p + 1, layer.length)]).to(layer.keys.device)
-            layer.keep_indices(keep.view(1, 1, -1).expand(b, h, -1))
+        budget = self.kept_target(layer)
+        if budget is None:
+            return None
+        # one slot out at a time, the others in order; the importance follows the slots it describes
+        importance = layer.state_view("elastic_importance")[0, 0] if self.eviction == "frequency" else None
+        drops = []
+        for length in range(layer.length, budget, -1):
+            p = self.eviction_slot(layer, length, importance)
+            drops.append(DropSlot(p))
+            if importance is not None:
+                importance = torch.cat([importance[:p], importance[p + 1:]])
+        return drops

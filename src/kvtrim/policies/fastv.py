@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from kvtrim import validate
+from kvtrim.decisions import Decision, Decisions, Keep, as_list
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
 from kvtrim.scores import grouped_queries
@@ -71,8 +72,8 @@ class PrefillTokenPruning(Policy):
         raise NotImplementedError
 
     def target_mask(self, layer) -> torch.Tensor | None:
-        """Boolean ``[T]`` over the prompt: the prunable tokens (from the cache's spans), or None."""
-        spans = layer.cache.spans
+        """Boolean ``[T]`` over the prompt: the prunable tokens (from the prompt's spans), or None."""
+        spans = layer.spans
         if spans is None:
             return None
         pos = layer.positions[0, 0]
@@ -80,24 +81,30 @@ class PrefillTokenPruning(Policy):
         target[-1] = False  # the last prompt token gives the next token's logits
         return target if bool(target.any()) else None
 
-    def on_prefill(self, layer, query, key, scaling) -> None:
-        cache = layer.cache
-        first = cache.layers[self.decision_layer] if self.decision_layer < len(cache.layers) else None
+    def on_prefill(self, layer, query, key, scaling) -> Decisions:
+        decisions: list[Decision] = []
+        sliced = None  # this layer's own slice, which its after_token_pruning builds on
         if layer.layer_idx == self.decision_layer:
             target = self.target_mask(layer)
             if target is not None:
                 keep = self.decide(layer, query, key, scaling, target) | ~target
-                layer.state["kept_stream"] = layer.positions[0, 0][keep]
+                kept_stream = layer.positions[0, 0][keep]
+                layer.state["kept_stream"] = kept_stream
                 layer.state["targets"] = int(target.sum())
                 layer.state["targets_kept"] = int((keep & target).sum())
                 if self.mode == "prune":  # handed to the forward by take_hidden_state_keep
                     layer.state["hidden_state_keep"] = keep.nonzero().flatten()
                 if self.slice_decision_layers:
-                    for li in range(layer.layer_idx + 1):
-                        self._slice(cache.layers[li])
-        elif self.mode == "kv" and layer.layer_idx > self.decision_layer and first is not None and "kept_stream" in first.state:
-            self._slice(layer)
-        self.after_token_pruning(layer, query, key, scaling)
+                    for li in range(layer.layer_idx):
+                        other = layer.other(li)
+                        if other is not None and (idx := self.slice_index(other, kept_stream)) is not None:
+                            decisions.append(Keep(idx, layer=li))
+                    sliced = self.slice_index(layer, kept_stream)
+        elif self.mode == "kv" and layer.layer_idx > self.decision_layer:
+            first = layer.other(self.decision_layer)
+            if first is not None and "kept_stream" in first.state:
+                sliced = self.slice_index(layer, first.state["kept_stream"])
+        return decisions + as_list(self.after_token_pruning(layer, query, key, scaling, sliced))
 
     def take_hidden_state_keep(self, cache) -> "tuple[int, torch.Tensor] | None":
         """In ``prune`` mode, the prompt tokens layers after ``decision_layer`` compute, once decided."""
@@ -107,22 +114,24 @@ class PrefillTokenPruning(Policy):
         keep = getattr(layers[self.decision_layer], "state", {}).pop("hidden_state_keep", None)
         return None if keep is None else (self.decision_layer, keep)
 
-    def on_turn(self, layer, query, key, scaling) -> None:
+    def on_turn(self, layer, query, key, scaling) -> Decisions:
         """Later prompts (turns, chunks) are appended; the token set is decided once, at the prefill."""
-        self.after_token_pruning(layer, query, key, scaling)
+        return self.after_token_pruning(layer, query, key, scaling, None)
 
     @staticmethod
-    def _slice(layer) -> None:
-        kept = layer.cache.layers[layer.cache.policy.decision_layer].state["kept_stream"]
-        hit = torch.isin(layer.positions, kept.to(layer.positions.device))  # [B, H, S], same per head at prefill
+    def slice_index(layer, kept_stream: torch.Tensor) -> torch.Tensor | None:
+        """The slots of ``layer`` whose stream index is in ``kept_stream`` (``[B, H, n]``, the same per
+        head at the prefill), or None when that is every slot."""
+        hit = torch.isin(layer.positions, kept_stream.to(layer.positions.device))  # [B, H, S]
         n = int(hit[0, 0].sum())
         if n == layer.length:
-            return
-        idx = hit[0, 0].nonzero().flatten().expand(*layer.positions.shape[:2], n).contiguous()
-        layer.keep_indices(idx)
+            return None
+        return hit[0, 0].nonzero().flatten().expand(*layer.positions.shape[:2], n).contiguous()
 
-    def after_token_pruning(self, layer, query, key, scaling) -> None:
-        """Hook for a budget on top of the pruned set (HAE's DDES); default: nothing."""
+    def after_token_pruning(self, layer, query, key, scaling, sliced: torch.Tensor | None) -> Decisions:
+        """This layer's decision once its prompt was pruned to the slots ``sliced`` (None: not
+        sliced): the slice itself by default; HAE adds its budget (DDES) on top."""
+        return None if sliced is None else Keep(sliced)
 
 
 def head_mean_probs(query: torch.Tensor, key: torch.Tensor, scaling: float, rows: torch.Tensor, chunk: int = 256) -> torch.Tensor:

@@ -32,7 +32,6 @@ class H2O(Policy):
     description = "heavy hitters (accumulated attention per KV head) + recent tokens, evicts every step"
     supports_streaming = True
     shares_prefill_scores = True
-    stream_ordered_slots = False  # scores and positions live per slot: a decode eviction fills its hole
 
     def __post_init__(self) -> None:
         self.recent_ratio = validate.number(self.recent_ratio, "h2o: recent_ratio", minimum=0.0, maximum=1.0, max_open=True)
@@ -64,13 +63,19 @@ class H2O(Policy):
     def score(self, layer, query, key, scaling):
         return layer.state_view("h2o_acc")
 
-    def window_tokens(self, layer):
-        budget = self.budget(layer.seen)
+    def window_tokens(self, layer, budget):
         return min(int(budget * self.recent_ratio), budget - self.n_sinks - 1)
 
-    def on_prefill(self, layer, query, key, scaling) -> None:
-        self._accumulate(layer, query, key, scaling)
-        self.evict_by_score(layer, query, key, scaling)
+    def eviction_target(self, phase, seen, stored):
+        budget = self.budget(seen)  # every forward, decode steps included
+        return budget if stored > budget else None
 
-    def on_decode(self, layer, query, key, scaling) -> None:
-        self.on_prefill(layer, query, key, scaling)
+    def on_prefill(self, layer, query, key, scaling):
+        self._accumulate(layer, query, key, scaling)
+        return self.evict_by_score(layer, query, key, scaling)
+
+    def on_decode(self, layer, query, key, scaling):
+        # scores and positions live per slot, so the slot order means nothing to H2O: a step's few
+        # drops may be filled with the newest tokens (DropSlots) instead of shifting the rest
+        self._accumulate(layer, query, key, scaling)
+        return self.evict_by_score(layer, query, key, scaling, order_free=True)

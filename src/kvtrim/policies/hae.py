@@ -46,6 +46,7 @@ from dataclasses import InitVar, dataclass
 import torch
 
 from kvtrim import validate
+from kvtrim.decisions import Keep
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.fastv import PrefillTokenPruning, head_mean_probs
 from kvtrim.scores import group_reduce, window_probs
@@ -124,53 +125,58 @@ class HAE(PrefillTokenPruning):
         return keep
 
     # --- DDES ------------------------------------------------------------------------------------
-    def after_token_pruning(self, layer, query, key, scaling) -> None:
+    def after_token_pruning(self, layer, query, key, scaling, sliced):
         if not self.compresses:
-            return
+            return None if sliced is None else Keep(sliced)
         layer.new_token_state("hae_hist")
         layer.new_token_state("hae_bin", torch.bool)
+        positions = layer.positions if sliced is None else torch.gather(layer.positions, 2, sliced)
         w = min(self.window, query.shape[-2])
         probs = group_reduce(window_probs(query, key, scaling, w).mean(dim=-2), "mean")  # [B, Hkv, S_key]
-        if probs.shape[-1] != layer.length:  # the prompt's KV was sliced after attention (DAP kv mode / layer 0)
-            probs = torch.gather(probs, -1, layer.positions - (layer.seen - probs.shape[-1]))
-        layer.state_view("hae_hist")[:] = probs
+        if probs.shape[-1] != positions.shape[-1]:  # the prompt's KV is sliced after attention (DAP kv mode / layer 0)
+            probs = torch.gather(probs, -1, positions - (layer.seen - probs.shape[-1]))
         layer.state.setdefault("hae_evictions", 0)
         layer.state.setdefault("hae_restored", 0)
         layer.state.setdefault("hae_binned", 0)
         budget = self.budget(layer.seen)
-        if layer.length > budget:
-            idx = self.select(layer.state_view("hae_hist"), self.always_kept(layer, self.recent), budget)
-            layer.keep_indices(idx)
+        hist = probs
+        if positions.shape[-1] > budget:
+            idx = self.select(hist, self.always_kept_at(positions, layer.seen, self.recent), budget)
+            sliced = idx if sliced is None else torch.gather(sliced, 2, idx)
+            hist, positions = torch.gather(hist, 2, idx), torch.gather(positions, 2, idx)
             layer.state["hae_evictions"] += 1
-        self._rebin(layer, layer.state_view("hae_hist"), budget, count=False)
+        binned = self.binned(hist, positions, layer.seen, budget)
+        if sliced is None:  # the slots stay where they are: the states are written in place
+            layer.state_view("hae_hist")[:] = hist
+            layer.state_view("hae_bin")[:] = binned
+            return None
+        return Keep(sliced, {"hae_hist": hist, "hae_bin": binned})
 
-    def on_turn(self, layer, query, key, scaling) -> None:
-        self.after_token_pruning(layer, query, key, scaling)
+    def on_turn(self, layer, query, key, scaling):
+        return self.after_token_pruning(layer, query, key, scaling, None)
 
-    def on_decode(self, layer, query, key, scaling) -> None:
+    def on_decode(self, layer, query, key, scaling):
         if not self.compresses:
-            return
+            return None
         a = group_reduce(window_probs(query, key, scaling, 1)[..., 0, :], "mean")  # [B, Hkv, S]
         hist = layer.state_view("hae_hist")
         hist.mul_(self.gamma).add_(a, alpha=1.0 - self.gamma)
         score = self.lam * a + (1.0 - self.lam) * hist
         budget = self.budget(layer.seen)
-        self._rebin(layer, score, budget, count=True)
+        old, new = layer.state_view("hae_bin"), self.binned(score, layer.positions, layer.seen, budget)
+        layer.state["hae_restored"] += int((old & ~new).sum())
+        layer.state["hae_binned"] += int((~old & new).sum())
+        old.copy_(new)
         if layer.length > budget:  # the bin overflowed: empty it in one batch
-            keep = ~layer.state_view("hae_bin")
+            keep = ~new
             n = int(keep[0, 0].sum())
-            idx = keep.nonzero()[:, -1].reshape(*keep.shape[:2], n)
-            layer.keep_indices(idx)
             layer.state["hae_evictions"] += 1
+            return Keep(keep.nonzero()[:, -1].reshape(*keep.shape[:2], n))
+        return None
 
-    def _rebin(self, layer, score: torch.Tensor, budget: int, count: bool) -> None:
-        """Active = top ``budget - D`` by ``score`` (recent forced in); the rest of the stored tokens are binned."""
-        n_active = min(layer.length, budget - self.bin_size(budget))
-        binned = layer.state_view("hae_bin")
-        idx = self.select(score, self.always_kept(layer, self.recent), n_active)
-        new_bin = torch.ones_like(binned)
-        new_bin.scatter_(-1, idx, False)
-        if count:
-            layer.state["hae_restored"] += int((binned & ~new_bin).sum())
-            layer.state["hae_binned"] += int((~binned & new_bin).sum())
-        binned.copy_(new_bin)
+    def binned(self, score: torch.Tensor, positions: torch.Tensor, seen: int, budget: int) -> torch.Tensor:
+        """The recycle bin ``[B, H, S]`` (True: binned): every stored token but the active ones, the top
+        ``budget - D`` by ``score`` (the recent ones and the sinks forced in)."""
+        n_active = min(score.shape[-1], budget - self.bin_size(budget))
+        idx = self.select(score, self.always_kept_at(positions, seen, self.recent), n_active)
+        return torch.ones(score.shape, dtype=torch.bool, device=score.device).scatter_(-1, idx, False)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtrim import validate
+from kvtrim.decisions import Keep
 from kvtrim.policies.base import Policy
 from kvtrim.scores import ScoreRequest, chunk_selection, group_reduce, window_probs
 
@@ -143,31 +144,37 @@ class InfMLLM(Policy):
             att = memory.clone()
         return att + bias_ramp(s, self.bias, att.device)
 
-    def window_tokens(self, layer):
-        return self.n_recent(layer, self.budget(layer.seen))
+    def window_tokens(self, layer, budget):
+        return self.n_recent(layer, budget)
+
+    def eviction_target(self, phase, seen, stored):
+        budget = self.budget(seen)
+        if phase == "decode":  # one batch trim per decode_cap tokens beyond the budget
+            return budget if stored > budget + self.decode_cap else None
+        return budget if stored > budget else None
 
     def wants_prefill_scores(self, layer) -> ScoreRequest | None:
-        return ScoreRequest(window=self.window) if self.history > 0 or layer.length > self.budget(layer.seen) else None
+        return ScoreRequest(window=self.window) if self.history > 0 or self.kept_target(layer) is not None else None
 
     def select(self, scores, protected, budget):
         return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)
 
-    def on_prefill(self, layer, query, key, scaling) -> None:
-        if self.history > 0 and layer.length <= self.budget(layer.seen):
+    def on_prefill(self, layer, query, key, scaling):
+        if self.history > 0 and self.kept_target(layer) is None:
             self.score(layer, query, key, scaling)  # nothing to evict: only the saddle memory is updated
-            return
-        self.evict_by_score(layer, query, key, scaling)
+            return None
+        return self.evict_by_score(layer, query, key, scaling)
 
     def wants_decode_probs(self, layer) -> bool:
-        return layer.length > self.budget(layer.seen) + self.decode_cap  # a trim step (on_decode)
+        return self.kept_target(layer) is not None  # a trim step (on_decode)
 
-    def on_decode(self, layer, query, key, scaling) -> None:
-        budget = self.budget(layer.seen)
-        if layer.length > budget + self.decode_cap:
-            # One batch trim per decode_cap tokens: score by this step's query (window of one row).
-            att = retrieval_scores(query, key, scaling, 1, self.decode_probs(layer, query, key, scaling))
-            s = att.shape[-1]
-            scores = att * s + bias_ramp(s, self.bias, att.device)
-            keep_recent = max(1, math.floor(self.recent_share * budget))
-            idx = self.select(scores, self.always_kept(layer, keep_recent), budget)
-            layer.keep_indices(idx)
+    def on_decode(self, layer, query, key, scaling):
+        budget = self.kept_target(layer)
+        if budget is None:
+            return None
+        # One batch trim per decode_cap tokens: score by this step's query (window of one row).
+        att = retrieval_scores(query, key, scaling, 1, self.decode_probs(layer, query, key, scaling))
+        s = att.shape[-1]
+        scores = att * s + bias_ramp(s, self.bias, att.device)
+        keep_recent = max(1, math.floor(self.recent_share * budget))
+        return Keep(self.select(scores, self.always_kept(layer, keep_recent), budget))

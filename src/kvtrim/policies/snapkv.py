@@ -67,10 +67,10 @@ class SnapKV(Policy):
         return s
 
     def wants_prefill_scores(self, layer) -> ScoreRequest | None:
-        return ScoreRequest(window=self.window) if layer.length > self.budget(layer.seen) else None
+        return ScoreRequest(window=self.window) if self.kept_target(layer) is not None else None
 
     def select(self, scores, protected, budget):
         return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)
 
-    def window_tokens(self, layer):
+    def window_tokens(self, layer, budget):
         return min(self.window, layer.n_new)

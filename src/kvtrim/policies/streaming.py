@@ -7,19 +7,17 @@ so a stream can run past the model's trained context. No attention scores are ne
 top-k of that score with the sinks forced in.
 
 Slots hold the tokens in stream order, so that top-k is the first stored sinks and the last
-``budget - sinks`` slots: a decode step builds that index directly (one index set shared by all
-heads) instead of ranking the positions, and the cache re-rotates only the sinks (``keep_indices``);
-the usual step, one token over the budget, drops the token after the sinks without building an
-index at all (``CompressedLayer.drop_after_lead``).
+``budget - sinks`` slots: a decode step returns that as "drop the tokens after the sinks"
+(``kvtrim.decisions.DropLead``) instead of ranking the positions, and a storage moves the sinks, not
+the window (the transformers storage re-rotates only the sinks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvtrim import validate
+from kvtrim.decisions import DropLead
 from kvtrim.policies.base import Policy
 
 
@@ -45,16 +43,15 @@ class StreamingLLM(Policy):
     def score(self, layer, query, key, scaling):
         return layer.positions.float()
 
-    def on_decode(self, layer, query, key, scaling) -> None:
-        budget = self.budget(layer.seen)
-        if layer.length <= budget:
-            return
+    def eviction_target(self, phase, seen, stored):
+        budget = self.budget(seen)  # every forward, decode steps included
+        return budget if stored > budget else None
+
+    def on_decode(self, layer, query, key, scaling):
+        budget = self.kept_target(layer)
+        if budget is None:
+            return None
         # the same set as evict_by_score (top-budget stream indices, sinks forced in), read off the
         # slot order: sinks first, then the newest; positions are the same in every head
         n_sinks = min(int((layer.positions[0, 0] < self.n_sinks).sum()), budget)
-        if layer.length == budget + 1 and layer.drop_after_lead(n_sinks):
-            return  # the usual step: the token after the sinks leaves, nothing else moves
-        dev = layer.positions.device
-        idx = torch.cat([torch.arange(n_sinks, device=dev), torch.arange(layer.length - (budget - n_sinks), layer.length, device=dev)])
-        b, h = layer.positions.shape[:2]
-        layer.keep_indices(idx.view(1, 1, -1).expand(b, h, -1))
+        return DropLead(n_sinks, layer.length - budget)

@@ -2,26 +2,29 @@
 
 vLLM resolves ``CPU_ATTN`` to :class:`KVTrimCPUBackend` once the plugin is registered. Without
 ``additional_config["kvtrim"]`` it returns vLLM's own implementation and builder classes, so
-nothing changes. Configured, one step of a worker runs like this:
+nothing changes. Configured with a method, the worker builds the method's policy with
+``kvtrim.registry.create_policy`` (the same class as on transformers) and one step runs like this:
 
-1. :class:`KVTrimBuilder` (once per step) reads each request's row of the batch: cached tokens
-   ``ctx = seq_len - q_len``, whether vLLM counts it as prefilling, its first physical block
-   (the key of the worker's per-request state; prefix caching is off, so no other running
-   request shares it). It decides, per row: sparse prefill (a whole prompt of at least
-   ``min_length`` tokens in this step), SnapKV scoring (every prefill chunk), compaction (the
-   first decode step), and the evicted block range (:func:`plan.evicted_range`), which it cuts
-   out of the block table and the sequence length handed to vLLM's kernel.
-2. :meth:`KVTrimImpl.do_kv_cache_update` (per layer) first compacts the rows due this step, then
-   lets vLLM write the new keys and values. The scheduler may already have handed the freed
-   blocks to another request in this step; that request writes them only in this same call,
-   after the compaction has read them.
-3. :meth:`KVTrimImpl.forward` (per layer) runs vLLM's kernel for the dense rows, kvtrim's sparse
-   kernel for the sparse rows, and records the SnapKV scores of prefill rows (the last
-   ``window`` queries against every key of the request, per local KV head).
+1. :class:`KVTrimBuilder` (once per step) advances each request's ``Ledger``
+   (``kvtrim.integrations.vllm.plan``) exactly as the scheduler does: the blocks planned after the
+   request's last forward leave, the blocks its new tokens need join, and the block table and
+   sequence length handed to vLLM's kernel list only the blocks the request holds. It also marks the
+   rows that prefill sparse (a whole prompt of at least ``min_length`` tokens in this step).
+2. :meth:`KVTrimImpl.do_kv_cache_update` (per layer) first moves each request's kept tokens into the
+   blocks it keeps (``PagedLayer.compact``: the decision its policy made after the last forward), then
+   lets vLLM write the new keys and values. The scheduler may already have handed the freed blocks
+   to another request in this step; that request writes them only in this same call, after the
+   compaction has read them.
+3. :meth:`KVTrimImpl.forward` (per layer) runs vLLM's kernel for the dense rows and kvtrim's sparse
+   kernel for the sparse rows, then each request's policy hook with its layer's view
+   (``kvtrim.integrations.vllm.storage``): the step's queries, the request's stored keys read from its
+   blocks, and, where the policy scores a decode step from its attention (``wants_decode_probs``),
+   the step's attention probabilities, computed here because vLLM's kernel does not return them.
 
 Tensor parallel: each rank holds ``Hq / tp`` query heads and ``Hkv / tp`` KV heads. The pattern
-config is sliced to the rank's heads; SnapKV selects per local KV head, and the number of blocks
-kept depends only on the prompt length, so every rank frees the same blocks.
+config is sliced to the rank's heads; a policy selects per local KV head, and the number of tokens
+kept depends only on the counters, so every rank frees the same blocks. A policy that averages its
+scores over all heads (``per_head=False``) averages over the rank's own heads.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ from vllm.v1.attention.backends.cpu_attn import (
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.vllm import plan
 from kvtrim.integrations.vllm.config import PluginConfig, check_engine, parse
+from kvtrim.integrations.vllm.storage import PagedLayer, read_tokens
+from kvtrim.scores import window_probs
 
 if TYPE_CHECKING:
     from kvtrim.integrations.prefill import SparsePrefill
-    from kvtrim.policies.snapkv import SnapKV
+    from kvtrim.policies.base import Policy
 
 log = logging.getLogger("vllm.kvtrim")  # under vLLM's logger, so its handlers print it
 
@@ -57,46 +62,54 @@ log = logging.getLogger("vllm.kvtrim")  # under vLLM's logger, so its handlers p
 # --------------------------------------------------------------------------- per-process state
 @dataclass
 class RequestState:
-    """What a worker remembers about one running request (keyed by its first physical block)."""
+    """What a worker keeps about one running request (keyed by its first physical block, which it
+    holds until it ends: prefix caching is off, and compaction never frees it)."""
 
-    prompt_len: int | None = None  # cached tokens at the first decode step
-    scores: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [Hkv_local, S] SnapKV scores
+    ledger: plan.Ledger
+    layers: dict[int, PagedLayer] = field(default_factory=dict)
 
 
 @dataclass
 class Settings:
     cfg: PluginConfig
     prefill: SparsePrefill | None  # sliced to this rank's heads
-    snapkv: SnapKV | None  # its score() is kvtrim's token-level method's
+    policy: Policy | None  # the method's policy, built by create_policy
 
 
-_SETTINGS: Settings | None = None
-_CHECKED = False
-STATE: dict[int, RequestState] = {}
-_LOGGED: set[str] = set()
+class _Process:
+    """This process's plugin state: the settings (read once from vLLM's config) and the running
+    requests' state. One per worker process, which serves one engine."""
+
+    def __init__(self) -> None:
+        self.checked = False
+        self.settings: Settings | None = None
+        self.requests: dict[int, RequestState] = {}
+        self.logged: set[str] = set()
+
+
+PROCESS = _Process()
 
 
 def _once(msg: str) -> None:
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
+    if msg not in PROCESS.logged:
+        PROCESS.logged.add(msg)
         log.info("kvtrim: %s", msg)
 
 
 def settings() -> Settings | None:
     """This process's plugin settings from the current vLLM config (checked once; None: not configured)."""
-    global _SETTINGS, _CHECKED
-    if _CHECKED:
-        return _SETTINGS
+    if PROCESS.checked:
+        return PROCESS.settings
     vc = get_current_vllm_config()
     try:
         cfg = parse(vc.additional_config)
         if cfg is not None:
-            _SETTINGS = _build(cfg, vc)
+            PROCESS.settings = _build(cfg, vc)
     except KVTrimError as e:
         log.error("kvtrim: %s", e)
         raise
-    _CHECKED = True
-    return _SETTINGS
+    PROCESS.checked = True
+    return PROCESS.settings
 
 
 def _build(cfg: PluginConfig, vc) -> Settings:
@@ -111,13 +124,10 @@ def _build(cfg: PluginConfig, vc) -> Settings:
     prefill = None
     if cfg.prefill is not None:
         prefill = _prefill_hook(cfg.prefill, cfg, vc)
-    snap = None
-    if cfg.method == "snapkv":
-        from kvtrim.policies.snapkv import SnapKV
-
-        snap = SnapKV(window=cfg.window, kernel=cfg.kernel, pooling=cfg.pooling, keep=cfg.keep)
-    _once(f"configured: prefill={cfg.prefill} method={cfg.method} keep={cfg.keep}")
-    return Settings(cfg, prefill, snap)
+    policy = cfg.policy() if cfg.method is not None else None
+    budget = "" if policy is None else f" keep={policy.keep}" if policy.keep is not None else f" max_tokens={policy.max_tokens}"
+    _once(f"configured: prefill={cfg.prefill} method={cfg.method}{budget}")
+    return Settings(cfg, prefill, policy)
 
 
 def _qualname(cls) -> str | None:
@@ -168,10 +178,11 @@ class RowPlan:
     stop: int
     ctx: int
     key: int  # first physical block
-    blocks: torch.Tensor  # the request's block ids in logical order, before eviction
     sparse: bool = False
-    score: bool = False
-    compact: tuple[int, int] | None = None  # (kept blocks, full prompt blocks) to compact now
+    live: torch.Tensor | None = None  # physical blocks held during the step, in order (compression on)
+    kept: int = 0  # tokens the policy keeps after this step's forward (the plan)
+    before: torch.Tensor | None = None  # blocks holding the stored tokens before this step's compaction
+    after: torch.Tensor | None = None  # the blocks they move into (None: no compaction this step)
 
 
 @dataclass
@@ -186,7 +197,6 @@ class KVTrimBuilder(CPUAttentionMetadataBuilder):
         cm = common_attn_metadata
         qsl = cm.query_start_loc_cpu.tolist() if cm.query_start_loc_cpu is not None else cm.query_start_loc.tolist()
         seq = cm.seq_lens.cpu()
-        prefilling = cm.is_prefilling.cpu().tolist() if cm.is_prefilling is not None else None
         table = cm.block_table_tensor
         new_table: torch.Tensor | None = None
         new_seq: torch.Tensor | None = None
@@ -195,36 +205,31 @@ class KVTrimBuilder(CPUAttentionMetadataBuilder):
         for r in range(cm.num_reqs):
             q_len, s_len = qsl[r + 1] - qsl[r], int(seq[r])
             ctx = s_len - q_len
-            n_blocks = -(-s_len // bs)
-            rp = RowPlan(r, qsl[r], qsl[r + 1], ctx, int(table[r, 0]), table[r, :n_blocks])
+            rp = RowPlan(r, qsl[r], qsl[r + 1], ctx, int(table[r, 0]))
             rows.append(rp)
-            if s.cfg.method is None:
-                if s.prefill is not None and ctx == 0 and q_len >= s.cfg.min_length:
-                    rp.sparse = True
+            rp.sparse = s.prefill is not None and ctx == 0 and q_len >= s.cfg.min_length
+            if s.policy is None:
                 continue
             if ctx == 0:
-                STATE[rp.key] = RequestState()
-            st = STATE.get(rp.key)
+                PROCESS.requests[rp.key] = RequestState(plan.Ledger(bs))
+            st = PROCESS.requests.get(rp.key)
             if st is None:  # a request that started before the plugin saw it (cannot happen) stays dense
                 continue
-            decoding = q_len == 1 and not (prefilling[r] if prefilling is not None else False)
-            if not decoding:
-                rp.sparse = s.prefill is not None and ctx == 0 and q_len >= s.cfg.min_length
-                rp.score = s.snapkv is not None
-                continue
-            if st.prompt_len is None:
-                st.prompt_len = ctx
-                if s.snapkv is not None:
-                    first, stop = plan.evicted_range(s.cfg, ctx, ctx, bs)
-                    if stop > first:
-                        rp.compact = (first, stop)
-            first, stop = plan.evicted_range(s.cfg, st.prompt_len, ctx, bs)
-            if stop > first:
+            freed, before = st.ledger.begin_step(ctx, q_len)
+            row = table[r]
+            if freed:
+                gone = set(freed)
+                rp.before = row[before]
+                rp.after = row[[i for i in before if i not in gone]]
+            rp.kept = st.ledger.end_step(s.policy, ctx, q_len)
+            rp.live = row[st.ledger.live]
+            if st.ledger.stored != s_len:  # blocks were freed: the kernel reads the held ones only
                 if new_table is None or new_seq is None:
                     new_table, new_seq = table.clone(), cm.seq_lens.clone()
-                new_table[r] = plan.compacted_row(table[r], first, stop)
-                new_seq[r] -= (stop - first) * bs
-                _once(f"{s.cfg.method}: attention reads the kept blocks only")
+                new_table[r] = 0
+                new_table[r, : rp.live.numel()] = rp.live
+                new_seq[r] = st.ledger.stored
+                _once(f"{s.policy.name}: attention reads the kept blocks only")
         if new_table is not None and new_seq is not None:
             cm = dataclasses.replace(cm, block_table_tensor=new_table, seq_lens=new_seq,
                                      max_seq_len=int(new_seq.max()))
@@ -243,8 +248,6 @@ def _split(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nb, hkv, bs, _ = kv_cache.shape
     k, v = kv_cache.view(nb, hkv, bs * 2, -1).chunk(2, dim=2)
     return k, v
-
-
 @functools.cache
 def _layouts(isa: str, bs: int, d: int, dtype: torch.dtype, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Where vLLM's CPU kernel puts each (token, channel) of a block's keys and values.
@@ -286,27 +289,15 @@ class KVTrimImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         s = settings()
         md = _metadata(layer)
-        if s is not None and s.snapkv is not None and md is not None:
+        if s is not None and s.policy is not None and md is not None:
             li = _layer_index(layer)
             for rp in md.kvtrim_rows:
-                if rp.compact is not None:
-                    self._compact(s, li, rp, kv_cache, _layouts_of(self, layer, kv_cache))
+                if rp.after is not None and rp.before is not None:
+                    st = PROCESS.requests[rp.key]
+                    kc, vc = _split(kv_cache)
+                    st.layers[li].compact(kc, vc, rp.before, rp.after, _layouts_of(self, layer, kv_cache))
+                    _once(f"{s.policy.name} compaction in use")
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-
-    def _compact(self, s: Settings, li: int, rp: RowPlan, kv_cache: torch.Tensor,
-                 layouts: tuple[torch.Tensor, torch.Tensor]) -> None:
-        st = STATE[rp.key]
-        scores = st.scores.pop(li, None)
-        first, stop = rp.compact  # type: ignore[misc]
-        kc, vc = _split(kv_cache)
-        bs = kc.shape[2]
-        prompt_len = st.prompt_len or 0
-        full = stop * bs
-        if scores is None or scores.shape[-1] < full:
-            raise KVTrimError(f"kvtrim: no SnapKV scores for layer {li} of a request at its first decode step")
-        keep = plan.select_tokens(scores[:, :full], first * bs, s.cfg.sinks, prompt_len - s.cfg.window)
-        plan.compact(kc, vc, rp.blocks[:stop], keep, layouts)
-        _once(f"snapkv compaction in use: {first} of {stop} full prompt blocks kept")
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -329,10 +320,10 @@ class KVTrimImpl(CPUAttentionBackendImpl):
                 for rp in md.kvtrim_rows:
                     if rp.row in done:
                         output[rp.start:rp.stop] = saved[rp.row]
-        if s.snapkv is not None:
+        if s.policy is not None:
             for rp in md.kvtrim_rows:
-                if rp.score:
-                    self._score(s, li, rp, query, key, kv_cache, layer)
+                if rp.live is not None:
+                    self._decide(s.policy, li, rp, query, key, kv_cache, layer)
         return output
 
     def _sparse(self, s: Settings, li: int, rp: RowPlan, query, key, value, output) -> bool:
@@ -349,17 +340,45 @@ class KVTrimImpl(CPUAttentionBackendImpl):
         _once(f"sparse prefill ({s.cfg.prefill}) in use")
         return True
 
-    def _score(self, s: Settings, li: int, rp: RowPlan, query, key, kv_cache, layer) -> None:
+    def _decide(self, policy: Policy, li: int, rp: RowPlan, query, key, kv_cache, layer) -> None:
+        """Run the policy's hook for one request after this layer's attention (see the module docstring)."""
+        st = PROCESS.requests[rp.key]
+        kc, vc = _split(kv_cache)
+        n_heads = kc.shape[1]
+        if li not in st.layers:
+            if rp.ctx:
+                raise KVTrimError(f"kvtrim: layer {li} of a running request has no state")
+            st.layers[li] = PagedLayer(li, n_heads, kc.shape[2], device=kc.device)
+        pl = st.layers[li]
+        q_len = rp.stop - rp.start
+        pl.append(rp.ctx, q_len)
+        live = rp.live
+        assert live is not None
+        layouts = _layouts_of(self, layer, kv_cache)
+        read: dict[str, torch.Tensor] = {}
+
+        def reader(which: str) -> torch.Tensor:
+            if which not in read:
+                cache, lay = (kc, layouts[0]) if which == "keys" else (vc, layouts[1])
+                read[which] = read_tokens(cache, live, pl.length, lay).unsqueeze(0)
+            return read[which]
+
         q = query[rp.start:rp.stop].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-        if rp.ctx == 0:
-            k = key[rp.start:rp.stop].transpose(0, 1).unsqueeze(0)  # [1, Hkv, S, D]
-        else:  # a later chunk: every key of the request, from the paged cache
-            kc, _ = _split(kv_cache)
-            n = rp.ctx + (rp.stop - rp.start)
-            kb = plan.token_major(kc[rp.blocks], _layouts_of(self, layer, kv_cache)[0])
-            k = kb.permute(1, 0, 2, 3).reshape(kc.shape[1], -1, kc.shape[-1])[:, :n].unsqueeze(0)
-        assert s.snapkv is not None
-        STATE[rp.key].scores[li] = s.snapkv.score(None, q, k, self.scale)[0].float()
+        wants = pl.phase == "decode" and policy.wants_decode_probs(pl.view)
+        if pl.phase != "decode" or wants or rp.kept < pl.length:
+            k = key[rp.start:rp.stop].transpose(0, 1).unsqueeze(0) if rp.ctx == 0 else reader("keys")
+        else:
+            # the hook neither evicts nor scores this step: it gets no keys (a tensor that fails
+            # loudly if read), which spares reading every stored key from the blocks
+            k = torch.empty(1, n_heads, pl.length, kc.shape[-1], device="meta")
+        pl.reader = reader
+        try:
+            if wants:
+                pl.decode_probs = window_probs(q, k, self.scale, 1)
+            pl.decide(policy, q, k, self.scale, rp.kept)
+        finally:
+            pl.reader = None
+            pl.decode_probs = None
 
 
 def _metadata(layer) -> KVTrimMetadata | None:

@@ -7,13 +7,16 @@ This module does not import vLLM: the checks run (and are tested) in any environ
         "pattern_config": "FILE.json",    # minference only; default: the config kvtrim ships for the model
         "sizes": {"k_v": 400, ...},       # single-pattern modes only
         "min_length": 4096,               # prompts shorter than this prefill dense
-        "method": "snapkv",               # or streaming_llm; absent: no KV compression
-        "keep": 0.25,                     # fraction of the prompt's tokens kept (rounded up to whole blocks)
-        "window": 32, "kernel": 7, "pooling": "max",   # snapkv's observation window and pooling
-        "sinks": 4                        # tokens always kept at the start
+        "method": "snapkv",               # any text method of `kvtrim methods`; absent: no KV compression
+        "keep": 0.25, ...                 # every other key is a parameter of the method (keep, max_tokens, window, ...)
     }}
 
-Anything else under ``"kvtrim"`` is refused, so a misspelt key cannot be silently ignored.
+The method's policy is built with ``kvtrim.registry.create_policy(method, **parameters)``, the
+same call and checks as everywhere else in kvtrim: an unknown parameter or a bad value is one
+``KVTrimError`` line. Methods that rewrite the prefill forward (they drop tokens from the hidden
+states inside the model, which vLLM runs itself) are refused, and so is a position policy other
+than ``true`` (vLLM rotates each new query at its true position; kvtrim cannot re-rotate cached keys
+inside vLLM's blocks).
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ from dataclasses import dataclass, field
 
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
+from kvtrim.registry import create_policy, method_names
 
 #: vLLM releases the plugin is tested on; any other version is refused at start-up.
 TESTED_VLLM = ("0.32.0",)
-#: KV compression methods the plugin carries out inside vLLM.
-METHODS = ("snapkv", "streaming_llm")
 PREFILL = ("dense", "minference", "a_shape", "vertical_slash", "block_sparse")
-KEYS = ("prefill", "pattern_config", "sizes", "min_length", "method", "keep", "window", "kernel", "pooling", "sinks")
+#: the plugin's own keys; every other key is a parameter of the method
+KEYS = ("prefill", "pattern_config", "sizes", "min_length", "method")
 #: Below this prompt length the sparse prefill runs dense (kvtrim's measured crossover on CPU).
 DEFAULT_MIN_LENGTH = 4096
 
@@ -42,11 +45,7 @@ class PluginConfig:
     sizes: dict = field(default_factory=dict)
     min_length: int = DEFAULT_MIN_LENGTH
     method: str | None = None
-    keep: float = 0.25
-    window: int = 32
-    kernel: int = 7
-    pooling: str = "max"
-    sinks: int = 4
+    params: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.prefill is not None:
@@ -61,15 +60,30 @@ class PluginConfig:
         if self.sizes and self.prefill not in ("a_shape", "vertical_slash", "block_sparse"):
             raise KVTrimError(f"kvtrim sizes are used with a single-pattern prefill only, not {self.prefill!r}")
         self.min_length = validate.integer(self.min_length, "kvtrim min_length", minimum=1)
-        if self.method is not None:
-            validate.choice(self.method, "kvtrim method", METHODS)
-        self.keep = validate.fraction(self.keep, "kvtrim keep")
-        self.window = validate.integer(self.window, "kvtrim window", minimum=1)
-        self.kernel = validate.integer(self.kernel, "kvtrim kernel", minimum=1)
-        if self.kernel % 2 == 0:
-            raise KVTrimError(f"kvtrim kernel must be a positive odd integer, got {self.kernel!r}")
-        validate.choice(self.pooling, "kvtrim pooling", ("avg", "max"))
-        self.sinks = validate.integer(self.sinks, "kvtrim sinks", minimum=0)
+        if self.method is None:
+            if self.params:
+                raise KVTrimError(f"kvtrim setting(s) {sorted(self.params)} are method parameters; give a method too "
+                                  f"(known: {', '.join(KEYS)}, and a method's parameters)")
+            return
+        if self.method not in method_names():
+            raise KVTrimError(f"unknown kvtrim method {self.method!r}; known methods: {', '.join(method_names())}")
+        self.policy()  # every parameter checked now, by the policy class itself
+
+    def policy(self):
+        """A fresh policy for this configuration (each engine process and rank builds its own)."""
+        assert self.method is not None
+        params = {"position": "true", **self.params}
+        policy = create_policy(self.method, **params)
+        if policy.rewrites_forward:
+            raise KVTrimError(
+                f"kvtrim method {self.method!r} rewrites the prefill forward (it drops tokens from the hidden states "
+                "inside the model, which vLLM runs itself), so the vLLM plugin cannot run it; use it on transformers "
+                "(kvtrim generate)")
+        if policy.position_policy != "true":
+            raise KVTrimError(
+                f"kvtrim position {policy.position_policy!r} re-rotates cached keys, which the vLLM plugin cannot do "
+                "inside vLLM's blocks; use position 'true' (the plugin's default)")
+        return policy
 
     @property
     def active(self) -> bool:
@@ -83,12 +97,8 @@ def parse(additional_config) -> PluginConfig | None:
     raw = additional_config["kvtrim"]
     if not isinstance(raw, dict):
         raise KVTrimError(f"additional_config['kvtrim'] must be an object, got {raw!r}")
-    unknown = sorted(set(raw) - set(KEYS))
-    if unknown:
-        raise KVTrimError(f"unknown kvtrim setting(s) {unknown}; known: {', '.join(KEYS)}")
-    if "method" in raw and raw["method"] not in (None, *METHODS):
-        raise KVTrimError(f"unknown kvtrim method {raw['method']!r}; the vLLM plugin runs: {', '.join(METHODS)}")
-    cfg = PluginConfig(**raw)
+    own = {k: v for k, v in raw.items() if k in KEYS}
+    cfg = PluginConfig(**own, params={k: v for k, v in raw.items() if k not in KEYS})
     return cfg if cfg.active else None
 
 
@@ -97,7 +107,7 @@ def check_engine(cfg: PluginConfig, *, vllm_version: str, prefix_caching: bool, 
     """Refuse engine settings the plugin cannot honour (one :class:`KVTrimError` line each)."""
     if vllm_version not in TESTED_VLLM:
         raise KVTrimError(f"kvtrim's vLLM plugin is tested on vLLM {', '.join(TESTED_VLLM)}, not {vllm_version}; "
-                          "install a tested version (pip install 'kvtrim[vllm]')")
+                          "install a tested version (pip install -e '.[vllm]' in a clone of kvtrim)")
     if platform != "cpu" and cfg.prefill not in (None, "dense"):
         raise KVTrimError(f"kvtrim's vLLM sparse prefill wraps the CPU backend only (this engine runs on {platform})")
     if cfg.method is None:

@@ -1,87 +1,104 @@
-"""Block arithmetic and KV compaction shared by the plugin's scheduler and its attention backend.
+"""Which of a request's KV blocks stay, planned from integers alone (no vLLM import, no tensors).
 
-No vLLM import: the scheduler (engine-core process) and every worker (one per tensor-parallel
-rank) call the same pure functions on the same integers, which is what keeps them in agreement
-without messages between them.
+The scheduler (engine-core process) and every worker (one per tensor-parallel rank) keep one
+:class:`Ledger` per request and feed it the same integers each step -- the tokens cached before the
+step (``ctx``) and the tokens it brings (``q``) -- so they agree on every freed block without
+messages between them.
 
 A request's KV lives in blocks of ``block_size`` tokens; its block table lists them in *logical*
-order (logical block ``i`` holds positions ``i*bs .. i*bs+bs-1``). Compression removes one range
-of logical blocks ``[first, stop)`` from every layer and head at once (the table is shared), so:
+order (logical block ``i`` holds stream positions ``i*bs .. i*bs+bs-1`` until kvtrim moves tokens).
+After every forward the policy's integer rule (``Policy.eviction_target``: after a prompt chunk, a
+turn, a decode step) says how many tokens the layer keeps; rounded so that whole blocks are freed
+(``kvtrim.decisions.planned_length``), that is ``m`` blocks to free at the next step. Then:
 
-* the scheduler frees those blocks to vLLM's pool (and puts vLLM's null block in their place, as
-  vLLM does for sliding-window layers, so its own block counting is unchanged);
-* the workers hand the attention kernel a table without them and a sequence length shortened
-  by ``(stop - first) * bs``. Keys are cached after RoPE and new tokens keep their true
-  positions, so attention over the remaining keys is exact for what is kept.
+* the scheduler replaces the ``m`` oldest held blocks after the first (the first stays: the workers
+  know a request by it; the last stays too, see below) with vLLM's null block and returns them to the
+  pool, as vLLM does for sliding-window layers, so its own block counting is unchanged;
+* each worker moves every layer's kept tokens (the policy's decision, per KV head, in order) into
+  the blocks that stay (``kvtrim.integrations.vllm.storage``) and hands the attention kernel a table
+  of those blocks and a sequence length of the tokens they hold. Keys are cached after RoPE at their
+  true positions and new tokens keep theirs, so attention over the kept keys is exact.
 
-``streaming_llm`` drops whole blocks: the first block (sinks) stays, and the range grows with
-the stream so that at least ``recent`` tokens before the current one remain. ``snapkv`` selects
-tokens, not blocks: at the first decode step each layer and KV head picks its own best
-``first * bs`` tokens of the prompt's full blocks by SnapKV's score and moves them, in order,
-into the first ``first`` blocks (:func:`compact`); the prompt's last, partial block stays where
-it is (its tokens are the most recent ones, inside SnapKV's window). Only the token count is
-rounded, up to whole blocks.
+The last held block stays too: it holds ``stored % bs`` tokens, and the next token is written into
+it at the slot vLLM computes from its true position. Keeping the count of kept tokens congruent to
+the stored count modulo the block size (the rounding above) keeps that slot right. With the first
+and the last block held, a layer keeps at least one block more than the partial one
+(:func:`kept_count`): at most ``2 * block_size - 1`` tokens beyond a small budget.
+
+The rounding makes a method that evicts at every decode step (H2O, StreamingLLM, Elastic Cache)
+compact once per ``block_size`` steps: the layer holds between its budget and budget + block_size - 1
+tokens between compactions (docs/vllm.md).
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass, field
 
-import torch
-
-from kvtrim.integrations.vllm.config import PluginConfig
-
-
-def snapkv_blocks(cfg: PluginConfig, prompt_len: int, block_size: int) -> int:
-    """How many of the prompt's full blocks hold SnapKV's kept tokens (at least 1, at most all)."""
-    full = prompt_len // block_size
-    if full == 0:
-        return 0
-    tail = prompt_len - full * block_size
-    target = math.ceil(cfg.keep * prompt_len)
-    # tokens that must survive inside the full blocks: the sinks and the part of the window before the tail
-    forced = min(cfg.sinks, full * block_size) + min(max(0, cfg.window - tail), full * block_size)
-    need = max(target - tail, forced, 1)
-    return min(full, max(1, math.ceil(need / block_size)))
+from kvtrim.decisions import planned_length
+from kvtrim.errors import KVTrimError
 
 
-def evicted_range(cfg: PluginConfig, prompt_len: int, ctx: int, block_size: int) -> tuple[int, int]:
-    """Logical blocks ``[first, stop)`` a request holds no longer, once ``ctx`` tokens are cached.
-
-    ``prompt_len`` is the number of cached tokens at the request's first decode step (the prompt,
-    or prompt plus earlier output after a recompute). Empty range: ``first == stop``.
-    """
-    if cfg.method == "snapkv":
-        first = snapkv_blocks(cfg, prompt_len, block_size)
-        return (first, max(first, prompt_len // block_size))
-    if cfg.method == "streaming_llm":
-        first = max(1, math.ceil(cfg.sinks / block_size))  # the first block always stays (sinks)
-        recent = max(1, math.ceil(cfg.keep * prompt_len) - cfg.sinks)
-        stop = max(first, (ctx - recent) // block_size)
-        return (first, stop)
-    return (0, 0)
+def kept_count(target: int | None, stored: int, block_size: int) -> int:
+    """Tokens a layer storing ``stored`` keeps when its policy's rule says ``target`` (None: no
+    eviction): the least count at or above ``target`` that frees whole blocks, freeing neither the
+    first nor the last of the ``ceil(stored / block_size)`` blocks held."""
+    kept = planned_length(target, stored, block_size)
+    held = -(-stored // block_size)
+    return max(kept, stored - block_size * max(0, held - 2))
 
 
-def compacted_row(row: torch.Tensor, first: int, stop: int) -> torch.Tensor:
-    """A block-table row without logical blocks ``[first, stop)`` (the freed ones), padded with zeros."""
-    out = torch.zeros_like(row)
-    kept = torch.cat([row[:first], row[stop:]])
-    out[: kept.numel()] = kept
-    return out
+def phase_of(ctx: int, q: int) -> str:
+    """The phase of a forward that brings ``q`` tokens after ``ctx`` cached ones: what the
+    transformers storage calls it too (a first forward, a later one of several tokens, or one token)."""
+    if ctx == 0:
+        return "prefill"
+    return "decode" if q == 1 else "turn"
 
 
-def select_tokens(scores: torch.Tensor, n_keep: int, sinks: int, protect_from: int) -> torch.Tensor:
-    """Per KV head, the ``n_keep`` best of ``scores [Hkv, F]`` with the first ``sinks`` and every
-    index ``>= protect_from`` forced in; ascending ``[Hkv, n_keep]``."""
-    s = scores.float().clone()
-    s[:, : min(sinks, s.shape[1])] = float("inf")
-    if protect_from < s.shape[1]:
-        s[:, max(protect_from, 0):] = float("inf")
-    idx = torch.topk(s, n_keep, dim=-1).indices
-    return idx.sort(dim=-1).values
+@dataclass
+class Ledger:
+    """One request's blocks and counters, kept alike by the scheduler and every worker."""
+
+    block_size: int
+    live: list[int] = field(default_factory=list)  # logical indices of the blocks held, in order
+    seen: int = 0  # tokens seen (the stream position of the next token)
+    stored: int = 0  # tokens held in the live blocks
+    pending: int = 0  # blocks to free at the request's next step (planned after its last forward)
+
+    def begin_step(self, ctx: int, q: int) -> tuple[list[int], list[int]]:
+        """Start a step that brings ``q`` tokens after ``ctx`` cached ones: free the blocks planned
+        at the last forward and hold the blocks the new tokens need. Returns ``(freed, before)``:
+        the logical indices freed now, and the live blocks before (which hold the ``stored`` tokens
+        the pending decision was made over)."""
+        if ctx != self.seen:
+            raise KVTrimError(f"kvtrim: a request continued at {ctx} cached tokens, its ledger is at {self.seen}")
+        before = list(self.live)
+        freed: list[int] = []
+        if self.pending:
+            freed = self.live[1:1 + self.pending]
+            self.live = self.live[:1] + self.live[1 + self.pending:]
+            self.stored -= self.pending * self.block_size
+            self.pending = 0
+        last = (ctx + q - 1) // self.block_size  # the logical block of the step's last new token
+        nxt = self.live[-1] + 1 if self.live else 0
+        self.live.extend(range(nxt, last + 1))  # the last held block is always the one of position ctx - 1
+        return freed, before
+
+    def end_step(self, policy, ctx: int, q: int) -> int:
+        """Account the step's forward and plan what its hook evicts; returns the tokens kept."""
+        self.seen = ctx + q
+        self.stored += q
+        target = policy.eviction_target(phase_of(ctx, q), self.seen, self.stored)
+        kept = kept_count(target, self.stored, self.block_size)
+        self.pending = (self.stored - kept) // self.block_size
+        return kept
+
+    @property
+    def kept_after_pending(self) -> int:
+        return self.stored - self.pending * self.block_size
 
 
-def token_major(data: torch.Tensor, layout: torch.Tensor | None) -> torch.Tensor:
+def token_major(data, layout):
     """Blocks ``[nb, Hkv, bs, D]`` as stored by the kernel, as ``[nb, Hkv, bs, D]`` token by token.
 
     ``layout``: where token-major element ``t * D + j`` (token ``t``, channel ``j``) lies in a
@@ -95,31 +112,11 @@ def token_major(data: torch.Tensor, layout: torch.Tensor | None) -> torch.Tensor
     return data.reshape(nb, h, bs * d)[..., layout].view(nb, h, bs, d)
 
 
-def stored(data: torch.Tensor, layout: torch.Tensor | None) -> torch.Tensor:
+def stored(data, layout):
     """The inverse of :func:`token_major`: token-major blocks in the kernel's stored order."""
     if layout is None:
         return data
     nb, h, bs, d = data.shape
-    out = torch.empty_like(data).reshape(nb, h, bs * d)
+    out = data.new_empty(data.shape).reshape(nb, h, bs * d)
     out[..., layout] = data.reshape(nb, h, bs * d)
     return out.view(nb, h, bs, d)
-
-
-def compact(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor,
-            layouts: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> None:
-    """Move each KV head's kept tokens into the request's first blocks, in order (in place).
-
-    ``key_cache``/``value_cache``: ``[num_blocks, Hkv, bs, D]`` (views of vLLM's paged cache);
-    ``blocks``: the request's first ``F / bs`` block ids in logical order; ``keep [Hkv, n]``:
-    token indices into those blocks' ``F`` tokens, ``n`` a multiple of ``bs``; ``layouts``: how
-    the kernel orders a block's keys and values (see :func:`token_major`). After the call,
-    logical blocks ``0 .. n/bs - 1`` hold head ``h``'s tokens ``keep[h]``.
-    """
-    hkv, n = keep.shape
-    bs = key_cache.shape[2]
-    dst = blocks[: n // bs]
-    for cache, layout in zip((key_cache, value_cache), layouts):
-        d = cache.shape[-1]
-        src = token_major(cache[blocks], layout).permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, F, D] (a copy)
-        picked = torch.gather(src, 1, keep.unsqueeze(-1).expand(hkv, n, d))  # [Hkv, n, D]
-        cache[dst] = stored(picked.reshape(hkv, n // bs, bs, d).permute(1, 0, 2, 3), layout).to(cache.dtype)

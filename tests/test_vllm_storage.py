@@ -1,0 +1,184 @@
+"""The vLLM storage carries out a policy's decisions on paged blocks exactly as the transformers
+storage does on its buffers (no vLLM needed: vLLM's paged cache is simulated with its CPU kernel's
+block layout, keys channel-major and values token-major).
+
+Both storages serve the same policy class, fed the same queries, keys and values step by step,
+with the transformers storage's budget rounded to whole blocks as vLLM's is
+(``kvtrim.integrations.vllm.plan.kept_count``). After every compaction each KV head keeps the same
+tokens (stream indices) with bit-identical keys and values, in the blocks the ledger says, and the
+blocks the scheduler frees are never read again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtrim.cache import KVTrimCache
+from kvtrim.integrations.vllm import plan
+from kvtrim.integrations.vllm.storage import PagedLayer, compose, read_tokens
+from kvtrim.registry import create_policy
+from kvtrim.scores import window_probs
+from kvtrim.storage import StorageView
+
+BS, D, HKV, HQ = 8, 16, 2, 6
+KEY_LAYOUT = torch.tensor([j * BS + t for t in range(BS) for j in range(D)])  # vLLM CPU: keys channel-major
+
+
+class RoundedView(StorageView):
+    """The transformers storage's view with vLLM's block rounding, for a like-for-like comparison."""
+
+    __slots__ = ()
+
+    def round_budget(self, budget: int) -> int:
+        return plan.kept_count(budget, self.length, BS)
+
+
+class Pool:
+    """A simulated paged KV cache: blocks ``[N, H, BS, D]`` for keys (in the kernel's layout) and values."""
+
+    def __init__(self, n: int = 400, seed: int = 0):
+        self.k = torch.zeros(n, HKV, BS, D)
+        self.v = torch.zeros(n, HKV, BS, D)
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randperm(n, generator=g)  # logical block -> physical block of the one request
+
+    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """What vLLM's cache write does for the token at stream position ``pos`` (``k, v [H, D]``)."""
+        b = self.table[pos // BS]
+        tm = plan.token_major(self.k[b:b + 1], KEY_LAYOUT)
+        tm[0, :, pos % BS] = k
+        self.k[b:b + 1] = plan.stored(tm.contiguous(), KEY_LAYOUT)
+        self.v[b, :, pos % BS] = v
+
+
+def _steps(prompt: int, chunk: int, decode: int):
+    out, ctx = [], 0
+    while ctx < prompt:
+        q = min(chunk, prompt - ctx)
+        out.append((ctx, q))
+        ctx += q
+    return out + [(c, 1) for c in range(prompt, prompt + decode)]
+
+
+CASES = {
+    "full": {},
+    "snapkv": {"keep": 0.3, "window": 8},
+    "snapkv_shared": {"keep": 0.3, "window": 8, "per_head": False, "chunk": 3},
+    "h2o": {"keep": 0.3},
+    "streaming_llm": {"max_tokens": 30},
+    "inf_mllm": {"max_tokens": 40, "window": 8, "decode_cap": 10},
+    "elastic": {"keep": 0.3, "distance": 6},
+    "elastic_frequency": {"keep": 0.3, "eviction": "frequency", "proportional": True},
+}
+
+
+@pytest.mark.parametrize("chunk", [1000, 37])
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_storage_keeps_what_the_transformers_storage_keeps(model, name, chunk):
+    method = name.split("_")[0] if name.startswith(("snapkv", "elastic")) else name
+    params = {"position": "true", **CASES[name]}
+    ref_policy, paged_policy = create_policy(method, **params), create_policy(method, **params)
+    cache = KVTrimCache(model, ref_policy)
+    ref = cache.compressed_layers[0]
+    ref.view = RoundedView(ref)
+    pool = Pool()
+    paged = PagedLayer(0, HKV, BS)
+    ledger = plan.Ledger(BS)
+    g = torch.Generator().manual_seed(3)
+    compactions = 0
+    for ctx, q in _steps(150, chunk, 60):
+        # -- the step begins: vLLM's side frees and moves what the last forward decided
+        freed, before = ledger.begin_step(ctx, q)
+        if freed:
+            gone = set(freed)
+            after = [i for i in before if i not in gone]
+            paged.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None))
+            compactions += 1
+            live = pool.table[after]
+            got_k = read_tokens(pool.k, live, paged.length, KEY_LAYOUT)
+            got_v = read_tokens(pool.v, live, paged.length, None)
+            # the same tokens per head (H2O's storage may hold them in another slot order) and the same bits
+            for h in range(HKV):
+                order_r, order_p = ref.positions[0, h].argsort(), paged.positions[0, h].argsort()
+                assert torch.equal(ref.positions[0, h, order_r], paged.positions[0, h, order_p])
+                assert torch.equal(ref.keys[0, h, order_r], got_k[h, order_p])
+                assert torch.equal(ref.values[0, h, order_r], got_v[h, order_p])
+            for key in set(ref.token_state) | set(paged.token_state):
+                for h in range(HKV):
+                    order_r, order_p = ref.positions[0, h].argsort(), paged.positions[0, h].argsort()
+                    assert torch.equal(ref.state_view(key)[0, h, order_r], paged.token_state[key][0, h, order_p])
+            pool.k[pool.table[freed]] = float("nan")  # freed blocks are never read again
+            pool.v[pool.table[freed]] = float("nan")
+        # -- the step's forward: new keys/values/queries for both storages
+        k = torch.randn(1, HKV, q, D, generator=g)
+        v = torch.randn(1, HKV, q, D, generator=g)
+        query = torch.randn(1, HQ, q, D, generator=g)
+        keys_ref, _ = ref.update(k, v)
+        cache.after_attention(ref, query, keys_ref, D ** -0.5)
+        for i in range(q):
+            pool.write(ctx + i, k[0, :, i], v[0, :, i])
+        kept = ledger.end_step(paged_policy, ctx, q)
+        live = pool.table[ledger.live]
+        paged.append(ctx, q)
+        paged.reader = lambda which, live=live: read_tokens(
+            pool.k if which == "keys" else pool.v, live, paged.length, KEY_LAYOUT if which == "keys" else None).unsqueeze(0)
+        key_all = paged.reader("keys")
+        if paged.phase == "decode" and paged_policy.wants_decode_probs(paged.view):
+            paged.decode_probs = window_probs(query, key_all, D ** -0.5, 1)
+        paged.decide(paged_policy, query, key_all, D ** -0.5, kept)
+        paged.reader, paged.decode_probs = None, None
+        assert ref.length == kept  # the transformers storage applied at once what vLLM's applies next step
+    if method != "full":
+        assert compactions > 0
+
+
+def test_compose_applies_decisions_in_order():
+    from kvtrim.decisions import DropLead, DropSlot, Keep, Merge
+
+    idx = torch.tensor([[[0, 2, 3, 5, 6, 7], [1, 2, 3, 4, 6, 7]]])
+    mk, mv = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    c = compose([Merge(idx, mk, mv, {"s": torch.arange(12.0).view(1, 2, 6)}), DropSlot(1), DropLead(1, 2)], 8, 2)
+    assert c is not None and c.kept == 3
+    assert c.idx.tolist() == [[[0, 6, 7], [1, 6, 7]]]
+    assert torch.equal(c.keys, mk[:, :, [0, 4, 5]]) and torch.equal(c.values, mv[:, :, [0, 4, 5]])
+    assert c.states["s"].tolist() == [[[0.0, 4.0, 5.0], [6.0, 10.0, 11.0]]]
+    assert compose(None, 8, 2) is None
+    assert compose(Keep(idx), 8, 2).idx is idx
+
+
+def test_a_hook_that_disagrees_with_its_plan_is_refused():
+    from kvtrim.errors import KVTrimError
+
+    policy = create_policy("snapkv", keep=0.5, window=4, position="true")
+    layer = PagedLayer(0, HKV, BS)
+    layer.append(0, 100)
+    keys = torch.randn(1, HKV, 100, D)
+    with pytest.raises(KVTrimError, match="kept 52 of 100 tokens in layer 0, its eviction_target plans 100"):
+        layer.decide(policy, torch.randn(1, HQ, 100, D), keys, 0.25, 100)
+
+
+def _text_methods() -> list[str]:
+    from kvtrim.registry import get_policy_class, method_names
+
+    return [m for m in method_names() if not get_policy_class(m).rewrites_forward]
+
+
+@pytest.mark.parametrize("method", _text_methods())
+@pytest.mark.parametrize("position", ["true", None])
+def test_every_methods_hooks_do_what_its_eviction_target_plans(model, method, position):
+    """What an engine plans from ``Policy.eviction_target`` (integers only) is what the method's hooks
+    then keep, at every prompt chunk, turn and decode step, for every registered text method."""
+    from kvtrim.decisions import planned_length
+
+    params = {} if method == "full" else {"max_tokens": 40} if method in ("streaming_llm", "inf_mllm") else {"keep": 0.3}
+    policy = create_policy(method, **params, **({"position": position} if position else {}))
+    cache = KVTrimCache(model, policy)
+    g = torch.Generator().manual_seed(4)
+    for ctx, q in [*_steps(120, 50, 0), *[(c, 1) for c in range(120, 400)], (400, 30), (430, 1)]:
+        for layer in cache.compressed_layers:
+            k, v = torch.randn(1, HKV, q, D, generator=g), torch.randn(1, HKV, q, D, generator=g)
+            keys, _ = layer.update(k, v)
+            target = policy.eviction_target(layer.phase, layer.seen, layer.length)
+            want = planned_length(target, layer.length)
+            cache.after_attention(layer, torch.randn(1, HQ, q, D, generator=g), keys, D ** -0.5)
+            assert layer.length == want, (ctx, q, layer.layer_idx)
