@@ -12,7 +12,7 @@ steps). Prefill and decode go through :mod:`kvtrim.decoding`; configurations are
 repetition by :mod:`kvtrim.harness` (order alternating); medians over repetitions.
 
     python benchmarks/bench_ddes.py --steps 64 --reps 3 --out results/ddes.json   # the committed run's arguments
-    python benchmarks/bench_ddes.py --table benchmarks/results/ddes.json             # its README table
+    python benchmarks/bench_ddes.py --table benchmarks/results/ddes.json             # its table in docs/results.md
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from kvtrim.registry import create_policy
 
 
 def table(d: dict) -> str:
-    """The README table of a DDES result."""
+    """The docs/results.md table of a DDES result."""
     load = (d["machine"].get("loadavg_end") if isinstance(d.get("machine"), dict) else d["loadavg_end"])[0]
     threads = d["machine"]["torch_threads"] if isinstance(d.get("machine"), dict) else d["threads"]
     out = [

@@ -16,7 +16,7 @@ medians of ``--reps`` (2 at 1 image after one warm-up round, 1 at 5 images: boun
 time on 2 shared cores; see the JSON).
 
     python benchmarks/bench_hae_prefill.py --out results/hae_prefill.json          # writes results/hae_prefill.json
-    python benchmarks/bench_hae_prefill.py --table benchmarks/results/hae_prefill.json   # its README table
+    python benchmarks/bench_hae_prefill.py --table benchmarks/results/hae_prefill.json   # its table in docs/results.md
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvtrim.vlm import llava_from_text_model, prepare, sample_images
 
 
 def table(d: dict) -> str:
-    """The README table of an HAE prefill result."""
+    """The docs/results.md table of an HAE prefill result."""
     m = d["machine"] if isinstance(d.get("machine"), dict) else d
     out = [
         f"{d['model']}, {d['dtype']}, torch {m['torch']}, transformers {m['transformers']}, "

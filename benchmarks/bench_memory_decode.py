@@ -14,7 +14,7 @@ end: ``snapkv`` compresses the prompt and appends decoded tokens, ``h2o`` holds 
 every step.
 
     python benchmarks/bench_memory_decode.py --steps 24 --out results/memory_decode.json   # the committed run's arguments
-    python benchmarks/bench_memory_decode.py --table benchmarks/results/memory_decode.json  # its README table
+    python benchmarks/bench_memory_decode.py --table benchmarks/results/memory_decode.json  # its table in docs/results.md
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvtrim.models import load_model
 
 
 def table(d: dict) -> str:
-    """The README table of a memory/decode result."""
+    """The docs/results.md table of a memory/decode result."""
     m = d["machine"]
     versions = d.get("versions") or m
     lines = [f"{d['model']}, {d['dtype']}, torch {versions['torch']}, transformers {versions['transformers']}, "

@@ -53,7 +53,7 @@ from kvtrim.models import load_model
 
 
 def table(d: dict) -> str:
-    """The markdown table of a prefill result (docs/minference.md, README)."""
+    """The markdown table of a prefill result (docs/minference.md)."""
     m = d["machine"]
     lines = [
         f"{d.get('model') or 'SmolLM2-135M-Instruct'}, {d.get('dtype', 'float32')}, torch {d.get('versions', m)['torch']}, {m.get('torch_threads')} threads, {d['date'][:10]}; "

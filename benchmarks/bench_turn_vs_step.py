@@ -8,7 +8,7 @@ decoded tokens (up to ``decode_cap``); h2o scores and evicts at every decoded to
 
     nice -n 10 python benchmarks/bench_turn_vs_step.py --prompt-tokens 2048 --budget 512 --new 32 --reps 5 \\
         --out results/turn_vs_step.json                                   # writes results/turn_vs_step.json
-    python benchmarks/bench_turn_vs_step.py --table benchmarks/results/turn_vs_step.json   # its README table
+    python benchmarks/bench_turn_vs_step.py --table benchmarks/results/turn_vs_step.json   # its table in docs/results.md
 
 The JSON is rewritten after every repetition, so a run cut short keeps what it measured.
 """

@@ -24,7 +24,7 @@ several depths and seeds (``kvtrim.eval.tasks.passkey``), ``--length`` tokens. `
 the model (default the embedded SmolLM2; ``qwen2.5-0.5b`` for the reference model).
 
     python benchmarks/qa_proxy_dap.py --out results/qa_proxy_dap.json               # writes results/qa_proxy_dap.json
-    python benchmarks/qa_proxy_dap.py --table benchmarks/results/qa_proxy_dap.json  # its README table
+    python benchmarks/qa_proxy_dap.py --table benchmarks/results/qa_proxy_dap.json  # its table in docs/results.md
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from kvtrim.spans import Span, SpanSet
 
 
 def table(d: dict) -> str:
-    """The README table of a DAP proxy result."""
+    """The docs/results.md table of a DAP proxy result."""
     s = d["summary"]
     n = s["n"]
     out = [

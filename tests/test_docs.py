@@ -1,4 +1,5 @@
-"""The README's claims that code can check: its Python snippet runs, its method table matches the registry."""
+"""The README's claims that code can check: its Python snippet runs, its method table matches the registry;
+and the generated blocks of the README and docs/results.md are what the committed results produce."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ import pytest
 from kvtrim.registry import method_names
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+RESULTS = README.parent / "docs" / "results.md"
 
 
 def test_readme_method_table_matches_registry():
     text = README.read_text()
     section = text.split("## Methods", 1)[1].split("\n## ", 1)[0]
+    names = re.findall(r"^\| `([a-z0-9_]+)` \|", section, flags=re.M)
+    assert names == method_names()
+
+
+def test_methods_page_table_matches_registry():
+    """docs/methods.md's table at a glance (the detailed one the README's short table points to)."""
+    section = (README.parent / "docs" / "methods.md").read_text().split("## At a glance", 1)[1].split("\n## ", 1)[0]
     names = re.findall(r"^\| `([a-z0-9_]+)` \|", section, flags=re.M)
     assert names == method_names()
 
@@ -64,13 +73,14 @@ def test_demo_runs(capsys, real):
     assert "full" in out and "snapkv" in out and "pass key:" in out
 
 
-def test_readme_results_block_is_generated_by_kvtrim_report():
-    """The README's sweep results are `kvtrim report`'s output for the committed result lines."""
+def test_results_block_is_generated_by_kvtrim_report():
+    """docs/results.md's sweep results are `kvtrim report`'s output for the committed result lines (its PNG
+    links relative to docs/)."""
     from kvtrim.eval.report import END, START, load_dirs, render, summarize
 
     results = README.parent / "benchmarks" / "results" / "eval_baseline"
-    block = README.read_text().split(START, 1)[1].split(END, 1)[0]
-    expected = render(summarize(load_dirs([str(results)])), "docs/eval")
+    block = RESULTS.read_text().split(START, 1)[1].split(END, 1)[0]
+    expected = render(summarize(load_dirs([str(results)])), "eval")
     assert block.strip() == expected.strip(), "regenerate: .venv/bin/python -m kvtrim.tools.docs_tables --write"
 
 
@@ -92,13 +102,14 @@ def test_cache_kwargs_generate_and_forward_without_deprecation_warning(model, pr
 
 def test_every_generated_block_matches_the_committed_results():
     """Each `<!-- generated: CMD -->` block of README.md and docs/*.md is CMD's output on the committed result
-    files (benchmark `--table`s, the method guide, the eval summary, the vLLM comparison), and the README's
-    eval block is `kvtrim report`'s."""
+    files (benchmark `--table`s, the method guide, the eval summary, the vLLM comparison, the README's
+    headline), and docs/results.md's eval block is `kvtrim report`'s."""
     from kvtrim.tools.docs_tables import BLOCK, doc_files, stale
 
     root = README.parent
     blocks = [m.group("cmd") for p in doc_files(root) for m in BLOCK.finditer(p.read_text())]
-    assert len(blocks) >= 14 and {"kvtrim.tools.docs_tables guide", "kvtrim.tools.docs_tables vllm"} <= set(blocks)
+    assert len(blocks) >= 14 and {"kvtrim.tools.docs_tables guide", "kvtrim.tools.docs_tables vllm",
+                                 "kvtrim.tools.docs_tables headline"} <= set(blocks)
     assert stale(root) == [], "regenerate: .venv/bin/python -m kvtrim.tools.docs_tables --write"
 
 

