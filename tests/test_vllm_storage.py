@@ -4,7 +4,7 @@ block layout, keys channel-major and values token-major).
 
 Both storages serve the same policy class, fed the same queries, keys and values step by step,
 with the transformers storage's budget rounded to whole blocks as vLLM's is
-(``kvtrim.integrations.vllm.plan.kept_count``). After every compaction each KV head keeps the same
+(``KVTrimCache(block_size=...)``, ``kvtrim.decisions.paged_kept``). After every compaction each KV head keeps the same
 tokens (stream indices) with bit-identical keys and values, in the blocks the ledger says, and the
 blocks the scheduler frees are never read again."""
 
@@ -18,19 +18,9 @@ from kvtrim.integrations.vllm import plan
 from kvtrim.integrations.vllm.storage import PagedLayer, compose, read_tokens
 from kvtrim.registry import create_policy
 from kvtrim.scores import window_probs
-from kvtrim.storage import StorageView
 
 BS, D, HKV, HQ = 8, 16, 2, 6
 KEY_LAYOUT = torch.tensor([j * BS + t for t in range(BS) for j in range(D)])  # vLLM CPU: keys channel-major
-
-
-class RoundedView(StorageView):
-    """The transformers storage's view with vLLM's block rounding, for a like-for-like comparison."""
-
-    __slots__ = ()
-
-    def round_budget(self, budget: int) -> int:
-        return plan.kept_count(budget, self.length, BS)
 
 
 class Pool:
@@ -78,9 +68,8 @@ def test_paged_storage_keeps_what_the_transformers_storage_keeps(model, name, ch
     method = name.split("_")[0] if name.startswith(("snapkv", "elastic")) else name
     params = {"position": "true", **CASES[name]}
     ref_policy, paged_policy = create_policy(method, **params), create_policy(method, **params)
-    cache = KVTrimCache(model, ref_policy)
+    cache = KVTrimCache(model, ref_policy, block_size=BS)  # evictions rounded to whole blocks, as vLLM's
     ref = cache.compressed_layers[0]
-    ref.view = RoundedView(ref)
     pool = Pool()
     paged = PagedLayer(0, HKV, BS)
     ledger = plan.Ledger(BS)

@@ -10,6 +10,12 @@ driven with ``LLMEngine.step()``: with ``max_num_batched_tokens`` below the prom
 engine chunks the prefills and mixes them with other requests' decode steps. ``probe_after``:
 once every request has that many output tokens, the number of KV blocks in use is read from
 vLLM's ``kv_cache_usage`` gauge (its fraction of the pool times the pool's block count).
+
+``"inprocess": true`` runs vLLM's engine core in this process, so that kvtrim's scheduler can be
+read: per request, every step it was scheduled in (cached tokens before, tokens scheduled, blocks
+freed), at the probe and at the end (``steps_at_probe``, ``steps``). At tensor parallel 1 the worker
+runs here too, and ``kept`` gives per request, per layer and KV head, the stream indices the
+plugin's storage holds after the request's last forward (its pending decision applied).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ MODEL_ENV = "KVTRIM_VLLM_MODEL"  # a plain transformers directory (config.json +
 def main(spec: dict) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if spec.get("inprocess"):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -41,14 +49,58 @@ def main(spec: dict) -> dict:
     outs: dict[str, list[int]] = {}
     probe = spec.get("probe_after")
     blocks_in_use = None
+    watch = Watch(eng, len(prompts)) if spec.get("inprocess") else None
+    at_probe = None
     while eng.has_unfinished_requests():
         for o in eng.step():
             outs[o.request_id] = list(o.outputs[0].token_ids)
+        if watch is not None:
+            watch.look()
         if probe and blocks_in_use is None and len(outs) == len(prompts) and min(map(len, outs.values())) >= probe:
             usage = next((m.value for m in llm.get_metrics() if m.name == "vllm:kv_cache_usage_perc"), None)
             blocks_in_use = None if usage is None else round(usage * num_blocks)
-    return {"tokens": [outs[f"r{i}"] for i in range(len(prompts))], "num_blocks": num_blocks, "block_size": block_size,
-            "blocks_in_use": blocks_in_use}
+            at_probe = None if watch is None else [list(map(list, s)) for s in watch.steps]
+    out = {"tokens": [outs[f"r{i}"] for i in range(len(prompts))], "num_blocks": num_blocks, "block_size": block_size,
+           "blocks_in_use": blocks_in_use}
+    if watch is not None:
+        out.update(steps=watch.steps, steps_at_probe=at_probe, kept=watch.kept)
+    return out
+
+
+class Watch:
+    """Reads kvtrim's scheduler (and, at tensor parallel 1, its worker state) after every engine step."""
+
+    def __init__(self, eng, n: int):
+        self.sched = eng.engine_core.engine_core.scheduler
+        self.n = n
+        self.internal: list[str | None] = [None] * n  # vLLM appends a suffix of its own to a request id
+        self.first_block: list[int | None] = [None] * n
+        self.steps: list[list] = [[] for _ in range(n)]
+        self.kept: list[dict | None] = [None] * n
+        from kvtrim.integrations.vllm.backend import PROCESS
+
+        self.process = PROCESS
+
+    def look(self) -> None:
+        import torch
+
+        mgr = self.sched.kv_cache_manager.coordinator.single_type_managers[0]
+        for i in range(self.n):
+            if self.internal[i] is None:
+                self.internal[i] = next((r for r in self.sched.requests if r.startswith(f"r{i}-") or r == f"r{i}"), None)
+                if self.internal[i] is not None:
+                    self.first_block[i] = mgr.req_to_blocks[self.internal[i]][0].block_id
+            steps = getattr(self.sched, "kvtrim_steps", {}).get(self.internal[i])
+            if steps is None:
+                continue  # not started, or ended before the scheduler's last step (its blocks may serve another)
+            self.steps[i] = [list(x) for x in steps]
+            st = self.process.requests.get(self.first_block[i]) if self.first_block[i] is not None else None
+            if st is not None and st.layers:
+                kept = {}
+                for li, layer in st.layers.items():
+                    pos = layer.positions if layer.pending is None else torch.gather(layer.positions, 2, layer.pending.idx)
+                    kept[str(li)] = pos[0].tolist()
+                self.kept[i] = kept
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from kvtrim import persistence
+from kvtrim import persistence, validate
 from kvtrim.decisions import Keep, as_list
 from kvtrim.errors import KVTrimError
 from kvtrim.registry import NO_COMPRESSION, create_policy, spans_error
@@ -99,6 +99,10 @@ class KVTrimCache(Cache):
         model: the model (or its config) the cache is for; the model is needed for position
             re-assignment (its rotary frequencies).
         policy: a ``Policy`` instance or a registered method name (see ``kvtrim methods``).
+        block_size: round every eviction as a paged storage with blocks of this many tokens does
+            (``kvtrim.decisions.paged_kept``: whole blocks freed, the first and last kept). With
+            vLLM's block size the cache keeps what kvtrim's vLLM plugin keeps, for comparing the
+            two engines; None (default): evict to the exact budget.
         **policy_kwargs: passed to the policy when ``policy`` is a name (``keep``, ``max_tokens``,
             ``position`` and method parameters).
 
@@ -118,11 +122,13 @@ class KVTrimCache(Cache):
     layers: list[CompressedLayer | DynamicSlidingWindowLayer]  # type: ignore[assignment]
     prefill_stats: Callable[[], dict]  # set by kvtrim.compress(prefill=...): the sparse prefill's counters
 
-    def __init__(self, model, policy: "Policy | str" = NO_COMPRESSION, *, spans=None, **policy_kwargs):
+    def __init__(self, model, policy: "Policy | str" = NO_COMPRESSION, *, spans=None, block_size: int | None = None,
+                 **policy_kwargs):
         if isinstance(policy, str):
             policy = create_policy(policy, **policy_kwargs)
         elif policy_kwargs:
             raise KVTrimError("pass method parameters either in the Policy object or as keywords with a name, not both")
+        self.block_size = None if block_size is None else validate.integer(block_size, "block_size", minimum=1)
         config = getattr(model, "config", model)
         text_cfg = config.get_text_config(decoder=True)
         self.policy = policy

@@ -7,9 +7,8 @@ for one row of input (a decode step) that measures about twice as slow as a prod
 weight oneDNN has reordered once for its kernel. oneDNN, which PyTorch ships, does that reorder
 (``torch.ops.mkldnn._reorder_linear_weight``, the call PyTorch's own CPU compiler uses when it
 freezes a model) and multiplies by the result (``torch.ops.mkldnn._linear_pointwise``); vLLM's
-CPU backend packs its weights the same way. On the 2-core AVX-512 machine of
-``benchmarks/results/cpu_linear/`` one decode step's linears take 0.55x (Qwen2.5-0.5B) to 0.65x
-(SmolLM2) of the time, a prefill chunk's a few per cent less. The results are the same products
+CPU backend packs its weights the same way. It makes a bfloat16 decode step's linears markedly
+faster (measured in docs/dtypes.md, "Linear layers on CPU"). The results are the same products
 with fp32 accumulation (the tests compare them with ``F.linear``).
 
 :func:`pack_linears` replaces each packable ``nn.Linear`` of a model by a :class:`PackedLinear`

@@ -116,6 +116,26 @@ class LayerView(Protocol):
         ...
 
 
+class ViewOf:
+    """Base of a storage's :class:`LayerView`: the counters, phase, stream indices, policy state and
+    handed-over scores, read from the storage object (``layer``) that keeps them under these names."""
+
+    __slots__ = ("_layer",)
+
+    def __init__(self, layer):
+        self._layer = layer
+
+    layer_idx = property(lambda self: self._layer.layer_idx)
+    seen = property(lambda self: self._layer.seen)
+    length = property(lambda self: self._layer.length)
+    n_new = property(lambda self: self._layer.n_new)
+    phase = property(lambda self: self._layer.phase)
+    state = property(lambda self: self._layer.state)
+    attention_scores = property(lambda self: self._layer.attention_scores)
+    decode_probs = property(lambda self: self._layer.decode_probs)
+    positions = property(lambda self: self._layer.positions)
+
+
 # --------------------------------------------------------------------------------- decisions
 @dataclass(frozen=True)
 class Keep:
@@ -233,3 +253,14 @@ def planned_length(target: int | None, stored: int, granule: int = 1) -> int:
     if target is None or target >= stored:
         return stored
     return stored - granule * ((stored - target) // granule)
+
+
+def paged_kept(target: int | None, stored: int, block_size: int) -> int:
+    """Tokens a paged storage (blocks of ``block_size`` tokens) storing ``stored`` keeps when a policy's
+    rule says ``target`` (None: no eviction): the least count at or above ``target`` that frees whole
+    blocks, freeing neither the first block (a paged engine knows a sequence by it) nor the last (the
+    next token is written into it). The vLLM plugin's rule (``kvtrim.integrations.vllm.plan``); a
+    ``KVTrimCache`` given ``block_size`` rounds the same way, to compare the two engines."""
+    kept = planned_length(target, stored, block_size)
+    held = -(-stored // block_size)
+    return max(kept, stored - block_size * max(0, held - 2))

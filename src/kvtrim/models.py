@@ -557,8 +557,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
             is converted once to float32 and loaded from there in this dtype.
         device: ``"cpu"`` (default), ``"cuda"`` or ``"cuda:N"``; checked before anything loads.
         pack_linears: store the linear layers' weights in oneDNN's packed layout
-            (:func:`kvtrim.cpu_linear.pack_linears`: the same products, a decode step's linears
-            1.5-1.8x as fast on the CPU measured, no extra memory). ``None`` (default) packs where it applies: a
+            (:func:`kvtrim.cpu_linear.pack_linears`: the same products, faster decode steps,
+            no extra memory; docs/dtypes.md). ``None`` (default) packs where it applies: a
             bfloat16 model on a CPU that supports it; a linear tied to the input embeddings is left
             plain (packing it would copy it). ``False`` never packs; ``True`` packs where it
             applies, tied linears too. Undo with :func:`kvtrim.cpu_linear.unpack_linears`.

@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvtrim.decisions import Decision, DropLead, DropSlot, DropSlots, Keep, LayerView, Merge, as_keep
+from kvtrim.decisions import Decision, DropLead, DropSlot, DropSlots, Keep, LayerView, Merge, ViewOf, as_keep, paged_kept
 from kvtrim.errors import KVTrimError
 from kvtrim.rerotation import reassign_kept, rotate_incoming
 from kvtrim.rope import Rotary
@@ -50,6 +50,7 @@ class Owner(Protocol):
     num_kv_heads: int
     spans: SpanSet | None
     layers: list
+    block_size: int | None
 
 
 def buffer_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -319,7 +320,7 @@ class CompressedLayer(CacheLayerMixin):
         cap = k + self.slack(k)
         m = self.length - k  # tokens dropped per head
 
-        # one index set shared by every head (an expanded [1, 1, K] index): index_select is ~10x
+        # one index set shared by every head (an expanded [1, 1, K] index): index_select is much
         # faster than a gather with an expanded index (batch > 1 only: at batch 1 the flat path below)
         shared = idx.shape[0] == 1 and (idx.shape[1] == 1 or idx.stride(1) == 0)
         # Without re-allocation only part of the slots move: either the kept slots after the leading
@@ -563,26 +564,14 @@ class CompressedLayer(CacheLayerMixin):
         self.awaiting_attention = False
 
 
-class StorageView:
+class StorageView(ViewOf):
     """The read-only :class:`~kvtrim.decisions.LayerView` of a :class:`CompressedLayer` that its
     policy's hooks receive."""
 
-    __slots__ = ("_layer",)
+    __slots__ = ()
 
-    def __init__(self, layer: CompressedLayer):
-        self._layer = layer
-
-    layer_idx = property(lambda self: self._layer.layer_idx)
-    seen = property(lambda self: self._layer.seen)
-    length = property(lambda self: self._layer.length)
-    n_new = property(lambda self: self._layer.n_new)
-    phase = property(lambda self: self._layer.phase)
-    state = property(lambda self: self._layer.state)
-    attention_scores = property(lambda self: self._layer.attention_scores)
-    decode_probs = property(lambda self: self._layer.decode_probs)
     keys = property(lambda self: self._layer.keys)
     values = property(lambda self: self._layer.values)
-    positions = property(lambda self: self._layer.positions)
     rotations = property(lambda self: self._layer.rotations)
     position_policy = property(lambda self: self._layer.cache.position_policy)
     rotary = property(lambda self: self._layer.cache.rotary)
@@ -598,7 +587,8 @@ class StorageView:
         return name in self._layer.token_state
 
     def round_budget(self, budget: int) -> int:
-        return budget  # contiguous buffers hold any count
+        bs = self._layer.cache.block_size  # contiguous buffers hold any count, unless asked to round as blocks
+        return budget if bs is None else paged_kept(budget, self._layer.length, bs)
 
     def other(self, layer_idx: int) -> LayerView | None:
         layer = self._layer.cache.layers[layer_idx]

@@ -5,17 +5,16 @@ Two paths compute the same thing (both are tested against the explicit-mask refe
 - ``native`` (default where it builds, :mod:`kvtrim.attention.native`): one task per query head
   and 64-row query block walks the listed key blocks (consecutive ones merged, up to 512 keys per
   BLAS call) and the gathered single columns with an online softmax, flash-attention style; tasks
-  are shared out dynamically over torch's threads, most expensive first. It runs at ~0.9-1.0x
-  dense SDPA's rate per executed score on this project's 2-core CPU, so attention time falls with
-  density. :func:`sparse_attention_heads` sends all sparse heads of a layer, each with its own
+  are shared out dynamically over torch's threads, most expensive first. It runs at about dense
+  SDPA's rate per executed score (docs/minference.md), so attention time falls with density. :func:`sparse_attention_heads` sends all sparse heads of a layer, each with its own
   layout, to it in one call.
 - ``torch`` (fallback): for every query head and every group of consecutive query blocks, the
   key blocks and single key columns listed in the :class:`~kvtrim.attention.patterns.SparseLayout`
   are gathered into one contiguous ``[chunk, L, head_dim]`` tensor (``L`` = the widest selection
   in the group), and attention runs as ``bmm -> masked exp -> bmm`` with a float32 softmax.
-  Padding inside a group is masked out. It runs at about half of SDPA's rate per executed score
-  (gathers, masks and a separate softmax pass); compiled FlexAttention with a BlockMask was ~1.4x
-  slower than dense SDPA at full density and compiles per shape (~20 s).
+  Padding inside a group is masked out. It is slower per executed score than SDPA (gathers, masks
+  and a separate softmax pass); compiled FlexAttention with a BlockMask was slower still and
+  compiles per shape (docs/minference.md).
 
 Either way a query block costs ``block_cnt * 64 + col_cnt`` keys instead of all keys before it:
 slashes cost whole 64x64 blocks (the layout already lists them that way), verticals one column

@@ -124,13 +124,14 @@ def record_prefill(model, ids: list[int], prefill=None, keep_cache: bool = False
                      cache if keep_cache else None, rec.sums if column_sums else None)
 
 
-def replay(model, policy: Policy, recording: "Recording | dict") -> KVTrimCache:
+def replay(model, policy: Policy, recording: "Recording | dict", *, block_size: int | None = None) -> KVTrimCache:
     """A fresh cache for ``policy`` whose prefill hook ran on the recorded q/k/v of every layer
-    (``recording``: a :class:`Recording` or its ``record`` dict)."""
+    (``recording``: a :class:`Recording` or its ``record`` dict; ``block_size``: the cache's, see
+    :class:`~kvtrim.cache.KVTrimCache`)."""
     record = recording.record if isinstance(recording, Recording) else recording
     if not replayable(policy):
         raise KVTrimError(f"method {policy.name!r} prunes hidden states during the forward pass; it cannot be replayed")
-    cache = KVTrimCache(model, policy)
+    cache = KVTrimCache(model, policy, block_size=block_size)
     with torch.inference_mode():
         for i, layer in enumerate(cache.layers):
             q, k, v, scaling = record[i]

@@ -143,9 +143,9 @@ def _attend(base, att: Attachment | None, module, binding, query, key, value, at
         # and recomputing q @ K in the policy. On CPU, bfloat16 and float16 steps over at least
         # CPU_DECODE_MIN_KEYS stored keys go this way too: two grouped float32 products
         # (kvtrim.scores.decode_attention) cost a fraction of PyTorch's CPU SDPA for one query row
-        # with grouped KV heads (2.9-12x less, benchmarks/bench_decode_attention.py). Float32 steps
-        # keep SDPA (unless CPU_DECODE_FP32), which is as fast or faster there up to 8k keys on a
-        # model with 3 KV heads; shorter caches and GPUs keep SDPA's kernels.
+        # with grouped KV heads. Float32 steps keep SDPA (unless CPU_DECODE_FP32), as fast or faster
+        # there; shorter caches and GPUs keep SDPA's kernels (measurements: docs/dtypes.md, "Decode
+        # attention on CPU").
         out, probs = decode_attention(query, key, value, scale)
         res = (out, None)
         if wants:

@@ -56,19 +56,15 @@ DEFAULT_MAX_TOKENS = 1024
 
 #: Attention sinks kept by every compressing method: the first tokens of a stream draw a large share
 #: of every later query's attention whatever their content, and evicting them derails the model
-#: (Xiao et al., 2023, StreamingLLM, which keeps 4: fewer was not enough for some models). Measured on the
-#: embedded model: SnapKV at keep 0.9 on a 37-token chat prompt kept the window but not the first
-#: tokens and answered "...is France." where the full cache says Paris.
+#: (Xiao et al., 2023, StreamingLLM, which keeps 4). What losing them did on the embedded model:
+#: docs/methods.md, "Do no harm".
 SINKS = 4
 
 #: Prompts of at most this many tokens are kept whole under a ``keep`` budget (``Policy.kept_whole``).
-#: Such a prompt is a short question in its chat template (on SmolLM2 the template's system turn
-#: alone is ~30 tokens, a one-line question ~40): every token is template or question, and the
-#: most compression could save is 64 tokens' KV, under 1% of the weights' memory (about 3 MiB
-#: against 515 MiB of weights on SmolLM2-135M in float32; 32 MiB against 13 GiB on a 7B model in float16). The
-#: windowed methods also keep their sinks and window there (36 tokens with the default 32-token
-#: window), so eviction would drop the question's start for almost no memory. Methods with a larger
-#: window raise it to twice their ``min_tokens``.
+#: Such a prompt is a short question in its chat template: every token is template or question, and
+#: the most compression could save is a few MiB, under 1% of the weights' memory (docs/methods.md,
+#: "Do no harm"), so eviction would drop the question's start for almost nothing. Methods with a
+#: larger window raise it to twice their ``min_tokens``.
 MIN_LENGTH = 64
 
 

@@ -23,7 +23,7 @@ The last held block stays too: it holds ``stored % bs`` tokens, and the next tok
 it at the slot vLLM computes from its true position. Keeping the count of kept tokens congruent to
 the stored count modulo the block size (the rounding above) keeps that slot right. With the first
 and the last block held, a layer keeps at least one block more than the partial one
-(:func:`kept_count`): at most ``2 * block_size - 1`` tokens beyond a small budget.
+(``kvtrim.decisions.paged_kept``): at most ``2 * block_size - 1`` tokens beyond a small budget.
 
 The rounding makes a method that evicts at every decode step (H2O, StreamingLLM, Elastic Cache)
 compact once per ``block_size`` steps: the layer holds between its budget and budget + block_size - 1
@@ -34,17 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtrim.decisions import planned_length
+from kvtrim.decisions import paged_kept
 from kvtrim.errors import KVTrimError
-
-
-def kept_count(target: int | None, stored: int, block_size: int) -> int:
-    """Tokens a layer storing ``stored`` keeps when its policy's rule says ``target`` (None: no
-    eviction): the least count at or above ``target`` that frees whole blocks, freeing neither the
-    first nor the last of the ``ceil(stored / block_size)`` blocks held."""
-    kept = planned_length(target, stored, block_size)
-    held = -(-stored // block_size)
-    return max(kept, stored - block_size * max(0, held - 2))
 
 
 def phase_of(ctx: int, q: int) -> str:
@@ -89,7 +80,7 @@ class Ledger:
         self.seen = ctx + q
         self.stored += q
         target = policy.eviction_target(phase_of(ctx, q), self.seen, self.stored)
-        kept = kept_count(target, self.stored, self.block_size)
+        kept = paged_kept(target, self.stored, self.block_size)
         self.pending = (self.stored - kept) // self.block_size
         return kept
 

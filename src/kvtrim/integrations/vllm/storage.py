@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtrim.decisions import Decisions, Merge, as_keep, as_list
+from kvtrim.decisions import Decisions, Merge, ViewOf, as_keep, as_list, paged_kept
 from kvtrim.errors import KVTrimError
-from kvtrim.integrations.vllm.plan import kept_count, phase_of, stored, token_major
+from kvtrim.integrations.vllm.plan import phase_of, stored, token_major
 
 if TYPE_CHECKING:
     from kvtrim.rope import Rotary
@@ -172,27 +172,15 @@ class PagedLayer:
         return self.reader(which)
 
 
-class PagedView:
+class PagedView(ViewOf):
     """The read-only :class:`~kvtrim.decisions.LayerView` of a :class:`PagedLayer`."""
 
-    __slots__ = ("_layer",)
+    __slots__ = ()
 
     position_policy = "true"  # vLLM rotates every key at its true position and every new query at its own
     rotary: Rotary | None = None
     spans: SpanSet | None = None
 
-    def __init__(self, layer: PagedLayer):
-        self._layer = layer
-
-    layer_idx = property(lambda self: self._layer.layer_idx)
-    seen = property(lambda self: self._layer.seen)
-    length = property(lambda self: self._layer.length)
-    n_new = property(lambda self: self._layer.n_new)
-    phase = property(lambda self: self._layer.phase)
-    state = property(lambda self: self._layer.state)
-    attention_scores = property(lambda self: self._layer.attention_scores)
-    decode_probs = property(lambda self: self._layer.decode_probs)
-    positions = property(lambda self: self._layer.positions)
     rotations = property(lambda self: self._layer.positions)
     keys = property(lambda self: self._layer.read("keys"))
     values = property(lambda self: self._layer.read("values"))
@@ -210,7 +198,7 @@ class PagedView:
         return name in self._layer.token_state
 
     def round_budget(self, budget: int) -> int:
-        return kept_count(budget, self._layer.length, self._layer.block_size)
+        return paged_kept(budget, self._layer.length, self._layer.block_size)
 
     def other(self, layer_idx: int):
         return None  # each layer decides for itself here (methods that decide for all are refused)

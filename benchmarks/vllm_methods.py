@@ -1,0 +1,262 @@
+"""Every text method inside vLLM against the same method on transformers, on needle prompts.
+
+    benchmarks/.venv-vllm/bin/python benchmarks/vllm_methods.py --model smollm2 --lengths 2048,8192 \
+        --samples 6 --keep 0.25 --prefill dense,minference --tp 1 --out benchmarks/results/vllm/methods_smollm2.json
+    python benchmarks/vllm_methods.py --table benchmarks/results/vllm/methods_smollm2.json
+
+Runs in vLLM's venv (``scripts/setup_vllm.sh``; it has transformers too); ``--table`` reads the JSON
+only (any venv). Float32, greedy, ``--new`` tokens per prompt, no EOS stop. Prompts: ``--samples``
+``niah_single`` samples (kvtrim's RULER-style single needle) per length, in the model's chat template.
+
+For each prefill mode, method and tensor-parallel size, a fresh process runs vLLM with kvtrim's plugin
+(``additional_config={"kvtrim": {"method": M, "keep": K, "prefill": ...}}``, kvtrim's scheduler,
+prefix caching off), its engine core in the same process so that its scheduler's record of every
+request's steps and freed blocks can be read; at tensor parallel 1 its worker runs there too, and the
+tokens each layer and KV head keeps are read from the plugin's storage after every step. One request
+at a time, each prompt in one prefill step (``max_num_batched_tokens`` above the longest prompt).
+
+The reference is kvtrim on transformers with the same policy, its evictions rounded to vLLM's block
+size (``KVTrimCache(block_size=...)``: the cache then keeps what the plugin's plan keeps), the prompt
+recorded once per prefill mode and replayed for each method (``kvtrim.eval.replay``), then decoded
+greedily. Reported per (method, prefill, tensor parallel): prompts whose tokens equal the reference's,
+the mean share of equal tokens up to the first difference and the earliest first difference, the
+share of (layer, KV head) kept sets equal to the reference's (tensor parallel 1), KV blocks freed per
+request, and needles answered by each engine. vLLM's own dense run (plugin not configured) is
+compared with transformers' full cache the same way, to show how far the two engines' arithmetic
+alone takes them apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from kvtrim import harness
+
+SCHEDULER = "kvtrim.integrations.vllm.scheduler.KVTrimScheduler"
+
+
+# ------------------------------------------------------------------------ one configuration (vLLM venv)
+def child(spec: dict) -> dict:
+    """One vLLM engine run: every prompt, one after another; per request its tokens, steps, freed
+    blocks and (tensor parallel 1) the kept stream indices per layer and KV head at its end."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and at tp 1 the worker) in this process
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    torch.set_num_threads(spec["threads"])
+    engine = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False, "seed": 0,
+              "max_model_len": spec["max_len"], "max_num_batched_tokens": spec["max_len"], "max_num_seqs": 1,
+              "tensor_parallel_size": spec["tp"]}
+    kv = spec["kvtrim"]
+    if kv and kv.get("method"):
+        engine["scheduler_cls"] = SCHEDULER
+    llm = LLM(model=spec["model_dir"], additional_config={"kvtrim": kv} if kv else {}, **engine)
+    eng = llm.llm_engine
+    core = eng.engine_core.engine_core
+    sched = core.scheduler
+    bs = eng.vllm_config.cache_config.block_size
+    worker_state = None
+    if spec["tp"] == 1 and kv and kv.get("method"):
+        from kvtrim.integrations.vllm.backend import PROCESS
+
+        worker_state = PROCESS
+    sp = SamplingParams(max_tokens=spec["new"], temperature=0.0, ignore_eos=True)
+    out: dict[str, dict] = {}
+    for i, ids in enumerate(spec["prompts"]):
+        rid = f"r{i}"
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)
+        rec: dict = {"tokens": [], "steps": [], "kept": None}
+        internal, first_block = None, None
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                rec["tokens"] = list(o.outputs[0].token_ids)
+            if internal is None:  # vLLM appends a suffix of its own to a request id
+                internal = next((r for r in sched.requests if r == rid or r.startswith(rid + "-")), None)
+                if internal is not None and worker_state is not None:
+                    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+                    first_block = mgr.req_to_blocks[internal][0].block_id
+            steps = getattr(sched, "kvtrim_steps", {}).get(internal) if internal else None
+            if steps is not None:  # kept until the scheduler's next step, also for a finished request
+                rec["steps"] = [list(s) for s in steps]
+            if worker_state is not None and first_block is not None:
+                st = worker_state.requests.get(first_block)
+                if st is not None:
+                    kept = {}
+                    for li, layer in st.layers.items():
+                        pos = layer.positions
+                        if layer.pending is not None:
+                            pos = torch.gather(pos, 2, layer.pending.idx)
+                        kept[li] = pos[0].tolist()
+                    rec["kept"] = kept
+        out[rid] = rec
+    return {"block_size": bs, "requests": [out[f"r{i}"] for i in range(len(spec["prompts"]))]}
+
+
+# --------------------------------------------------------------------------------- the reference
+def reference(model_dir: str, prompts: list[list[int]], configs: list[dict], new: int, block_size: int) -> dict:
+    """kvtrim on transformers: per prefill mode, each prompt recorded once and replayed per method."""
+    import torch
+
+    from kvtrim import decoding, load_model
+    from kvtrim.eval.replay import make_policy, record_prefill, replay
+    from kvtrim.integrations.hf import attach
+    from kvtrim.integrations.prefill import make_prefill
+
+    lm = load_model(model_dir, dtype="float32")
+    model = lm.model
+    out: dict[str, list] = {}
+    for prefill in sorted({c["prefill"] for c in configs}):
+        hook = None if prefill == "dense" else make_prefill(model, prefill)
+        for pi, ids in enumerate(prompts):
+            rec = record_prefill(model, ids, prefill=hook)
+            for c in [c for c in configs if c["prefill"] == prefill]:
+                key = f"{c['method']}|{prefill}"
+                params = {} if c["method"] == "full" else {"keep": c["keep"]}
+                policy = make_policy(c["method"], {"position": "true", **params})
+                with torch.inference_mode(), attach(model):
+                    cache = replay(model, policy, rec, block_size=block_size)
+                    tokens, _ = decoding.run(model, decoding.decode(cache, rec.logits, new))
+                kept = {layer.layer_idx: layer.positions[0].tolist() for layer in cache.compressed_layers}
+                out.setdefault(key, []).append({"tokens": tokens, "kept": kept})
+                print(f"reference {key} prompt {pi}: {len(ids)} tokens", file=sys.stderr, flush=True)
+    return out
+
+
+def compare(a: list[int], b: list[int]) -> tuple[float, int | None]:
+    """Share of equal tokens up to the first difference, and its index (None: equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i / max(len(a), 1), i
+    return 1.0, None
+
+
+def kept_equal(vllm: dict | None, ref: dict) -> float | None:
+    """Share of (layer, KV head) kept sets the two engines hold alike."""
+    if vllm is None:
+        return None
+    same = total = 0
+    for li, heads in ref.items():
+        got = vllm.get(li) or vllm.get(str(li))
+        for h, pos in enumerate(heads):
+            total += 1
+            same += got is not None and sorted(got[h]) == sorted(pos)
+    return same / total if total else None
+
+
+# ----------------------------------------------------------------------------------------- table
+def table(result: dict) -> str:
+    rec = result["machine"]
+    lines = [harness.machine_line(rec, result["threads"]),
+             "",
+             f"{result['model']}, float32, keep {result['keep']}, {result['new']} new tokens, prompts: "
+             f"{result['samples']} niah_single per length at {', '.join(map(str, result['lengths']))} tokens; "
+             f"vLLM block size {result['block_size']}",
+             "",
+             "| method | prefill | TP | prompts equal | agreement (mean) | first difference (earliest) | kept sets equal "
+             "| blocks freed / request | needles vLLM | needles transformers |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        first = "-" if r["first_difference"] is None else str(r["first_difference"])
+        kept = "-" if r["kept_equal"] is None else f"{100 * r['kept_equal']:.1f}%"
+        lines.append(f"| {r['method']} | {r['prefill']} | {r['tp']} | {r['equal']}/{r['n']} | {r['agreement']:.3f} | "
+                     f"{first} | {kept} | {r['blocks_freed']:.1f} | {r['needles_vllm']}/{r['n']} | "
+                     f"{r['needles_ref']}/{r['n']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[harness.options(reps=None, warmup=None)])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="smollm2", help="a reference model's short name or a model directory")
+    ap.add_argument("--lengths", default="2048,8192")
+    ap.add_argument("--samples", type=int, default=6)
+    ap.add_argument("--methods", default="snapkv,streaming_llm,h2o,inf_mllm,elastic")
+    ap.add_argument("--prefill", default="dense,minference")
+    ap.add_argument("--tp", default="1")
+    ap.add_argument("--keep", type=float, default=0.25)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    if args.child:
+        harness.child_result(child(json.loads(Path(args.child).read_text())))
+        return 0
+    if harness.start(ap, args, table=table):
+        return 0
+    from transformers import AutoTokenizer
+
+    from kvtrim.eval.programs import prompt_ids
+    from kvtrim.eval.tasks import make_samples
+    from kvtrim.models import resolve_model
+
+    model_dir = str(resolve_model(args.model)[0])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    samples = [s for n in lengths for s in make_samples("niah_single", tok, n, args.samples, seed=0)]
+    prompts = [prompt_ids(tok, s) for s in samples]
+    max_len = max(map(len, prompts)) + args.new + 16
+    methods = args.methods.split(",")
+    prefills = args.prefill.split(",")
+    tps = [int(x) for x in args.tp.split(",")]
+    record = harness.machine_record()
+    runs: dict[str, dict] = {}
+    configs = [{"method": "full", "prefill": p, "keep": None} for p in prefills] + \
+        [{"method": m, "prefill": p, "keep": args.keep} for p in prefills for m in methods]
+    with tempfile.TemporaryDirectory() as tmp:
+        for c in configs:
+            for tp in tps:
+                kv: dict = {} if c["method"] == "full" else {"method": c["method"], "keep": c["keep"]}
+                if c["prefill"] != "dense":
+                    kv["prefill"] = c["prefill"]
+                spec = {"model_dir": model_dir, "prompts": prompts, "new": args.new, "max_len": max_len, "tp": tp,
+                        "threads": max(1, args.threads // tp), "kvtrim": kv or None}
+                path = Path(tmp) / "spec.json"
+                path.write_text(json.dumps(spec))
+                key = f"{c['method']}|{c['prefill']}|{tp}"
+                print(f"vLLM {key}", file=sys.stderr, flush=True)
+                runs[key] = harness.isolated(__file__, ["--child", str(path)])
+    block_size = next(iter(runs.values()))["block_size"]
+    ref = reference(model_dir, prompts, configs, args.new, block_size)
+    from kvtrim.eval.metrics import score
+
+    rows = []
+    for c in configs:
+        for tp in tps:
+            got = runs[f"{c['method']}|{c['prefill']}|{tp}"]["requests"]
+            want = ref[f"{c['method']}|{c['prefill']}"]
+            cmp = [compare(g["tokens"], w["tokens"]) for g, w in zip(got, want)]
+            firsts = [f for _, f in cmp if f is not None]
+            kept = [kept_equal(g["kept"], w["kept"]) for g, w in zip(got, want)]
+            kept_known = [k for k in kept if k is not None]
+            rows.append({
+                "method": c["method"], "prefill": c["prefill"], "tp": tp, "n": len(got),
+                "equal": sum(f is None for _, f in cmp), "agreement": statistics.mean(a for a, _ in cmp),
+                "first_difference": min(firsts) if firsts else None,
+                "kept_equal": statistics.mean(kept_known) if kept_known else None,
+                "blocks_freed": statistics.mean(sum(s[2] for s in g["steps"]) for g in got),
+                "needles_vllm": sum(score(s, tok.decode(g["tokens"], skip_special_tokens=True)) >= 1.0
+                                    for s, g in zip(samples, got)),
+                "needles_ref": sum(score(s, tok.decode(w["tokens"], skip_special_tokens=True)) >= 1.0
+                                   for s, w in zip(samples, want)),
+                "per_prompt": [{"tokens_vllm": g["tokens"], "tokens_ref": w["tokens"], "first_difference": f,
+                                "kept_equal": k, "steps": g["steps"]} for g, w, (_, f), k in zip(got, want, cmp, kept)],
+            })
+    result = {"model": Path(model_dir).name, "keep": args.keep, "new": args.new, "samples": args.samples,
+              "lengths": lengths, "block_size": block_size, "threads": args.threads,
+              "prompt_tokens": [len(p) for p in prompts], "rows": rows,
+              "machine": harness.finish_record(record)}
+    harness.write_json(args.out, result)
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
