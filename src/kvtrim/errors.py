@@ -1,5 +1,7 @@
 """kvtrim's error types: a ``ValueError`` whose message says what was wrong and what is allowed."""
 
+from __future__ import annotations
+
 
 class KVTrimError(ValueError):
     """Bad input to kvtrim (unknown method, budget out of range, unsupported model, ...)."""
@@ -9,6 +11,24 @@ class ModelLoadError(KVTrimError):
     """A model that cannot be loaded: a missing path, a model id that is not in the local Hugging
     Face cache, a damaged or fake GGUF, an invalid ``config.json``, missing tokenizer files,
     truncated weights. The message is one line naming the path and what is wrong."""
+
+
+class FileWriteError(KVTrimError, OSError):
+    """A file that cannot be written (:func:`kvtrim.files.write_atomic`): the disk is full, the
+    filesystem read-only, the folder not writable, a symbolic link or a directory in the way, an
+    existing file that must not be replaced. The message is one line naming the path; the previous
+    file there, if any, is unchanged.
+
+    It is also an ``OSError`` with the failure's ``errno`` and ``strerror`` (``None`` for a refusal),
+    so code that handles a failed write as an ``OSError`` keeps doing so."""
+
+    def __init__(self, message: str, errno: int | None = None, strerror: str | None = None,
+                 filename: str | None = None):
+        OSError.__init__(self, errno, strerror, filename)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class SessionError(KVTrimError):

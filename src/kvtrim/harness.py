@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrim.errors import KVTrimError
+from kvtrim.files import write_atomic
 
 #: The prefix of the line a child of :func:`isolated` prints its result on.
 CHILD_TAG = "@@kvtrim-harness "
@@ -257,12 +258,10 @@ def machine_line(record: dict, threads: int) -> str:
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> None:
-    """Write ``obj`` as JSON, atomically (a temporary file beside it, then renamed)."""
-    p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
+    """Write ``obj`` as JSON, atomically (:func:`kvtrim.files.write_atomic`: a reader, or a run that
+    dies while writing, sees the previous file or the new one, never a part)."""
     text = json.dumps(obj, indent=indent) if indent is not None else json.dumps(obj, separators=(",", ":"))
-    tmp.write_text(text + "\n")
-    tmp.replace(p)
+    write_atomic(path, text + "\n")
 
 
 def append_jsonl(path: str | os.PathLike, obj: Any) -> None:
