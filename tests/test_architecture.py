@@ -149,6 +149,8 @@ TRANSFORMERS_ALLOWED = {
         "tells a causal LM from a masked LM before loading, by transformers' own architecture tables",
     ("kvtrim.models", "transformers.models.auto.configuration_auto"):
         "refuses a config.json whose model_type transformers does not know, before loading anything",
+    ("kvtrim.gguf", "transformers"):
+        "converting a GGUF once into a plain model directory goes through transformers' GGUF loader",
     ("kvtrim.vlm", "transformers"):
         "loading vision-language models and their processors, and building the tiny test ones from configs",
     ("kvtrim.vlm", "transformers.models.clip.image_processing_pil_clip"):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class KVTrimError(ValueError):
     """Bad input to kvtrim (unknown method, budget out of range, unsupported model, ...)."""
@@ -44,3 +47,29 @@ class CorruptResultsError(KVTrimError):
     def __init__(self, message: str, bad: list[tuple[str, int, str]]):
         super().__init__(message)
         self.bad = bad
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """An exception as ``Type: message`` on one line (transformers' messages span several), cut to
+    ``limit`` characters."""
+    text = " ".join(str(e).split())
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+@contextmanager
+def model_load_errors(what: str, where: str) -> Iterator[None]:
+    """Turn a failure inside transformers while loading a user's model into one ``ModelLoadError`` line:
+    ``could not <what> from '<where>': <Type>: <message>``."""
+    try:
+        yield
+    except KVTrimError:
+        raise
+    except Exception as e:
+        if "trust_remote_code" in str(e):
+            raise ModelLoadError(
+                f"{where!r} needs its own Python code to load (auto_map in config.json); kvtrim never runs code "
+                "from a model directory (trust_remote_code=False): use a model that transformers supports natively"
+            ) from e
+        raise ModelLoadError(f"could not {what} from {where!r}: {one_line(e)}") from e
