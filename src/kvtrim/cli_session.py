@@ -67,7 +67,8 @@ def cmd_chat(args) -> int:
     from transformers import TextStreamer
 
     from kvtrim.cli import check_model_options, load_from_args
-    from kvtrim.session import Session, check_save_target
+    from kvtrim.session import Session
+    from kvtrim.session_file import check_save_target
 
     if args.save:
         check_save_target(args.save)  # before the model loads and the conversation starts
@@ -145,7 +146,8 @@ def cmd_stream(args) -> int:
     from tqdm import tqdm
 
     from kvtrim.cli import check_model_options, load_from_args
-    from kvtrim.session import Session, check_save_target, peak_rss_bytes
+    from kvtrim.session import Session, peak_rss_bytes
+    from kvtrim.session_file import check_save_target
     from kvtrim.textio import read_text_file
 
     if args.save:
