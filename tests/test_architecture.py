@@ -81,7 +81,7 @@ def layer(module: str) -> str:
         return "policies"
     if inside(module, "kvtrim.integrations"):
         return "integrations"
-    if inside(module, "kvtrim.eval", "kvtrim.tools", "kvtrim.cli", "kvtrim.cli_batch", "kvtrim.cli_eval", "kvtrim.cli_session", "kvtrim.__main__"):
+    if inside(module, "kvtrim.eval", "kvtrim.tools", "kvtrim.cli", "kvtrim.__main__"):
         return "top"
     return "core"
 
