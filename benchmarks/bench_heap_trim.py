@@ -17,9 +17,6 @@ import argparse
 import contextlib
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvtrim import harness
 

@@ -30,9 +30,11 @@ Output: one JSON (the ``kvtrim.harness`` machine record plus the GPU, CUDA, Trit
 versions). Without CUDA the script prints ``gpu_check: no CUDA: skipped`` and exits 0, writing
 nothing. ``--tiny`` runs every code path on CPU at tiny sizes with ``TRITON_INTERPRET=1`` (Triton's
 interpreter; the kernel sections in float16 there, as the interpreter gets bfloat16 wrong), so a
-crash would show here before the GPU is lent (``tests/test_gpu_check.py``).
+crash would show here before the GPU is lent (``tests/test_gpu_check.py``). kvtrim is imported as
+an installed package; on a machine that has a copy of the repository and no installed kvtrim (the
+GPU machine), ``PYTHONPATH=src`` provides it.
 
-    python benchmarks/gpu_check.py --out benchmarks/results/gpu/gpu_check_h200.json    # on the GPU machine
+    PYTHONPATH=src python benchmarks/gpu_check.py --out benchmarks/results/gpu/gpu_check_h200.json  # on the GPU machine
     python benchmarks/gpu_check.py --tiny --out /tmp/gpu_check_tiny.json               # anywhere, on CPU (~20 s idle)
 """
 
@@ -71,10 +73,6 @@ BUDGET = {"kernels": 130.0, "searched": 60.0, "decode": 200.0}
 
 
 def parse(argv):
-    try:
-        import kvtrim  # noqa: F401
-    except ImportError:  # the GPU machine gets a copy of the repository, not an installed kvtrim
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     from kvtrim import harness
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -4,7 +4,10 @@
         --n 10 --length 2000 --new 64 --pool-blocks 48 --out benchmarks/results/vllm/admission.json
     python benchmarks/vllm_admission.py --table benchmarks/results/vllm/admission.json
 
-Runs in vLLM's venv (``scripts/setup_vllm.sh``); ``--table`` reads the JSON only (any venv).
+Runs in vLLM's venv (``scripts/setup_vllm.sh``: kvtrim installed from this checkout); ``--table``
+reads the JSON only (any venv with kvtrim). The command line, the ``--out`` check (before anything
+runs; an existing file is refused unless ``--force``), the machine record and the JSON output are
+``kvtrim.harness``'s.
 SmolLM2-135M (kvtrim's converted directory), float32, one thread per process, a KV pool of
 ``--pool-blocks`` blocks set through vLLM's ``kv_cache_memory_bytes`` (blocks x the model's bytes
 per block; ``VLLM_CPU_KVCACHE_SPACE``, which would override it, is unset). ``--n`` prompts of
@@ -34,7 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from kvtrim import harness
+
 SCHEDULER = "kvtrim.integrations.vllm.scheduler.KVTrimScheduler"
 TAG = "@@ADMISSION "
 
@@ -124,7 +128,7 @@ def measure(args) -> dict:
     model_dir = args.model_dir or str(embedded_model_dir())
     configs = [("vLLM (plugin off)", None), (f"plugin snapkv keep={args.keep}", {"method": "snapkv", "keep": args.keep}),
                (f"plugin streaming_llm keep={args.keep}", {"method": "streaming_llm", "keep": args.keep})]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     runs = []
     load0 = os.getloadavg()
     for name, kv in configs:
@@ -163,12 +167,12 @@ def table(d: dict) -> str:
                f"{d['pool_blocks']} blocks of {base['block_size']} tokens (one uncompressed request needs {per_req}); "
                f"counts from vLLM's own gauges after every engine step. Timed on the shared 2-core machine "
                f"(load average {min(la):.1f}-{max(la):.1f}): the seconds are under load.")
-    return "\n".join(out) + "\n"
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--table", metavar="JSON", help="print the markdown table of a committed run and exit")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 parents=[harness.options(reps=None, warmup=None)])
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir")
     ap.add_argument("--n", type=int, default=10)
@@ -176,22 +180,19 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--pool-blocks", type=int, default=48)
     ap.add_argument("--keep", type=float, default=0.25)
-    ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if args.table:
-        sys.stdout.write(table(json.loads(Path(args.table).read_text())))
-        return 0
-    if args.one:
+    if args.one:  # one configuration, in a process of its own
         r = one(json.loads(args.one))
         sys.stdout.write(TAG + json.dumps(r) + "\n")
         sys.stdout.flush()
         return 0
-    if not args.out:
-        ap.error("--out is required unless --table")
+    if harness.start(ap, args, table=table):
+        return 0
+    machine = harness.machine_record()
     result = measure(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    sys.stdout.write(table(result))
+    result["machine"] = harness.finish_record(machine)
+    harness.write_json(args.out, result)
+    print(table(result))
     return 0
 
 

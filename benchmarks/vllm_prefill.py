@@ -4,7 +4,10 @@
         --out benchmarks/results/vllm/prefill.json
     python benchmarks/vllm_prefill.py --table benchmarks/results/vllm/prefill.json
 
-Runs in vLLM's venv (``scripts/setup_vllm.sh``); ``--table`` reads the JSON only (any venv).
+Runs in vLLM's venv (``scripts/setup_vllm.sh``: kvtrim installed from this checkout); ``--table``
+reads the JSON only (any venv with kvtrim; several files make one table). The command line, the
+``--out`` check (before anything runs; an existing file is refused unless ``--force``), the round
+order, the machine record and the JSON output are ``kvtrim.harness``'s.
 Two engines, each a long-lived process of its own with the same settings (float32,
 ``enforce_eager``, prefix caching off, one thread, ``VLLM_CPU_OMP_THREADS_BIND=nobind``,
 ``max_num_batched_tokens`` = ``max_model_len`` so the prompt is prefilled in one step, one request
@@ -35,7 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from kvtrim import harness
+
 TAG = "@@PREFILL "
 
 
@@ -82,8 +86,7 @@ def worker(spec: dict) -> None:
 # ------------------------------------------------------------------------------------------ driver
 class Engine:
     def __init__(self, name: str, spec: dict, log: Path):
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(HERE.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_gib", 2)))
         self.name = name
         self.log = log
@@ -149,8 +152,7 @@ def measure(args) -> dict:
     names = list(configs)
     for L in args.lengths:
         for r in range(args.reps + 1):
-            order = names if r % 2 == 0 else names[::-1]
-            for name in order:
+            for name in harness.order(names, r):  # alternating between rounds
                 m = engines[name].prefill(prompts[L][r])
                 rec = {"length": L, "prompt_tokens": len(prompts[L][r]), "round": r, "warmup": r == 0,
                        "engine": name, **m}
@@ -206,32 +208,27 @@ def table(d: dict) -> str:
         out[-1] += (f" The run of {missed} did not capture the engines' log lines (vLLM's workers log to stdout, which the script "
                     "then read for its results only; fixed since), so the plugin's log does not confirm that its sparse "
                     "prefill ran.")
-    return "\n".join(out) + "\n"
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--table", nargs="+", metavar="JSON", help="print the markdown table of committed runs and exit")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 parents=[harness.options(reps=3, warmup=None, several_tables=True)])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help="a model kvtrim resolves (default: SmolLM2-135M)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
-    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--kv-bytes-per-token", type=int, default=2 * 30 * 3 * 64 * 4, help="sizes the KV pool (SmolLM2 float32)")
-    ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if args.table:
-        ds = [json.loads(Path(p).read_text()) for p in args.table]
-        sys.stdout.write(table(ds))
-        return 0
-    if args.worker:
+    if args.worker:  # one engine, in a process of its own
         worker(json.loads(args.worker))
         return 0
-    if not args.out:
-        ap.error("--out is required unless --table")
+    if harness.start(ap, args, table=table):
+        return 0
+    machine = harness.machine_record()
     result = measure(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    sys.stdout.write(table([result]))
+    result["machine"] = harness.finish_record(machine)
+    harness.write_json(args.out, result)
+    print(table([result]))
     return 0
 
 

@@ -7,7 +7,9 @@ token-level SnapKV on transformers, same prompts, same model.
     python benchmarks/vllm_snapkv_quality.py --table benchmarks/results/vllm/snapkv_quality.json
 
 Runs in vLLM's venv (``scripts/setup_vllm.sh``; it has transformers 5.19, which kvtrim supports);
-``--table`` reads the JSON only (any venv). Prompts: ``kvtrim.eval.make_samples(task, tok, length,
+``--table`` reads the JSON only (any venv with kvtrim). The command line, the ``--out`` check (before
+anything runs; an existing file is refused unless ``--force``), the machine record and the JSON
+output are ``kvtrim.harness``'s. Prompts: ``kvtrim.eval.make_samples(task, tok, length,
 n, seed=0)`` through ``build_prompt_ids``; the same token ids go to both engines. Greedy, ``--new``
 tokens, no EOS stop. One thread per process.
 
@@ -31,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtrim import harness
+
 HERE = Path(__file__).resolve().parent
 DRIVER = HERE.parent / "tests" / "vllm_driver.py"
 SCHEDULER = "kvtrim.integrations.vllm.scheduler.KVTrimScheduler"
@@ -44,7 +48,7 @@ def vllm_run(model_dir: str, prompts: list[list[int]], new: int, kvtrim: dict | 
     spec = {"additional_config": {"kvtrim": kvtrim} if kvtrim else {}, "engine": engine, "prompts": prompts,
             "max_tokens": new}
     env = dict(os.environ, KVTRIM_VLLM_MODEL=model_dir, OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               VLLM_CPU_KVCACHE_SPACE=str(kv_gib), PYTHONPATH=str(HERE.parent / "src"))
+               VLLM_CPU_KVCACHE_SPACE=str(kv_gib))
     t0 = time.perf_counter()
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(spec, f)
@@ -208,12 +212,12 @@ def table(d: dict) -> str:
                  f"score = mean of the task's metric, then per prompt (1 right, 0 wrong); kept = prompt tokens kept "
                  f"(fraction of the prompt). vLLM {d['versions']['vllm']} CPU build, one thread per process; load "
                  f"average {la[0]:.1f} at the start ({d['seconds']:.0f} s for the whole run).")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--table", metavar="JSON", help="print the markdown table of a committed run and exit")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 parents=[harness.options(reps=None, warmup=None)])
     ap.add_argument("--model-dir", default=None, help="plain transformers directory (default: kvtrim's SmolLM2 copy)")
     ap.add_argument("--tasks", nargs="+", default=["passkey", "niah_single"])
     ap.add_argument("--length", type=int, default=2048)
@@ -222,17 +226,14 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--reuse-transformers", metavar="JSON",
                     help="take the kvtrim-on-transformers rows from an earlier run of the same prompts (rerun vLLM only)")
-    ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if args.table:
-        sys.stdout.write(table(json.loads(Path(args.table).read_text())))
+    if harness.start(ap, args, table=table):
         return 0
-    if not args.out:
-        ap.error("--out is required unless --table")
+    machine = harness.machine_record()
     result = measure(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    sys.stdout.write(table(result))
+    result["machine"] = harness.finish_record(machine)
+    harness.write_json(args.out, result)
+    print(table(result))
     return 0
 
 

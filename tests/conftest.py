@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from types import ModuleType
@@ -21,12 +20,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """The script ``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The script ``benchmarks/<name>.py`` as a module (benchmarks are scripts, not a package); the
+    scripts it imports from its folder are loaded with it (``kvtrim.tools.docs_tables.load_script``)."""
+    from kvtrim.tools.docs_tables import load_script
+
+    return load_script(BENCHMARKS / f"{name}.py")
 
 
 def tiny_llama(n_kv: int = 2, groups: int = 3, layers: int = 3, head_dim: int = 16, seed: int = 0, **extra):

@@ -81,7 +81,7 @@ def layer(module: str) -> str:
         return "policies"
     if inside(module, "kvtrim.integrations"):
         return "integrations"
-    if inside(module, "kvtrim.eval", "kvtrim.tools", "kvtrim.cli", "kvtrim.cli_batch", "kvtrim.cli_eval", "kvtrim.cli_session", "kvtrim.__main__"):
+    if inside(module, "kvtrim.eval", "kvtrim.tools", "kvtrim.cli", "kvtrim.__main__"):
         return "top"
     return "core"
 
@@ -151,6 +151,8 @@ TRANSFORMERS_ALLOWED = {
         "tells a causal LM from a masked LM before loading, by transformers' own architecture tables",
     ("kvtrim.models", "transformers.models.auto.configuration_auto"):
         "refuses a config.json whose model_type transformers does not know, before loading anything",
+    ("kvtrim.gguf", "transformers"):
+        "converting a GGUF once into a plain model directory goes through transformers' GGUF loader",
     ("kvtrim.vlm", "transformers"):
         "loading vision-language models and their processors, and building the tiny test ones from configs",
     ("kvtrim.vlm", "transformers.models.clip.image_processing_pil_clip"):
@@ -193,13 +195,13 @@ def test_policies_import_only_base_helpers():
 RANKS = [
     ("leaves", ("kvtrim.errors", "kvtrim.validate")),
     ("kernels", ("kvtrim.attention",)),
-    ("base helpers", ("kvtrim.scores", "kvtrim.rope", "kvtrim.spans", "kvtrim.decisions", "kvtrim.cpu_linear")),
+    ("base helpers", ("kvtrim.scores", "kvtrim.rope", "kvtrim.spans", "kvtrim.decisions", "kvtrim.cpu_linear",
+                      "kvtrim.files")),
     ("policies", ("kvtrim.policies", "kvtrim.registry")),
     ("core", ("kvtrim.storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache", "kvtrim.decoding")),
     ("integrations", ("kvtrim.integrations",)),
     ("models and the Python API", ()),  # every module not named elsewhere
-    ("top", ("kvtrim.eval", "kvtrim.tools", "kvtrim.cli", "kvtrim.cli_batch", "kvtrim.cli_eval", "kvtrim.cli_session",
-             "kvtrim.__main__")),
+    ("top", ("kvtrim.eval", "kvtrim.tools", "kvtrim.cli", "kvtrim.__main__")),
 ]
 
 

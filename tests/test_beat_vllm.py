@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def mod():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # beat_vllm imports anchor_vllm beside it
-    try:
-        spec = importlib.util.spec_from_file_location("beat_vllm", ROOT / "benchmarks" / "beat_vllm.py")
-        m = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(m)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return m
+    return load_benchmark("beat_vllm")  # with anchor_vllm, which it imports from beside it
 
 
 def test_context_and_rope_plan(mod):

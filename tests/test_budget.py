@@ -274,7 +274,7 @@ def test_chat_quality_takes_the_largest_pick_over_the_calibrated_lengths(capsys)
     """A conversation's length is not known in advance: chat picks with prompt_tokens=None."""
     import argparse
 
-    from kvtrim.cli_session import _policy
+    from kvtrim.cli.session import _policy
 
     args = argparse.Namespace(method="snapkv", keep=None, quality=0.5, max_tokens=None, position=None, model=None,
                               calibration=None)

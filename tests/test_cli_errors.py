@@ -24,13 +24,13 @@ def test_argument_errors_print_one_line_and_exit_2(argv, capsys):
 
 
 def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
-    import kvtrim.cli as cli
+    import kvtrim.cli.methods
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "cmd_methods", interrupted)
-    assert cli.main(["methods"]) == 130
+    monkeypatch.setattr(kvtrim.cli.methods, "cmd_methods", interrupted)
+    assert main(["methods"]) == 130
     assert capsys.readouterr().err == "kvtrim: interrupted\n"
 
 

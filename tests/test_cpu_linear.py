@@ -11,7 +11,7 @@ from torch import nn
 from kvtrim import cpu_linear as cl
 from kvtrim.generation import generate_ids
 from kvtrim.registry import create_policy
-from kvtrim.session import _weights_digest
+from kvtrim.session_file import weights_digest
 
 needs_packing = pytest.mark.skipif(not cl.packing_supported(), reason="oneDNN has no bfloat16 support on this CPU")
 
@@ -51,7 +51,7 @@ def test_pack_and_unpack_a_model_keep_every_weight_and_logit():
     model = tiny_llama(layers=2).to(torch.bfloat16)
     ids = torch.randint(3, 128, (1, 41), generator=torch.Generator().manual_seed(0))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    digest = _weights_digest(model)
+    digest = weights_digest(model)
     with torch.no_grad():
         ref = model(ids).logits
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
@@ -64,11 +64,11 @@ def test_pack_and_unpack_a_model_keep_every_weight_and_logit():
     after = model.state_dict()
     assert set(after) == set(before)
     assert all(torch.equal(after[k], before[k]) for k in before)
-    assert _weights_digest(model) == digest
+    assert weights_digest(model) == digest
     assert cl.unpack_linears(model) == n_linear
     assert sum(type(m) is nn.Linear for m in model.modules()) == n_linear
     assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
-    assert _weights_digest(model) == digest
+    assert weights_digest(model) == digest
 
 
 @needs_packing
@@ -77,7 +77,7 @@ def test_tied_output_projection_is_packed_only_when_asked():
     model.tie_weights()
     emb = model.get_input_embeddings().weight
     assert model.lm_head.weight is emb
-    digest = _weights_digest(model)
+    digest = weights_digest(model)
     n = sum(type(m) is nn.Linear for m in model.modules())
     assert cl.pack_linears(model) == n - 1
     assert type(model.lm_head) is nn.Linear
@@ -85,7 +85,7 @@ def test_tied_output_projection_is_packed_only_when_asked():
     assert isinstance(model.lm_head, cl.PackedLinear)
     assert cl.packed_count(model)[1] == emb.numel() * emb.element_size()  # the packed copy
     assert model.lm_head.weight is emb
-    assert _weights_digest(model) == digest
+    assert weights_digest(model) == digest
     cl.unpack_linears(model)
     assert model.lm_head.weight is model.get_input_embeddings().weight  # tied again
 
@@ -144,4 +144,4 @@ def test_load_model_packs_bfloat16_only_and_can_be_told_not_to(real):
     assert type(lm.model.lm_head) is nn.Linear
     plain = load_model(dtype="bfloat16", pack_linears=False)
     assert cl.packed_count(plain.model) == (0, 0)
-    assert _weights_digest(plain.model) == _weights_digest(lm.model)
+    assert weights_digest(plain.model) == weights_digest(lm.model)

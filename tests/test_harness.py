@@ -131,6 +131,17 @@ def test_table_renders_json_and_jsonl_without_out(tmp_path, capsys):
     assert harness.read_result(one) == [{"a": 1}]  # one line is still a list of lines
 
 
+def test_several_tables_render_one_table_of_all_the_files(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"x": 1}))
+    b.write_text(json.dumps({"x": 2}))
+    ap = argparse.ArgumentParser(parents=[harness.options(reps=None, warmup=None, several_tables=True)])
+    assert harness.start(ap, ap.parse_args(["--table", str(a), str(b)]), table=lambda ds: "+".join(str(d["x"]) for d in ds))
+    assert capsys.readouterr().out == "1+2\n"
+    args = ap.parse_args(["--out", str(tmp_path / "new.json")])
+    assert harness.start(ap, args, table=str) is False and args.table is None
+
+
 def test_machine_record_keys_and_load_at_end():
     rec = harness.machine_record()
     for key in ("date", "machine", "processor", "cpus", "torch_threads", "python", "torch", "transformers",
@@ -150,7 +161,7 @@ def test_write_json_and_append_jsonl(tmp_path):
     harness.write_json(p, {"a": [1, 2]})
     harness.write_json(p, {"a": [3]})  # the run's own file is rewritten (partial saves)
     assert json.loads(p.read_text()) == {"a": [3]}
-    assert not (tmp_path / "o.json.tmp").exists()
+    assert [f.name for f in tmp_path.iterdir()] == ["o.json"]  # no temporary file left beside it
     q = tmp_path / "o.jsonl"
     harness.append_jsonl(q, {"i": 1})
     harness.append_jsonl(q, {"i": 2})

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvtrim import models
+from kvtrim import files, models
+from kvtrim import gguf as conversion  # kvtrim's GGUF conversion cache (``gguf`` alone is the GGUF package)
 from kvtrim.cli import main
 from kvtrim.errors import KVTrimError, ModelLoadError
 
@@ -275,19 +276,19 @@ def test_digest_is_content_and_notices_a_rewrite_with_the_same_mtime(tmp_path):
     f = tmp_path / "a.gguf"
     f.write_bytes(b"GGUF" + b"A" * 5000)
     st = f.stat()
-    d1 = models.file_digest(f)
+    d1 = conversion.file_digest(f)
     assert d1 == hashlib.sha256(f.read_bytes()).hexdigest()
     # the record is reused while the file is unchanged (no rehash of a large file on every load)
     side = next((tmp_path / "kvcache" / "digests").iterdir())
     rec = json.loads(side.read_text())
     side.write_text(json.dumps(rec | {"sha256": "f" * 64}))
-    assert models.file_digest(f) == "f" * 64
+    assert conversion.file_digest(f) == "f" * 64
     # same size, same mtime (set back), other content: a new digest
     time.sleep(0.05)  # let the change time move past the filesystem clock's granularity
     f.write_bytes(b"GGUF" + b"B" * 5000)
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
-    d2 = models.file_digest(f)
+    d2 = conversion.file_digest(f)
     assert d2 == hashlib.sha256(f.read_bytes()).hexdigest() != d1
 
 
@@ -295,25 +296,25 @@ def _fake_convert(calls):
     def convert(gguf, out_dir):
         calls.append(str(gguf))
         (out_dir / "config.json").write_text("{}")
-        (out_dir / models._CONVERTED_MARKER).write_text("{}")
+        (out_dir / conversion._CONVERTED_MARKER).write_text("{}")
         return out_dir
     return convert
 
 
 def test_cache_key_follows_content_not_path_or_mtime(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(models, "convert_gguf", _fake_convert(calls))
+    monkeypatch.setattr(conversion, "convert_gguf", _fake_convert(calls))
     a = write_tiny_gguf(tmp_path / "a.gguf", seed=0)
-    out_a = models.converted_dir(a, "tiny")
+    out_a = conversion.converted_dir(a, "tiny")
     b = tmp_path / "copy.gguf"
     shutil.copyfile(a, b)
     os.utime(b, (1, 1))
-    assert models.converted_dir(b, "tiny") == out_a  # same bytes elsewhere, other mtime: reused
+    assert conversion.converted_dir(b, "tiny") == out_a  # same bytes elsewhere, other mtime: reused
     st = a.stat()
     time.sleep(0.05)
     write_tiny_gguf(a, seed=1)  # same size, new weights; the old mtime put back
     os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
-    out_new = models.converted_dir(a, "tiny")
+    out_new = conversion.converted_dir(a, "tiny")
     assert out_new != out_a and len(calls) == 2
     assert out_new.name == f"tiny-{hashlib.sha256(a.read_bytes()).hexdigest()[:16]}"
 
@@ -323,39 +324,39 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
         (out_dir / "partial").write_text("x")
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(models, "convert_gguf", broken)
+    monkeypatch.setattr(conversion, "convert_gguf", broken)
     g = write_tiny_gguf(tmp_path / "a.gguf")
     with pytest.raises(ModelLoadError, match=r"could not convert the GGUF file .*RuntimeError: disk on fire"):
-        models.converted_dir(g, "tiny")
+        conversion.converted_dir(g, "tiny")
     cache = tmp_path / "kvcache"
     assert _published(cache) == [] and not list(cache.glob("*.tmp"))
 
 
 def test_leftovers_cleaned_and_published_never_touched(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(models, "convert_gguf", _fake_convert(calls))
+    monkeypatch.setattr(conversion, "convert_gguf", _fake_convert(calls))
     g = write_tiny_gguf(tmp_path / "a.gguf")
     cache = tmp_path / "kvcache"
-    out = cache / f"tiny-{models.file_digest(g)[:16]}"
+    out = cache / f"tiny-{conversion.file_digest(g)[:16]}"
     (cache / f".{out.name}.crashed.tmp").mkdir(parents=True)  # a crashed conversion's directory
     out.mkdir()  # an unpublished output (no marker), from an interrupted older run
     (out / "half-written").write_text("x")
-    assert models.converted_dir(g, "tiny") == out and len(calls) == 1
-    assert (out / models._CONVERTED_MARKER).is_file() and not (out / "half-written").exists()
+    assert conversion.converted_dir(g, "tiny") == out and len(calls) == 1
+    assert (out / conversion._CONVERTED_MARKER).is_file() and not (out / "half-written").exists()
     assert not list(cache.glob("*.tmp"))
     (out / "reader-is-using-this").write_text("x")  # a published output is used as it is
-    assert models.converted_dir(g, "tiny") == out and len(calls) == 1
+    assert conversion.converted_dir(g, "tiny") == out and len(calls) == 1
     assert (out / "reader-is-using-this").exists()
 
 
 def test_waiting_process_rechecks_after_the_lock(tmp_path, monkeypatch):
     """A process that waited for the lock uses what the lock holder published instead of converting."""
     calls = []
-    monkeypatch.setattr(models, "convert_gguf", _fake_convert(calls))
+    monkeypatch.setattr(conversion, "convert_gguf", _fake_convert(calls))
     g = write_tiny_gguf(tmp_path / "a.gguf")
     cache = tmp_path / "kvcache"
     cache.mkdir()
-    out = cache / f"tiny-{models.file_digest(g)[:16]}"
+    out = cache / f"tiny-{conversion.file_digest(g)[:16]}"
     waiting = threading.Event()
 
     class Seen(logging.Handler):
@@ -364,29 +365,30 @@ def test_waiting_process_rechecks_after_the_lock(tmp_path, monkeypatch):
                 waiting.set()
 
     handler = Seen()
-    models.logger.addHandler(handler)
-    old_level = models.logger.level
-    models.logger.setLevel(logging.INFO)
+    files.logger.addHandler(handler)
+    old_level = files.logger.level
+    files.logger.setLevel(logging.INFO)
     result = []
     try:
         with open(cache / f".{out.name}.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # this test is "the other process", mid-conversion
-            t = threading.Thread(target=lambda: result.append(models.converted_dir(g, "tiny")))
+            t = threading.Thread(target=lambda: result.append(conversion.converted_dir(g, "tiny")))
             t.start()
             assert waiting.wait(60)
             out.mkdir()
-            (out / models._CONVERTED_MARKER).write_text("{}")
+            (out / conversion._CONVERTED_MARKER).write_text("{}")
             fcntl.flock(lock, fcntl.LOCK_UN)
         t.join(60)
     finally:
-        models.logger.removeHandler(handler)
-        models.logger.setLevel(old_level)
+        files.logger.removeHandler(handler)
+        files.logger.setLevel(old_level)
     assert result == [out] and calls == []
 
 
 def _convert_and_load(gguf: str, cache: str, barrier, queue) -> None:
     """Child process: wait for the sibling, then convert (or find) and load the GGUF."""
     os.environ["KVTRIM_CACHE_DIR"] = cache
+    from kvtrim import gguf as conversion
     from kvtrim import models as m
 
     class Count(logging.Handler):
@@ -396,8 +398,8 @@ def _convert_and_load(gguf: str, cache: str, barrier, queue) -> None:
             if record.getMessage().startswith("converting "):
                 Count.n += 1
 
-    m.logger.addHandler(Count())
-    m.logger.setLevel(logging.INFO)
+    conversion.logger.addHandler(Count())
+    conversion.logger.setLevel(logging.INFO)
     barrier.wait(120)
     lm = m.load_model(gguf)
     logits = lm.model(**lm.tokenizer("ab cd", return_tensors="pt")).logits
@@ -428,7 +430,7 @@ def test_unwritable_cache_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTRIM_CACHE_DIR", str(blocker / "kvtrim"))
     g = write_tiny_gguf(tmp_path / "a.gguf")
     with pytest.raises(ModelLoadError, match=r"cannot write the conversion cache .*set KVTRIM_CACHE_DIR"):
-        models.converted_dir(g, "tiny")
+        conversion.converted_dir(g, "tiny")
 
 
 def test_embedded_model_dir_without_the_package_uses_a_converted_directory(tmp_path, monkeypatch):
@@ -448,5 +450,5 @@ def test_embedded_model_dir_without_the_package_uses_a_converted_directory(tmp_p
         models.embedded_model_dir()
     done = tmp_path / f"{models.DEFAULT_NAME}-0123456789abcdef"
     done.mkdir()
-    (done / models._CONVERTED_MARKER).write_text("{}")
+    (done / conversion._CONVERTED_MARKER).write_text("{}")
     assert models.embedded_model_dir() == done

@@ -221,7 +221,7 @@ def _snapshot(d: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("fail_at", ["write", "swap"])
 def test_a_failed_save_leaves_the_previous_session_loadable_and_unchanged(model, tmp_path, monkeypatch, fail_at):
-    import kvtrim.session as session_module
+    import kvtrim.session_file as session_module
 
     d = _save(model, tmp_path / "s", n=20)
     before = _snapshot(d)
@@ -229,14 +229,14 @@ def test_a_failed_save_leaves_the_previous_session_loadable_and_unchanged(model,
     s.feed_ids(list(range(3, 60)), chunk=16)
     if fail_at == "write":  # the disk fills up after the first file
         written = []
-        real_write = session_module._write_file
+        real_write = session_module.write_atomic
 
-        def write(directory, name, data):
+        def write(path, data, **kw):
             if written:
                 raise OSError(28, "No space left on device")
-            written.append(name)
-            real_write(directory, name, data)
-        monkeypatch.setattr(session_module, "_write_file", write)
+            written.append(path)
+            return real_write(path, data, **kw)
+        monkeypatch.setattr(session_module, "write_atomic", write)
     else:  # the new directory cannot be renamed into place after the old one was moved aside
         real_rename = os.rename
 
@@ -299,7 +299,7 @@ def test_format_v1_session_loads_with_a_warning(model, tmp_path, caplog):
     d = _save(model, tmp_path / "s")
     (d / "manifest.json").unlink()
     _edit_json(d, lambda i: [i.pop(k) for k in ("session", "save")] and i.update(version=1))
-    with caplog.at_level(logging.WARNING, logger="kvtrim.session"):
+    with caplog.at_level(logging.WARNING, logger="kvtrim.session_file"):
         s = Session.load(d, model)
     assert s.seen == 20 and "format v1 session (no manifest): its files cannot be verified" in caplog.text
     _edit_json(d, lambda i: i.update(pending_ids=[500]))  # v1 files still get every structural check

@@ -166,8 +166,9 @@ def chunk_size(policy: "Policy", *, held: int, seen: int, n: int, extra: int, ma
     return min(MAX_AUTO_CHUNK, room // 2)
 
 
-def check_prefill_chunk(policy: "Policy", chunk) -> int | None:
-    """A user's prefill chunk (``generate_ids(prefill_chunk=)``, ``--prefill-chunk``) checked for ``policy``.
+def check_prefill_chunk(policy: "Policy | type[Policy]", chunk) -> int | None:
+    """A user's prefill chunk (``generate_ids(prefill_chunk=)``, ``--prefill-chunk``) checked for ``policy``
+    (a policy, or its class when the budget is not known yet: only the method's class properties count).
 
     None means one piece (the default; a prompt past the context of a streaming method is still
     cut by :func:`chunk_size`). Chunked prefill bounds a long prompt's memory: every piece after the

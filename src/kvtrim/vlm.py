@@ -253,7 +253,8 @@ def load_vlm(path: str | os.PathLike, dtype: torch.dtype | str | None = torch.fl
     ``dtype`` and ``device`` as :func:`kvtrim.models.load_model` takes them."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
-    from kvtrim.models import model_load_errors, resolve_device, resolve_dtype
+    from kvtrim.errors import model_load_errors
+    from kvtrim.models import resolve_device, resolve_dtype
 
     dtype, dev = resolve_dtype(dtype), resolve_device(device)
 
@@ -283,7 +284,7 @@ def generate_with_images(args, policy, context: str = "") -> dict:
     """
     from kvtrim.cache import KVTrimCache
     from kvtrim.generation import generate_ids
-    from kvtrim.models import DEFAULT_NAME
+    from kvtrim.gguf import DEFAULT_NAME
 
     imgs = [load_image(p) for p in args.image]  # fail on a bad file before the slow load
     if args.model is None:

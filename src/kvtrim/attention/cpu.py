@@ -32,8 +32,7 @@ import logging
 import torch
 
 from kvtrim.attention.native import NATIVE_BLOCK, kernel_for, native_sparse_attention, writable_in_place
-from kvtrim.attention.patterns import SparseLayout
-from kvtrim.attention.reference import check_qkv
+from kvtrim.attention.patterns import SparseLayout, check_qkv
 
 __all__ = ["sparse_attention_cpu", "sparse_attention_heads"]
 

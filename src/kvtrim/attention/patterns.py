@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtrim.attention.reference import check_qkv
-
 __all__ = [
     "SparseLayout",
     "AShape",
@@ -38,7 +36,23 @@ __all__ = [
     "dense_layout",
     "layout_from_block_mask",
     "vertical_slash_layout",
+    "check_qkv",
 ]
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Validate the prefill GQA layouts and return the group size ``q_heads // kv_heads``."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+    b, hq, t, d = q.shape
+    if k.shape[0] != b or k.shape[2] != t or k.shape[3] != d:
+        raise ValueError(f"prefill only: k must be [batch={b}, kv_heads, seq={t}, head_dim={d}]; got {k.shape}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"q_heads ({hq}) must be a positive multiple of kv_heads ({hkv})")
+    return hq // hkv
 
 
 def _positive(name: str, value: int) -> None:

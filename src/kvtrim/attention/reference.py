@@ -19,29 +19,11 @@ every kernel consumes) into its explicit boolean mask with :func:`layout_to_mask
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from kvtrim.attention.patterns import SparseLayout
+from kvtrim.attention.patterns import SparseLayout, check_qkv
 
-__all__ = ["dense_attention", "masked_attention", "layout_to_mask", "check_qkv"]
-
-
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    """Validate the prefill GQA layouts and return the group size ``q_heads // kv_heads``."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v must be 4-D [batch, heads, seq, head_dim]; got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
-    b, hq, t, d = q.shape
-    if k.shape[0] != b or k.shape[2] != t or k.shape[3] != d:
-        raise ValueError(f"prefill only: k must be [batch={b}, kv_heads, seq={t}, head_dim={d}]; got {k.shape}")
-    hkv = k.shape[1]
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"q_heads ({hq}) must be a positive multiple of kv_heads ({hkv})")
-    return hq // hkv
+__all__ = ["dense_attention", "masked_attention", "layout_to_mask"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

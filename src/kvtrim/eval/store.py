@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvtrim.errors import KVTrimError
+from kvtrim.files import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -179,16 +180,14 @@ def _ends_with_newline(path: Path) -> bool:
 
 def _move_out(path: Path, bad: dict[int, bytes]) -> None:
     """Append the lines ``bad`` (line number -> bytes) of ``path`` to ``path.corrupt``, then rewrite
-    ``path`` without them (a temporary file renamed over it)."""
+    ``path`` without them (atomically: :func:`kvtrim.files.write_atomic`)."""
     with open(f"{path}.corrupt", "ab") as f:
         for no, raw in bad.items():
             f.write(f"line {no}: ".encode() + raw + b"\n")
         f.flush()
         os.fsync(f.fileno())
     keep = [raw for no, raw in enumerate(path.read_bytes().split(b"\n"), 1) if no not in bad and raw.strip()]
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(b"".join(raw + b"\n" for raw in keep))
-    os.replace(tmp, path)
+    write_atomic(path, b"".join(raw + b"\n" for raw in keep))
 
 
 def result_files(out: str | os.PathLike) -> list[Path]:

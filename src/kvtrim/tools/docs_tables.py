@@ -50,20 +50,58 @@ def doc_files(root: Path) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
-def run_script(root: Path, argv: list[str]) -> str:
-    """The stdout of ``python <script> <args>`` for a benchmark script, run in this process."""
-    script = root / argv[0]
-    if not script.is_file():
-        raise KVTrimError(f"generated block names {argv[0]!r}, which does not exist")
-    name = "_docs_" + script.stem
+def _sibling_imports(script: Path) -> list[str]:
+    """The modules ``script`` imports (anywhere in it, functions included) that are scripts in its own folder."""
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(script.read_text(), str(script))):
+        if isinstance(node, ast.Import):
+            names += [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.append(node.module.split(".")[0])
+    return [n for n in dict.fromkeys(names) if (script.parent / f"{n}.py").is_file() and n != script.stem]
+
+
+def load_script(script: str | Path, name: str | None = None):
+    """A benchmark script as a module (``name``: its module name, default the file's stem), not run as ``__main__``.
+
+    Run as a script, a benchmark imports the scripts beside it by name (``import anchor_vllm``:
+    Python puts a script's folder first on ``sys.path``). Loaded here, those sibling scripts are
+    loaded first, from the same folder, and registered in ``sys.modules`` under their names (once;
+    an earlier load is reused), so the script's imports, also those inside its functions, find
+    them; ``sys.path`` is not changed.
+    """
+    return _load_module(Path(script), name or Path(script).stem, register=False)
+
+
+def _load_module(script: Path, name: str, register: bool):
     spec = importlib.util.spec_from_file_location(name, script)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(script.parent))
+    if register:  # before it runs, as the import system does, so two scripts may import each other
+        sys.modules[name] = mod
+    try:
+        for sibling in _sibling_imports(script):
+            if sibling not in sys.modules:
+                _load_module(script.parent / f"{sibling}.py", sibling, register=True)
+        spec.loader.exec_module(mod)
+    except BaseException:
+        if register:
+            sys.modules.pop(name, None)
+        raise
+    return mod
+
+
+def run_script(root: Path, argv: list[str]) -> str:
+    """The stdout of ``python <script> <args>`` for a benchmark script, run in this process (:func:`load_script`)."""
+    script = root / argv[0]
+    if not script.is_file():
+        raise KVTrimError(f"generated block names {argv[0]!r}, which does not exist")
+    mod = load_script(script, "_docs_" + script.stem)
     old_argv = sys.argv
     buf = io.StringIO()
     try:
-        spec.loader.exec_module(mod)
         sys.argv = [str(script), *argv[1:]]
         with contextlib.redirect_stdout(buf):
             try:
@@ -75,7 +113,6 @@ def run_script(root: Path, argv: list[str]) -> str:
                 rc = e.code
     finally:
         sys.argv = old_argv
-        sys.path.remove(str(script.parent))
     if rc not in (None, 0):
         raise KVTrimError(f"{' '.join(argv)} exited with status {rc}")
     return buf.getvalue()
@@ -233,14 +270,7 @@ def _rss_growth(sl: dict) -> float:
 
 def vllm(root: Path) -> str:
     """The vLLM comparison, both ways, from anchor_vllm.json."""
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("_docs_anchor_vllm", root / "benchmarks" / "anchor_vllm.py")
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
+    mod = load_script(root / "benchmarks" / "anchor_vllm.py", "_docs_anchor_vllm")
     return mod.comparison(_load(root, "benchmarks/results/anchor_vllm.json"))
 
 

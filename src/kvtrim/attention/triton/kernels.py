@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtrim.attention.patterns import SparseLayout
-from kvtrim.attention.reference import check_qkv
+from kvtrim.attention.patterns import SparseLayout, check_qkv
 
 _LOG2E = 1.4426950408889634
 

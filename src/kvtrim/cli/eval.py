@@ -1,10 +1,11 @@
-"""``kvtrim eval``, ``kvtrim report`` and ``kvtrim bench``: the evaluation and benchmark suite's commands."""
+"""``kvtrim eval``, ``kvtrim report``, ``kvtrim calibrate`` and ``kvtrim bench``: the evaluation and benchmark suite's commands."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+from kvtrim.cli.common import check_model_options, load_from_args, model_options
 from kvtrim.errors import KVTrimError
 
 
@@ -22,7 +23,6 @@ def _shard(text: str | None) -> tuple[int, int]:
 
 
 def cmd_eval(args) -> int:
-    from kvtrim.cli import check_model_options, load_from_args
     from kvtrim.eval.plan import make_plan
     from kvtrim.eval.store import check_out_dir
     from kvtrim.eval.sweep import run_eval
@@ -111,7 +111,6 @@ def cmd_calibrate(args) -> int:
 
     from kvtrim import reference_models
     from kvtrim.budget import model_fingerprint
-    from kvtrim.cli import check_model_options, load_from_args
     from kvtrim.eval.calibrate import build_calibration, read_sweeps
     from kvtrim.eval.plan import make_plan
     from kvtrim.eval.store import check_out_dir
@@ -154,7 +153,7 @@ def cmd_calibrate(args) -> int:
 
 
 def add_eval_commands(sub) -> None:
-    from kvtrim.cli import model_options
+    """Add the ``eval``, ``report``, ``calibrate`` and ``bench`` sub-commands to kvtrim's parser."""
     from kvtrim.eval.plan import DEFAULT_KEEPS, DEFAULT_METHODS
 
     e = sub.add_parser("eval", help="resumable quality sweep: tasks x lengths x methods x budgets, JSONL per sample")

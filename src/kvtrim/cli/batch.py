@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtrim.cli.common import check_model_options, load_from_args, prefill_from_args, read_context
 from kvtrim.errors import KVTrimError
 
 #: the fields a JSONL line may have
@@ -120,10 +121,9 @@ def write_line(d: dict) -> None:
         buf.flush()
 
 
-def cmd_generate_batch(args, prefill_from_args) -> int:
-    """``kvtrim generate --prompts-file FILE`` (``prefill_from_args``: the generate command's sparse-prefill builder)."""
-    from kvtrim.cli import check_model_options, load_from_args
-    from kvtrim.decoding import max_context
+def cmd_generate_batch(args) -> int:
+    """``kvtrim generate --prompts-file FILE``."""
+    from kvtrim.decoding import check_prefill_chunk, max_context
     from kvtrim.generation import check_prompt, generate_batch
     from kvtrim.models import build_prompt_ids
     from kvtrim.validate import integer, number
@@ -140,8 +140,6 @@ def cmd_generate_batch(args, prefill_from_args) -> int:
     prefill_from_args(args)
     lines = read_prompts_file(args.prompts_file)
     policies = []
-    from kvtrim.decoding import check_prefill_chunk
-
     for p in lines:
         try:
             policies.append(line_policy(args, p))
@@ -150,7 +148,7 @@ def cmd_generate_batch(args, prefill_from_args) -> int:
             raise KVTrimError(f"prompts file {args.prompts_file!r} line {p.line}: {e}") from None
     if args.plain_prompt and not all(p.chat for p in lines):
         raise KVTrimError('--plain-prompt formats questions; a "prompt" line is raw text')
-    context = "" if args.context_file is None else _read_context(args.context_file)
+    context = read_context(args.context_file)
     lm = load_from_args(args)
     prefill = prefill_from_args(args, lm.model)
     max_ctx = max_context(lm.model)
@@ -193,8 +191,3 @@ def cmd_generate_batch(args, prefill_from_args) -> int:
           file=sys.stderr)
     return 0
 
-
-def _read_context(path: str) -> str:
-    from kvtrim.textio import read_text_file
-
-    return read_text_file(path, "context file")

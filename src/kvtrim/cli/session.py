@@ -16,6 +16,14 @@ import math
 import sys
 from pathlib import Path
 
+from kvtrim.cli.common import (
+    check_model_options,
+    check_quality_args,
+    load_from_args,
+    model_options,
+    print_error,
+    quality_choice,
+)
 from kvtrim.errors import KVTrimError
 
 DEFAULT_METHOD = "inf_mllm"
@@ -31,8 +39,6 @@ def _policy(args, streaming: bool):
     if getattr(args, "keep", None) is not None:
         kw["keep"] = args.keep
     if getattr(args, "quality", None) is not None:
-        from kvtrim.cli import check_quality_args, quality_choice
-
         check_quality_args(args, args.method)
         # a conversation's length is not known in advance: the largest pick over the calibrated lengths
         choice = quality_choice(args, args.method, args.model, None)
@@ -66,8 +72,8 @@ def _mib(n: int) -> str:
 def cmd_chat(args) -> int:
     from transformers import TextStreamer
 
-    from kvtrim.cli import check_model_options, load_from_args
-    from kvtrim.session import Session, check_save_target
+    from kvtrim.session import Session
+    from kvtrim.session_file import check_save_target
 
     if args.save:
         check_save_target(args.save)  # before the model loads and the conversation starts
@@ -115,12 +121,12 @@ def cmd_chat(args) -> int:
         if command == "/save":
             target = rest.strip() or args.save
             if not target:
-                print("kvtrim: error: /save needs a directory", file=sys.stderr)
+                print_error("/save needs a directory")
                 continue
             try:
                 s.save(target)  # atomic; SessionError for a target it refuses or cannot write
             except (KVTrimError, OSError) as e:  # the conversation goes on; nothing is lost
-                print(f"kvtrim: error: could not save to {target!r}: {e}", file=sys.stderr)
+                print_error(f"could not save to {target!r}: {e}")
                 continue
             print(f"[saved to {target}]", file=sys.stderr)
             continue
@@ -128,7 +134,7 @@ def cmd_chat(args) -> int:
             print(stats(), file=sys.stderr)
             continue
         if not text.strip():
-            print("kvtrim: error: the turn is empty; type a message (or /quit)", file=sys.stderr)
+            print_error("the turn is empty; type a message (or /quit)")
             continue
         streamer = TextStreamer(lm.tokenizer, skip_special_tokens=True)
         s.send(text, max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
@@ -144,8 +150,8 @@ def cmd_chat(args) -> int:
 def cmd_stream(args) -> int:
     from tqdm import tqdm
 
-    from kvtrim.cli import check_model_options, load_from_args
-    from kvtrim.session import Session, check_save_target, peak_rss_bytes
+    from kvtrim.session import Session, peak_rss_bytes
+    from kvtrim.session_file import check_save_target
     from kvtrim.textio import read_text_file
 
     if args.save:
@@ -191,8 +197,6 @@ def cmd_stream(args) -> int:
 
 def add_session_commands(sub) -> None:
     """Add the ``chat`` and ``stream`` sub-commands to kvtrim's parser."""
-    from kvtrim.cli import model_options
-
     c = sub.add_parser("chat", help="interactive multi-turn chat over a bounded cache (one line per turn)")
     c.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
     c.add_argument("--method", help=f"KV method supporting turns (default {DEFAULT_METHOD})")

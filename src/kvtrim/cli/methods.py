@@ -1,0 +1,105 @@
+"""``kvtrim methods`` (the registered KV methods) and ``kvtrim demo`` (pass-key retrieval on a long
+context with each of them)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvtrim.cli.common import check_model_options, load_from_args, model_options, quality_choice
+
+
+def cmd_methods(args) -> int:
+    from kvtrim.registry import methods
+
+    rows = [{"name": m.name, "description": m.description} for m in methods()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        width = max(len(r["name"]) for r in rows)
+        for r in rows:
+            print(f"{r['name']:<{width}}  {r['description']}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from tqdm import tqdm
+
+    from kvtrim.eval.common import check_depth, check_length
+    from kvtrim.eval.tasks import passkey
+    from kvtrim.generation import generate_ids
+    from kvtrim.models import build_prompt_ids
+    from kvtrim.registry import check_text_prompt, create_policy, get_policy_class, method_names
+
+    # the demo's prompt is text: by default, the methods that act on text (needs_spans ones are for images)
+    names = args.methods.split(",") if args.methods else [n for n in method_names() if not get_policy_class(n).needs_spans]
+    if args.quality is not None and not args.methods:  # by default, the methods the calibration holds
+        from kvtrim.budget import calibration_for
+
+        held = calibration_for(args.model, args.calibration).methods
+        names = [n for n in names if n in held or not get_policy_class(n).takes_budget]
+    policies = []
+    for n in names:
+        kw = {"keep": args.keep} if get_policy_class(n).takes_budget else {}
+        if args.quality is not None and get_policy_class(n).takes_budget:  # picked at the demo's length
+            choice = quality_choice(args, n, args.model, args.length)
+            kw = {} if choice.full else {"keep": choice.keep}
+            n = n if kw else "full"
+        policies.append(check_text_prompt(create_policy(n, **kw)))
+    if not args.methods:
+        skipped = [n for n in method_names() if get_policy_class(n).needs_spans]
+        print(f"kvtrim demo: {', '.join(skipped)} act on image tokens, not in this text demo "
+              "(see kvtrim generate --image)", file=sys.stderr)
+    check_length("passkey", args.length)  # before the model loads
+    check_depth("passkey", args.depth)
+    check_model_options(args)
+    print(f"kvtrim demo: loading {args.model or 'the embedded model (SmolLM2-135M-Instruct)'} ...", file=sys.stderr)
+    lm = load_from_args(args)
+    sample = passkey(lm.tokenizer, args.length, depth=args.depth, seed=args.seed)
+    key = sample.answers[0]
+    ids = build_prompt_ids(lm.tokenizer, sample.prompt, plain=args.plain_prompt)
+    print(
+        f"context: {len(ids)} tokens of essays with a 5-digit pass key at depth {args.depth:.0%}; "
+        f"budget keep={args.keep} for every compressing method" if args.quality is None else
+        f"budgets picked for agreement >= {args.quality:g} with the full cache",
+        file=sys.stderr,
+    )
+    rows = []
+    for pol in tqdm(policies, desc="methods", unit="method", file=sys.stderr):
+        r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16)
+        rows.append((pol.name, key in r.answer, r))
+    print()
+    print(f"{'method':<15}{'correct':<9}{'KV MiB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")
+    for name, ok, r in rows:
+        print(
+            f"{name:<15}{'yes' if ok else 'no':<9}{r.kv_bytes / 2**20:>8.1f}{r.kv_bytes / r.kv_bytes_full:>9.0%}"
+            f"{r.prefill_seconds:>11.2f}{r.decode_tokens_per_s:>14.1f}  {r.answer[:40]!r}"
+        )
+    print(f"\npass key: {key}; KV MiB = resident key/value buffers at the end (1 MiB = 2^20 bytes); of full = that "
+          "over what transformers' DynamicCache holds for the same tokens (kvtrim's buffers keep room for tokens to come)")
+    return 0
+
+
+def add_methods_command(sub) -> None:
+    """Add the ``methods`` sub-command to kvtrim's parser."""
+    m = sub.add_parser("methods", help="list the registered KV methods")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_methods)
+
+
+def add_demo_command(sub) -> None:
+    """Add the ``demo`` sub-command to kvtrim's parser."""
+    d = sub.add_parser("demo", help="pass-key retrieval on a long context with every method")
+    d.add_argument("--model")
+    d.add_argument("--keep", type=float, default=0.2, help="budget for the compressing methods (default 0.2)")
+    d.add_argument("--quality", type=float, help="instead of --keep: per method, the smallest budget calibrated to keep "
+                                                 "agreement with the full cache >= this, in (0, 1] (docs/autobudget.md)")
+    d.add_argument("--calibration", help="calibration JSON for --quality (default: the one shipped for the model)")
+    d.add_argument("--length", type=int, default=3000, help="context length in tokens (default 3000)")
+    d.add_argument("--depth", type=float, default=0.5)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--methods", help="comma-separated methods (default: all registered that act on text)")
+    d.add_argument("--plain-prompt", action="store_true",
+                   help="kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat template")
+    model_options(d)
+    d.set_defaults(func=cmd_demo)

