@@ -251,10 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             })
     result = {"model": Path(model_dir).name, "keep": args.keep, "new": args.new, "samples": args.samples,
               "lengths": lengths, "block_size": block_size, "threads": args.threads,
-              "prompt_tokens": [len(p) for p in prompts], "rows": rows,
-              "machine": harness.finish_record(record)}
-    harness.write_json(args.out, result)
-    print(table(result))
+              "prompt_tokens": [len(p) for p in prompts], "rows": rows}
+    harness.publish(args.out, result, record, table)
     return 0
 
 
