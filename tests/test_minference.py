@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from kvtrim.cache import KVTrimCache
+from kvtrim.cache import KVTrimCache, cache_keyword
 from kvtrim.cli import main
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_ids
-from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.integrations.hf import attach
 from kvtrim.integrations.prefill import PatternConfig, SparsePrefill, make_pattern, make_prefill, model_identity
 from kvtrim.policies.full import Full
 from kvtrim.tools.search_patterns import head_candidates
@@ -26,7 +26,7 @@ def long_prompt():
 def _logits(model, ids, hook):
     cache = KVTrimCache(model, "full")
     with attach(model, prefill_attention=hook), torch.inference_mode():
-        return model(input_ids=ids, **{cache_kwarg(): cache}).logits
+        return model(input_ids=ids, **{cache_keyword(): cache}).logits
 
 
 def _config(model, entry: dict) -> PatternConfig:
