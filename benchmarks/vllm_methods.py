@@ -85,9 +85,9 @@ def child(spec: dict) -> dict:
                 rec["tokens"] = list(o.outputs[0].token_ids)
             if internal is None:  # vLLM appends a suffix of its own to a request id
                 internal = next((r for r in sched.requests if r == rid or r.startswith(rid + "-")), None)
-                if internal is not None and worker_state is not None:
-                    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
-                    first_block = mgr.req_to_blocks[internal][0].block_id
+            mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+            if internal is not None and worker_state is not None and first_block is None and mgr.req_to_blocks.get(internal):
+                first_block = mgr.req_to_blocks[internal][0].block_id  # once it holds blocks
             steps = getattr(sched, "kvtrim_steps", {}).get(internal) if internal else None
             if steps is not None:  # kept until the scheduler's next step, also for a finished request
                 rec["steps"] = [list(s) for s in steps]
