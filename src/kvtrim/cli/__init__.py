@@ -1,10 +1,10 @@
 """The ``kvtrim`` command line: ``methods``, ``generate``, ``search-patterns``, ``demo``, ``chat``, ``stream``,
-``eval``, ``report``, ``calibrate``, ``bench``, ``models``.
+``eval``, ``report``, ``calibrate``, ``bench``, ``models``, ``serve``.
 
 This package's ``__init__`` holds the parser and :func:`main`; each command group is a module of
 its own (:mod:`~kvtrim.cli.generate`, :mod:`~kvtrim.cli.batch`, :mod:`~kvtrim.cli.methods`,
 :mod:`~kvtrim.cli.patterns`, :mod:`~kvtrim.cli.session`, :mod:`~kvtrim.cli.eval`,
-:mod:`~kvtrim.cli.models`), built on the shared helpers of :mod:`~kvtrim.cli.common`; none of
+:mod:`~kvtrim.cli.models`, :mod:`~kvtrim.cli.serve`), built on the shared helpers of :mod:`~kvtrim.cli.common`; none of
 them imports this ``__init__``.
 
 Errors in user input print one line ``kvtrim: error: ...`` naming the problem and what is
@@ -24,6 +24,7 @@ from kvtrim.cli.generate import add_generate_command
 from kvtrim.cli.methods import add_demo_command, add_methods_command
 from kvtrim.cli.models import add_model_commands
 from kvtrim.cli.patterns import add_search_patterns_command
+from kvtrim.cli.serve import add_serve_command
 from kvtrim.cli.session import add_session_commands
 from kvtrim.errors import KVTrimError
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_session_commands(sub)  # chat, stream
     add_eval_commands(sub)  # eval, report, calibrate, bench
     add_model_commands(sub)  # models
+    add_serve_command(sub)  # serve
     return p
 
 

@@ -8,15 +8,99 @@ Every command refuses bad input before anything slow runs (the model load above 
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from kvtrim.errors import KVTrimError
-from kvtrim.validate import integer
+from kvtrim.validate import fraction, integer, number
 
 
 def print_error(message: str) -> None:
     """The CLI's one error line on stderr: ``kvtrim: error: <message>``."""
     print(f"kvtrim: error: {message}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- help and parse-time checks
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with each option's allowed values and default after its text, in brackets:
+    ``[N >= 1] [default: 64]``. The allowed values come from the option's ``type`` (the checkers
+    below carry them as ``allowed``, written with the option's metavar); a choice option lists its
+    values in its metavar already. The default is left out when the text says it in words, and for
+    switches and options without a default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        allowed = getattr(action.type, "allowed", None)
+        if allowed:  # before a default the text gives in words, after the rest of the text
+            name = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+            head, sep, tail = text.rpartition(" [default:")
+            text = f"{head} [{allowed.format(name)}]{sep}{tail}" if sep else f"{text} [{allowed.format(name)}]"
+        if ("default" not in (action.help or "") and action.option_strings and action.nargs != 0
+                and action.default not in (None, False, argparse.SUPPRESS)):
+            text += " [default: %(default)s]"
+        return text
+
+
+def _checked(kind: str, convert, check, allowed: str):
+    """An argparse ``type``: ``convert`` the text, then ``check`` it (a :mod:`kvtrim.validate` check);
+    a failure is argparse's one-line error ``argument --x: must be ..., got ...``. ``allowed`` says the
+    range for the help, ``{}`` standing for the option's metavar."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        try:
+            return check(value)
+        except KVTrimError as e:
+            raise argparse.ArgumentTypeError(str(e).strip()) from None
+
+    parse.allowed = allowed  # type: ignore[attr-defined]  # read by HelpFormatter
+    parse.__name__ = kind
+    return parse
+
+
+def int_arg(minimum: int | None = None, maximum: int | None = None):
+    """An integer option in ``[minimum, maximum]``, checked when the command line is parsed."""
+    allowed = (f"{minimum} <= {{}} <= {maximum}" if minimum is not None and maximum is not None
+               else f"{{}} >= {minimum}" if minimum is not None else f"{{}} <= {maximum}")
+    return _checked("an integer", int, lambda v: integer(v, "", minimum=minimum, maximum=maximum), allowed)
+
+
+def float_arg(minimum: float, *, min_open: bool = False):
+    """A finite number above ``minimum`` (or at it, unless ``min_open``)."""
+    return _checked("a number", float, lambda v: number(v, "", minimum=minimum, min_open=min_open),
+                    f"{{}} {'>' if min_open else '>='} {minimum:g}")
+
+
+def fraction_arg(*, allow_zero: bool = False):
+    """A fraction in (0, 1] (``[0, 1]`` with ``allow_zero``)."""
+    return _checked("a number", float, lambda v: fraction(v, "", allow_zero=allow_zero),
+                    f"0 {'<=' if allow_zero else '<'} {{}} <= 1")
+
+
+def list_arg(kind: type, minimum: float, maximum: float | None = None, *, open_ends: bool = False):
+    """A comma-separated list of numbers (``int`` or ``float``) in ``[minimum, maximum]`` (``(minimum,
+    maximum)`` with ``open_ends``); the option keeps its text, which the command parses as before."""
+    lt = "<" if open_ends else "<="
+    allowed = (f"each {minimum:g} {lt} {{}} {lt} {maximum:g}" if maximum is not None
+               else f"each {{}} {'>' if open_ends else '>='} {minimum:g}")
+    name = "comma-separated integers" if kind is int else "comma-separated numbers"
+
+    def check(text: str) -> str:
+        for item in text.split(","):
+            try:
+                v = kind(item.strip())
+            except ValueError:
+                raise KVTrimError(f"expected {name}, got {text!r}") from None
+            if kind is float:
+                number(v, "", minimum=minimum, maximum=maximum, min_open=open_ends, max_open=open_ends)
+            else:
+                integer(v, "", minimum=int(minimum), maximum=None if maximum is None else int(maximum))
+        return text
+
+    return _checked(name, str, check, allowed)
 
 
 # ----------------------------------------------------------------------------- the model
