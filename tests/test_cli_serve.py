@@ -174,10 +174,10 @@ def test_default_vllm_python_is_the_checkouts_vllm_venv(tmp_path, monkeypatch):
     (["--prefill-min-length", "100"], "give --prefill too"),
     (["--pattern-config", "/nonexistent/pc.json", "--prefill", "minference"], "/nonexistent/pc.json"),
     (["qwen"], "unexpected argument 'qwen'"),
-    (["--method", "snapkv", "--keep", "1.5"], "argument --keep: must be a fraction in (0, 1], got 1.5"),
-    (["--port", "70000"], "argument --port: must be an integer in [1, 65535], got 70000"),
-    (["--tensor-parallel-size", "0"], "argument --tensor-parallel-size: must be a positive integer, got 0"),
-    (["--max-model-len", "many"], "argument --max-model-len: expected an integer, got 'many'"),
+    (["--method", "snapkv", "--keep", "1.5"], "--keep must be a fraction in (0, 1], got 1.5"),
+    (["--port", "70000"], "--port must be an integer in [1, 65535], got 70000"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be a positive integer, got 0"),
+    (["--max-model-len", "many"], "--max-model-len must be an integer, got 'many'"),
     (["--vllm-python", "/nonexistent/python"], "--vllm-python '/nonexistent/python' is not an executable file"),
 ])
 def test_bad_settings_are_one_line_before_anything_starts(argv, message, capsys):

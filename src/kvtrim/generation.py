@@ -97,6 +97,7 @@ def generate_ids(
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     stop_at_eos: bool = True,
     prefill_chunk: int | None = None,
@@ -117,13 +118,15 @@ def generate_ids(
     the first forward; decode stays dense); its statistics are returned in ``result.prefill``.
     ``model_inputs`` are extra prefill inputs of a vision-language model (``pixel_values``,
     ``image_grid_thw``, ``mm_token_type_ids``, ... from its processor; see ``kvtrim.vlm``).
+    ``do_sample``, ``temperature``, ``top_p`` and ``top_k`` choose each token
+    (:class:`kvtrim.decoding.Sampler`; greedy by default); ``seed`` seeds the sampling.
     """
     prefill_chunk = check_prefill_chunk(policy, prefill_chunk)
     if model_inputs and prefill_chunk:
         raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")
     row = _Row.make(model, tokenizer, prompt_ids, policy, max_new_tokens=max_new_tokens, seed=seed,
                     stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk, cache=cache)
-    sampler = Sampler(do_sample, temperature, top_p)
+    sampler = Sampler(do_sample, temperature, top_p, top_k)
     with attach(model, prefill_attention=prefill):
         row.prefill(model, prefill, extra=model_inputs or None)
         t1 = time.perf_counter()
@@ -144,6 +147,7 @@ def generate_batch(
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     stop_at_eos: bool = True,
     prefill=None,
@@ -205,7 +209,7 @@ def generate_batch(
     if alone and n > 1:
         logger.warning("method(s) %s change the forward pass (hidden-state pruning) and cannot share a batch: "
                        "their rows decode alone at batch 1", ", ".join(alone))
-    sampler = Sampler(do_sample, temperature, top_p)
+    sampler = Sampler(do_sample, temperature, top_p, top_k)
     bar = tqdm(total=sum(limits), desc="kvtrim generate", unit="tok", disable=not progress, dynamic_ncols=True)
     try:
         with attach(model, prefill_attention=prefill):

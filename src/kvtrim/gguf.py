@@ -175,6 +175,13 @@ def _remove_leftovers(root: Path, out: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def converted_path(gguf: str | os.PathLike, name: str | None = None) -> Path:
+    """Where :func:`converted_dir` puts (or has put) the directory converted from ``gguf``, without
+    converting: ``cache_dir()/<name>-<first 16 hex digits of the file's SHA-256>``."""
+    gguf = Path(gguf)
+    return cache_dir() / f"{name or gguf.stem}-{file_digest(gguf)[:16]}"
+
+
 def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
     """The plain transformers directory converted from ``gguf``, converting it on first use.
 
@@ -187,7 +194,7 @@ def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
     gguf = Path(gguf)
     _check_gguf_magic(gguf)
     root = cache_dir()
-    out = root / f"{name or gguf.stem}-{file_digest(gguf)[:16]}"
+    out = converted_path(gguf, name)
     if is_converted(out):
         return out
     try:
