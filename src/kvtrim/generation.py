@@ -172,7 +172,8 @@ def generate_batch(
 
     ``max_new_tokens`` is one limit or one per prompt. ``prefill_chunk`` prefills every prompt in
     chunks, as :func:`generate_ids` does. ``progress`` shows a progress bar (tqdm, on
-    stderr) over the prefills and the generated tokens.
+    stderr) over the prefills and the generated tokens; it counts on every row's limit, and ends at
+    100% when rows stop early.
 
     Methods that change the forward pass itself (``Policy.rewrites_forward``: FastV's and HAE's
     hidden-state pruning) cannot share a forward with other rows: their rows decode alone at batch 1
@@ -228,6 +229,10 @@ def generate_batch(
             for row in rows:
                 if row.max_new_tokens and row.policy.rewrites_forward:
                     row.tokens, row.steps = run(model, row.decode(sampler, tick))
+        # rows that stopped before their limit (EOS) generated fewer tokens than the bar counted on:
+        # the bar's total becomes what was generated, so a finished batch reads 100%
+        bar.total = sum(len(row.tokens) for row in rows)
+        bar.refresh()
     finally:
         bar.close()
     return [row.result(tokenizer) for row in rows]
