@@ -156,6 +156,8 @@ def _cell(cells, task, length, method, keep):
 def guide(root: Path) -> str:
     """"Which method for which job": each pick with the measured reason, from the committed results (the
     document and chat rows from the reference model's sweep, the others from the embedded model's benchmarks)."""
+    from kvtrim.integrations.prefill import DEFAULT_MIN_LENGTH
+
     q = _eval_cells(root, EVAL_QWEN_DIRS[0])
     q16 = _eval_cells(root, EVAL_QWEN_DIRS[1])
     n = 4096
@@ -212,7 +214,7 @@ def guide(root: Path) -> str:
         "that `snapkv` keeps (DAP proxy) |",
         "| faster prefill of a long prompt | `--prefill minference` (with any KV method) | MInference prefill benchmark (embedded model): "
         + ", ".join(f"{sp[n]:.2f}x at {n}" for n in sorted(sp)) + f" tokens (break-even at {crossover}; "
-        "`--prefill-min-length` keeps shorter prompts dense) |",
+        f"`--prefill-min-length`, default {DEFAULT_MIN_LENGTH}, keeps shorter prompts dense) |",
     ]
     return "\n".join(lines) + "\n"
 
@@ -306,6 +308,7 @@ def headline(root: Path) -> str:
     """The README's short summary of the results: a few numbers from the committed results, each claim
     checked here against them (a claim that no longer holds raises instead of printing)."""
     from kvtrim.eval.report import MIN_FULL_SCORE, row_summary
+    from kvtrim.integrations.prefill import DEFAULT_MIN_LENGTH
 
     def share(cells, n, m, k) -> float:
         """The mean of each solved task's score relative to the full cache's (the tables' "rel. to full")."""
@@ -350,7 +353,9 @@ def headline(root: Path) -> str:
     sp = {int(k): v for k, v in mp["summary"]["minference"]["speedup_wall"].items()}
     out.append(
         f"- **Sparse prefill** (`--prefill minference`, embedded model): the prefill is {sp[max(sp)]:.2f}x faster at "
-        f"{max(sp)} tokens; break-even at {mp['summary']['minference']['crossover_length']} tokens.")
+        f"{max(sp)} tokens; break-even at {mp['summary']['minference']['crossover_length']} tokens, and "
+        f"`--prefill-min-length` keeps prompts under {DEFAULT_MIN_LENGTH} dense, where the gain was clear on every "
+        "machine measured ([why](docs/minference.md)).")
     rows = [c for name in BEAT_VLLM_RUNS
             for c in _load(root, f"benchmarks/results/beat_vllm/{name}.json")["comparison"] if c["kvtrim"] == BEST_CONFIG]
     by_len = {n: [c for c in rows if c["length"] == n] for n in sorted({c["length"] for c in rows})}
