@@ -80,9 +80,17 @@ def cmd_report(args) -> int:
     if args.json:
         print(json.dumps(summarize(load_dirs(args.dirs)), indent=1))
         return 0
+    import time
+    from pathlib import Path
+
+    started = time.time()
     summary = write_report(args.dirs, args.out, readme=args.readme, plots=not args.no_plots,
                            image_prefix=args.image_prefix)
     print(render(summary, None))
+    target = Path(args.out or args.dirs[0])
+    plots = sorted(p.name for p in target.glob("*.png") if p.stat().st_mtime >= started - 1)
+    print(f"kvtrim report: wrote {target / 'report.md'}" + (f" and {len(plots)} plots beside it ({', '.join(plots)})" if plots else "")
+          + (f"; replaced the report block of {args.readme}" if args.readme else ""), file=sys.stderr)
     return 0
 
 

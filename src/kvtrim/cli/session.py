@@ -63,6 +63,12 @@ def _policy(args, streaming: bool):
     return pol
 
 
+def describe_policy(policy) -> str:
+    """A policy as people read it: ``inf_mllm (max_tokens=1024, position=reassigned, ...)``."""
+    params = [f"{k}={v}" for k, v in policy.describe().items() if k != "method" and v is not None]
+    return f"{policy.name} ({', '.join(params)})" if params else policy.name
+
+
 def _json(d: dict) -> str:
     """Strict JSON: a value that is not a number (a perplexity with nothing scored) is null, not NaN."""
     return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}, allow_nan=False)
@@ -89,6 +95,10 @@ def cmd_chat(args) -> int:
                 "cannot change them (start a new chat without --load to use another method)")
         if not Path(args.load).is_dir():
             raise KVTrimError(f"session directory {args.load!r} does not exist")
+        if args.model is None:  # the model the session was saved with (its manifest's source), else the default
+            from kvtrim.session_file import saved_model_source
+
+            args.model = saved_model_source(args.load)
     else:
         args.method = args.method or DEFAULT_METHOD
     policy = None if args.load else _policy(args, streaming=False)
@@ -103,8 +113,7 @@ def cmd_chat(args) -> int:
     else:
         s = Session(lm.model, lm.tokenizer, policy, seed=args.seed, plain=args.plain_prompt)
     interactive = sys.stdin.isatty()
-    print(f"kvtrim chat: {lm.source}, method {s.policy.name} {s.policy.describe()}; /save DIR, /stats, /quit",
-          file=sys.stderr)
+    print(f"kvtrim chat: {lm.source}, method {describe_policy(s.policy)}; /save DIR, /stats, /quit", file=sys.stderr)
 
     def stats() -> str:
         c = s.cache

@@ -194,13 +194,13 @@ def guide(root: Path) -> str:
     lines = [
         "| job | pick | why (measured) |",
         "|---|---|---|",
-        "| one-shot question over a long document | `snapkv`, keep 0.25-0.5 | Qwen2.5-0.5B sweep, 4k tokens, single needle "
+        "| one-shot question over a long document | `snapkv`, keep 0.25-0.5 | Qwen2.5-Coder-0.5B-Instruct sweep, 4k tokens, single needle "
         f"at keep 0.1 / 0.25 / 0.5 (full cache {full_ns:.2f}): "
         + ", ".join(f"`{m}` {row('niah_single', m)}" for m in doc_methods)
         + f"; at 16k tokens (full cache {full_ns16:.2f}): "
         + ", ".join(f"`{m}` {row('niah_single', m, q16, 16384)}" for m in doc_methods) + " |",
         "| long chat (many turns) | `snapkv` keep 0.5, or `inf_mllm` (`kvtrim chat`'s default) when the chat must stay "
-        "bounded | Qwen2.5-0.5B sweep, 4k tokens, multi-turn questions through one cache at keep 0.1 / 0.25 / 0.5 "
+        "bounded | Qwen2.5-Coder-0.5B-Instruct sweep, 4k tokens, multi-turn questions through one cache at keep 0.1 / 0.25 / 0.5 "
         f"(full cache {full_mt:.2f}): " + ", ".join(f"`{m}` {row('multiturn', m)}" for m in doc_methods)
         + f"; at 16k tokens (full cache {full_mt16:.2f}): "
         + ", ".join(f"`{m}` {row('multiturn', m, q16, 16384)}" for m in doc_methods) + " |",
@@ -293,7 +293,7 @@ def eval_qwen(root: Path) -> str:
         dtype = json.loads((root / rel / "config.json").read_text()).get("dtype", "float32")
         cells = _eval_cells(root, rel)
         for n in sorted({c["length"] for c in cells if c["prefill"] == "dense"}):
-            parts.append(f"#### Qwen2.5-0.5B, {n} tokens, {dtype} (`{rel}`)\n\n" + score_table(cells, n))
+            parts.append(f"#### Qwen2.5-Coder-0.5B-Instruct, {n} tokens, {dtype} (`{rel}`)\n\n" + score_table(cells, n))
     return "\n\n".join(parts) + "\n"
 
 
@@ -336,7 +336,7 @@ def headline(root: Path) -> str:
         return ", ".join(f"`{m}` {rel[m][0.25]:.0%} / {rel[m][0.5]:.0%}" for m in order)
 
     out.append(
-        f"- **Documents and chats** on the reference model Qwen2.5-0.5B: the share of the full cache's score each method "
+        f"- **Documents and chats** on the reference model Qwen2.5-Coder-0.5B-Instruct: the share of the full cache's score each method "
         f"keeps (over the tasks the full cache solves, score at least {MIN_FULL_SCORE:g}) at keep 0.25 / 0.5. At {n4} tokens "
         f"({d4}): {shares(rels[(n4, d4)])}; at {n16} tokens ({d16}): {shares(rels[(n16, d16)])}. `snapkv` is first and "
         "`elastic` last at every budget (0.1, 0.25, 0.5).")
