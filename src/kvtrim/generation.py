@@ -97,6 +97,7 @@ def generate_ids(
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     stop_at_eos: bool = True,
     prefill_chunk: int | None = None,
@@ -117,13 +118,15 @@ def generate_ids(
     the first forward; decode stays dense); its statistics are returned in ``result.prefill``.
     ``model_inputs`` are extra prefill inputs of a vision-language model (``pixel_values``,
     ``image_grid_thw``, ``mm_token_type_ids``, ... from its processor; see ``kvtrim.vlm``).
+    ``do_sample``, ``temperature``, ``top_p`` and ``top_k`` choose each token
+    (:class:`kvtrim.decoding.Sampler`; greedy by default); ``seed`` seeds the sampling.
     """
     prefill_chunk = check_prefill_chunk(policy, prefill_chunk)
     if model_inputs and prefill_chunk:
         raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")
     row = _Row.make(model, tokenizer, prompt_ids, policy, max_new_tokens=max_new_tokens, seed=seed,
                     stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk, cache=cache)
-    sampler = Sampler(do_sample, temperature, top_p)
+    sampler = Sampler(do_sample, temperature, top_p, top_k)
     with attach(model, prefill_attention=prefill):
         row.prefill(model, prefill, extra=model_inputs or None)
         t1 = time.perf_counter()
@@ -144,6 +147,7 @@ def generate_batch(
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     stop_at_eos: bool = True,
     prefill=None,
@@ -168,7 +172,8 @@ def generate_batch(
 
     ``max_new_tokens`` is one limit or one per prompt. ``prefill_chunk`` prefills every prompt in
     chunks, as :func:`generate_ids` does. ``progress`` shows a progress bar (tqdm, on
-    stderr) over the prefills and the generated tokens.
+    stderr) over the prefills and the generated tokens; it counts on every row's limit, and ends at
+    100% when rows stop early.
 
     Methods that change the forward pass itself (``Policy.rewrites_forward``: FastV's and HAE's
     hidden-state pruning) cannot share a forward with other rows: their rows decode alone at batch 1
@@ -205,7 +210,7 @@ def generate_batch(
     if alone and n > 1:
         logger.warning("method(s) %s change the forward pass (hidden-state pruning) and cannot share a batch: "
                        "their rows decode alone at batch 1", ", ".join(alone))
-    sampler = Sampler(do_sample, temperature, top_p)
+    sampler = Sampler(do_sample, temperature, top_p, top_k)
     bar = tqdm(total=sum(limits), desc="kvtrim generate", unit="tok", disable=not progress, dynamic_ncols=True)
     try:
         with attach(model, prefill_attention=prefill):
@@ -224,6 +229,10 @@ def generate_batch(
             for row in rows:
                 if row.max_new_tokens and row.policy.rewrites_forward:
                     row.tokens, row.steps = run(model, row.decode(sampler, tick))
+        # rows that stopped before their limit (EOS) generated fewer tokens than the bar counted on:
+        # the bar's total becomes what was generated, so a finished batch reads 100%
+        bar.total = sum(len(row.tokens) for row in rows)
+        bar.refresh()
     finally:
         bar.close()
     return [row.result(tokenizer) for row in rows]
