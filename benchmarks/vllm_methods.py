@@ -21,7 +21,9 @@ recorded once per prefill mode and replayed for each method (``kvtrim.eval.repla
 greedily. Reported per (method, prefill, tensor parallel): prompts whose tokens equal the reference's,
 the mean share of equal tokens up to the first difference and the earliest first difference, the
 share of (layer, KV head) kept sets equal to the reference's (tensor parallel 1), KV blocks freed per
-request, and needles answered by each engine. vLLM's own dense run (plugin not configured) is
+request, needles answered by each engine, and vLLM's decode step time (median engine step after the
+prefill; what a method's per-step hook costs inside vLLM, against the ``full`` row, on a machine
+shared with whatever else ran: the load is in the first line). vLLM's own dense run (plugin not configured) is
 compared with transformers' full cache the same way, to show how far the two engines' arithmetic
 alone takes them apart.
 
@@ -38,6 +40,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from kvtrim import harness
@@ -80,9 +83,14 @@ def child(spec: dict) -> dict:
         eng.add_request(rid, TokensPrompt(prompt_token_ids=ids), sp)
         rec: dict = {"tokens": [], "steps": [], "kept": None}
         internal, first_block = None, None
+        step_seconds = []
         while eng.has_unfinished_requests():
-            for o in eng.step():
+            t0 = time.perf_counter()
+            outs = eng.step()
+            step_seconds.append(time.perf_counter() - t0)
+            for o in outs:
                 rec["tokens"] = list(o.outputs[0].token_ids)
+            rec["step_seconds"] = step_seconds  # the first step prefills, the others decode one token each
             if internal is None:  # vLLM appends a suffix of its own to a request id
                 internal = next((r for r in sched.requests if r == rid or r.startswith(rid + "-")), None)
             mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
@@ -166,14 +174,14 @@ def table(result: dict) -> str:
              f"vLLM block size {result['block_size']}",
              "",
              "| method | prefill | TP | prompts equal | agreement (mean) | first difference (earliest) | kept sets equal "
-             "| blocks freed / request | needles vLLM | needles transformers |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| blocks freed / request | needles vLLM | needles transformers | vLLM decode ms/step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         first = "-" if r["first_difference"] is None else str(r["first_difference"])
         kept = "-" if r["kept_equal"] is None else f"{100 * r['kept_equal']:.1f}%"
         lines.append(f"| {r['method']} | {r['prefill']} | {r['tp']} | {r['equal']}/{r['n']} | {r['agreement']:.3f} | "
                      f"{first} | {kept} | {r['blocks_freed']:.1f} | {r['needles_vllm']}/{r['n']} | "
-                     f"{r['needles_ref']}/{r['n']} |")
+                     f"{r['needles_ref']}/{r['n']} | {'-' if r.get('decode_ms') is None else format(r['decode_ms'], '.1f')} |")
     return "\n".join(lines)
 
 
@@ -261,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                 "first_difference": min(firsts) if firsts else None,
                 "kept_equal": statistics.mean(kept_known) if kept_known else None,
                 "blocks_freed": statistics.mean(sum(s[2] for s in g["steps"]) for g in got),
+                "decode_ms": (1000 * statistics.median(statistics.median(g["step_seconds"][1:]) for g in got)
+                              if all(len(g.get("step_seconds", [])) > 1 for g in got) else None),
                 "needles_vllm": sum(score(s, tok.decode(g["tokens"], skip_special_tokens=True)) >= 1.0
                                     for s, g in zip(samples, got)),
                 "needles_ref": sum(score(s, tok.decode(w["tokens"], skip_special_tokens=True)) >= 1.0
