@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kvtrim.errors import ModelLoadError, model_load_errors, one_line
-from kvtrim.files import cache_dir, exclusive_lock, fsync_dir, write_atomic
+from kvtrim.files import cache_dir, check_regular, exclusive_lock, fsync_dir, read_json, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +67,11 @@ def file_digest(path: str | os.PathLike) -> str:
     it moves on every write and cannot be set back (``os.utime`` restores an mtime, not a ctime).
     """
     path = Path(path).resolve()
-    st = path.stat()
+    st = check_regular(path, "model file", kind="weights", error=ModelLoadError)
     stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     side = cache_dir() / "digests" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
     try:
-        rec = json.loads(side.read_text())
+        rec = read_json(side, "digest record")
         if rec.get("path") == str(path) and rec.get("stat") == stamp and isinstance(rec.get("sha256"), str):
             return rec["sha256"]
     except (OSError, ValueError, AttributeError):
@@ -92,6 +92,7 @@ def file_digest(path: str | os.PathLike) -> str:
 
 
 def _check_gguf_magic(path: Path) -> None:
+    check_regular(path, "model file", kind="weights", error=ModelLoadError)  # a FIFO or a device never blocks a read
     try:
         with open(path, "rb") as f:
             head = f.read(4)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,7 @@ import torch
 
 from kvtrim import reference_models
 from kvtrim.errors import KVTrimError, ModelLoadError, model_load_errors, one_line
-from kvtrim.files import cache_dir
+from kvtrim.files import cache_dir, check_regular, read_bytes
 from kvtrim.gguf import DEFAULT_NAME, converted_dir, embedded_gguf_path, is_converted
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ def _looks_like_model_id(text: str) -> bool:
 def _check_safetensors(path: Path) -> None:
     """Refuse a ``.safetensors`` file whose header is unreadable or whose tensors run past its end."""
     where = f"{path.parent.name}/{path.name}"
+    check_regular(path, "weight file", kind="weights", error=ModelLoadError)  # a FIFO or a device: nothing opened
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -110,10 +112,9 @@ def _check_config_json(path: Path, where: str) -> None:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"Model directory {where!r} has no config.json; it is not a Hugging Face model directory.")
+    data = read_bytes(cfg_file, "model config", error=ModelLoadError)
     try:
-        cfg = json.loads(cfg_file.read_bytes())
-    except OSError as e:
-        raise ModelLoadError(f"cannot read config.json in {where!r}: {one_line(e)}") from None
+        cfg = json.loads(data)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ModelLoadError(f"config.json in {where!r} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
@@ -136,7 +137,15 @@ def _check_config_json(path: Path, where: str) -> None:
 
 def _check_model_files(path: Path, where: str) -> None:
     """Tokenizer files are there and the safetensors files are complete (cheap: headers only)."""
-    names = {p.name for p in path.iterdir()}
+    names = set()
+    for p in path.iterdir():
+        names.add(p.name)
+        try:
+            mode = p.stat().st_mode  # follows links: a Hugging Face cache snapshot links to its blobs
+        except OSError as e:
+            raise ModelLoadError(f"Model directory {where!r}: cannot read {p.name}: {e.strerror or e}") from None
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            check_regular(p, "file in the model directory", kind="weights", error=ModelLoadError)  # one line, nothing opened
     if not (names & set(_TOKENIZER_FILES) or any(n.endswith(".tiktoken") for n in names)):
         raise ModelLoadError(
             f"Model directory {where!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, ...); "

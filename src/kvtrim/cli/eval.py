@@ -115,6 +115,7 @@ def cmd_calibrate(args) -> int:
     from kvtrim.eval.plan import make_plan
     from kvtrim.eval.store import check_out_dir
     from kvtrim.eval.sweep import run_eval
+    from kvtrim.files import check_output
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
                      plain=args.plain_prompt)
@@ -125,6 +126,7 @@ def cmd_calibrate(args) -> int:
     out = Path(args.out)
     if out.is_dir() or not out.parent.is_dir():
         raise KVTrimError(f"--out {args.out!r} must be a file in an existing directory")
+    check_output(out, "--out", force=args.force)  # a link, an existing file: refused before the sweep
     runs = args.runs or str(out.with_suffix("")) + "-runs"
     check_out_dir(runs)
     if args.build_only:  # the model's label and config are enough: no weights are loaded
@@ -147,7 +149,7 @@ def cmd_calibrate(args) -> int:
     made = {"runs": [runs, *(args.extra or [])], "seed": plan.seed, "plain_prompt": plan.plain} | ({"command": command} if command else {})
     lines = [r for r in read_sweeps([runs, *(args.extra or [])], source) if r["task"] in plan.tasks]
     cal = build_calibration(lines, model, made, methods=plan.methods)
-    cal.save(out)
+    cal.save(out, force=args.force)
     print(f"kvtrim calibrate: wrote {out} ({len(cal.methods)} methods; lines in {runs})", file=sys.stderr)
     return 0
 
@@ -209,6 +211,7 @@ def add_eval_commands(sub) -> None:
                                                             "--extra (a partial sweep gives a calibration from fewer samples)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     c.add_argument("--out", required=True, help="the calibration JSON to write (pass it to --calibration)")
+    c.add_argument("--force", action="store_true", help="replace an existing --out")
     model_options(c)
     c.set_defaults(func=cmd_calibrate)
 

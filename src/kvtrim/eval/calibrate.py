@@ -13,7 +13,6 @@ same model (``--extra DIR``). ``ppl`` has no answer to agree with and is left ou
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -24,6 +23,7 @@ from kvtrim.budget import AGREEMENT, Calibration, Point
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.plan import REFERENCE
 from kvtrim.eval.store import result_files
+from kvtrim.files import read_json
 
 #: tasks without an answer to compare with the full cache's
 NO_AGREEMENT = ("ppl",)
@@ -82,7 +82,10 @@ def read_sweeps(dirs: Iterable[str | Path], model_source: str | None = None) -> 
         cfg = d / "config.json"
         if not cfg.is_file():
             raise KVTrimError(f"{str(d)!r} is not a kvtrim eval directory (no config.json)")
-        held = json.loads(cfg.read_text()).get("model")
+        d_cfg = read_json(cfg, "eval config")
+        if not isinstance(d_cfg, dict):
+            raise KVTrimError(f"eval config {str(cfg)!r} is not a JSON object; the directory is damaged")
+        held = d_cfg.get("model")
         if model_source is not None and held != model_source:
             raise KVTrimError(f"{str(d)!r} holds a sweep of {held!r}, not {model_source!r}")
         model_source = held

@@ -21,6 +21,7 @@ so the README's results are produced from committed result files, never typed.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from kvtrim.errors import CorruptResultsError, KVTrimError
 from kvtrim.eval.plan import REFERENCE
+from kvtrim.files import read_text, write_atomic
 
 START = "<!-- kvtrim-report:start -->"
 END = "<!-- kvtrim-report:end -->"
@@ -227,7 +229,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
         fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8)
         fig.suptitle(f"score vs KV budget, {n} tokens", fontsize=10)
         p = out_dir / f"score_vs_keep_{n}.png"
-        fig.savefig(p, dpi=110)
+        write_atomic(p, functools.partial(fig.savefig, format="png", dpi=110))
         plt.close(fig)
         paths.append(p)
     # KV bytes vs budget, and time vs length
@@ -275,7 +277,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
     axes[1].legend(fontsize=7)
     axes[2].legend(fontsize=7)
     p = out_dir / "kv_and_time.png"
-    fig.savefig(p, dpi=110)
+    write_atomic(p, functools.partial(fig.savefig, format="png", dpi=110))
     plt.close(fig)
     paths.append(p)
     return paths
@@ -349,20 +351,22 @@ def write_report(dirs: list[str], out_dir: str | None = None, readme: str | None
     if plots:
         plot(summary["cells"], target)
     md = render(summary, "." if plots else None)
-    (target / "report.md").write_text(f"# kvtrim eval report\n\nFrom {summary['n_lines']} result lines in "
-                                      f"{source_label or ', '.join(dirs)}.\n\n" + md)
+    write_atomic(target / "report.md", f"# kvtrim eval report\n\nFrom {summary['n_lines']} result lines in "
+                                       f"{source_label or ', '.join(dirs)}.\n\n" + md)
     if readme is not None:
         replace_block(Path(readme), render(summary, image_prefix if plots else None))
     return summary
 
 
 def replace_block(path: Path, body: str) -> None:
-    text = path.read_text()
+    """Replace the report block of the markdown file ``path`` with ``body`` (read and written through
+    :mod:`kvtrim.files`: a regular file, replaced atomically, never through a symbolic link)."""
+    text = read_text(path, "--readme")
     if START not in text or END not in text:
         raise KVTrimError(f"{path} has no {START} ... {END} block to fill")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    path.write_text(head + START + "\n" + body + END + tail)
+    write_atomic(path, head + START + "\n" + body + END + tail)
 
 
 def summary_json(dirs: list[str]) -> str:

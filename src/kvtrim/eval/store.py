@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvtrim.errors import KVTrimError
-from kvtrim.files import write_atomic
+from kvtrim.files import append, probe_directory, read_bytes, read_json, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -48,20 +48,18 @@ def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, pl
     path = Path(out)
     try:
         (path / "runs").mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"  # per process: shards start together
-        probe.write_text("ok")
-        probe.unlink()
     except OSError as e:
         raise KVTrimError(f"cannot write to the output directory {str(path)!r}: {e.strerror or e}") from None
+    probe_directory(path / "runs", "the output directory")  # a unique file per process: shards start together
     cfg = path / "config.json"
     if model_source is not None:
         held_plain, held_dtype = False, "float32"
         if cfg.is_file():
             try:
-                d = json.loads(cfg.read_text())
+                d = read_json(cfg, "eval config")
                 held, held_plain = d.get("model"), bool(d.get("plain_prompt", False))
                 held_dtype = str(d.get("dtype", "float32"))
-            except (OSError, json.JSONDecodeError, AttributeError):
+            except (KVTrimError, AttributeError):
                 held = None
             if held is not None and held != model_source:
                 raise KVTrimError(
@@ -75,8 +73,8 @@ def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, pl
             if held is not None and held_dtype != dtype:
                 raise KVTrimError(f"{str(path)!r} holds a sweep of the model in {held_dtype}, not {dtype}; use another "
                                   f"--out directory (or --dtype {held_dtype})")
-        cfg.write_text(json.dumps({"model": model_source, "format": 1} | ({"plain_prompt": True} if plain else {})
-                                  | ({"dtype": dtype} if dtype != "float32" else {}), indent=2) + "\n")
+        write_atomic(cfg, json.dumps({"model": model_source, "format": 1} | ({"plain_prompt": True} if plain else {})
+                                     | ({"dtype": dtype} if dtype != "float32" else {}), indent=2) + "\n")
     return path
 
 
@@ -128,9 +126,9 @@ def scan_lines(paths: Iterable[Path]) -> tuple[list[dict], list[tuple[Path, int,
     rows: list[dict] = []
     bad: list[tuple[Path, int, str, bytes]] = []
     for p in paths:
-        if not p.is_file():
+        if not os.path.lexists(p):
             continue
-        data = p.read_bytes()
+        data = read_bytes(p, "result file", kind="results")  # a FIFO, a device or a directory is one line
         lines = data.split(b"\n")
         for no, raw in enumerate(lines, 1):
             if not raw.strip():
@@ -166,27 +164,17 @@ def read_lines(paths: Iterable[Path], repair: bool = False) -> list[dict]:
             _move_out(p, {no: raw for q, no, _, raw in bad if q == p})
     if repair:
         for p in paths:  # a complete line whose newline was not written: the next append must not glue onto it
-            if p.is_file() and p.stat().st_size and not _ends_with_newline(p):
-                with open(p, "ab") as f:
-                    f.write(b"\n")
+            if p.is_file() and p.stat().st_size and not read_bytes(p, "result file", kind="results").endswith(b"\n"):
+                append(p, b"\n")
     return rows
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
 
 
 def _move_out(path: Path, bad: dict[int, bytes]) -> None:
     """Append the lines ``bad`` (line number -> bytes) of ``path`` to ``path.corrupt``, then rewrite
     ``path`` without them (atomically: :func:`kvtrim.files.write_atomic`)."""
-    with open(f"{path}.corrupt", "ab") as f:
-        for no, raw in bad.items():
-            f.write(f"line {no}: ".encode() + raw + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    keep = [raw for no, raw in enumerate(path.read_bytes().split(b"\n"), 1) if no not in bad and raw.strip()]
+    append(f"{path}.corrupt", b"".join(f"line {no}: ".encode() + raw + b"\n" for no, raw in bad.items()))
+    keep = [raw for no, raw in enumerate(read_bytes(path, "result file", kind="results").split(b"\n"), 1)
+            if no not in bad and raw.strip()]
     write_atomic(path, b"".join(raw + b"\n" for raw in keep))
 
 
@@ -195,12 +183,8 @@ def result_files(out: str | os.PathLike) -> list[Path]:
 
 
 def append_line(path: Path, row: dict) -> None:
-    data = (json.dumps(row) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
+    """Append one result line (:func:`kvtrim.files.append`: one write on an ``O_APPEND`` descriptor)."""
+    append(path, json.dumps(row) + "\n")
 
 
 def machine() -> dict:

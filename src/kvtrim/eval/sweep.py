@@ -47,6 +47,7 @@ from kvtrim.errors import KVTrimError
 from kvtrim.eval.plan import MAX_NEW_TOKENS, REFERENCE, EvalPlan, build_sample, check_lengths
 from kvtrim.eval.programs import config_program, prompt_ids
 from kvtrim.eval.store import append_line, check_out_dir, line_key, machine, read_lines, result_files, runs_file
+from kvtrim.files import write_atomic
 from kvtrim.machine import release_memory
 
 
@@ -134,5 +135,5 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     summary = summarize(read_lines(result_files(out_path)))
     summary["machine"] = machine()
     summary["dtype"] = dtype
-    (out_path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_atomic(out_path / "summary.json", json.dumps(summary, indent=1) + "\n")
     return summary
