@@ -78,10 +78,10 @@ def cmd_report(args) -> int:
     if not args.json:
         _check_report_paths(args)
     if args.json:
-        print(json.dumps(summarize(load_dirs(args.dirs)), indent=1))
+        print(json.dumps(summarize(load_dirs(args.dirs, pool=args.pool)), indent=1))
         return 0
     summary = write_report(args.dirs, args.out, readme=args.readme, plots=not args.no_plots,
-                           image_prefix=args.image_prefix)
+                           image_prefix=args.image_prefix, pool=args.pool)
     print(render(summary, None))
     return 0
 
@@ -188,6 +188,8 @@ def add_eval_commands(sub) -> None:
     r.add_argument("--image-prefix", help="path of the PNGs as written in --readme links (default: relative '.')")
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--json", action="store_true", help="print the aggregated cells as JSON and write nothing")
+    r.add_argument("--pool", action="store_true", help="pool directories that fill the same cells with other models, "
+                   "task configurations or the same samples (refused by default)")
     r.set_defaults(func=cmd_report)
 
     from kvtrim.eval.calibrate import DEFAULT_KEEPS as CAL_KEEPS

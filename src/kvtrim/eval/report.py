@@ -284,16 +284,21 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
 
 
 # ----------------------------------------------------------------------------- report
-def load_dirs(dirs: list[str], strict: bool = True) -> list[dict]:
+def load_dirs(dirs: list[str], strict: bool = True, *, pool: bool = False) -> list[dict]:
     """The result lines of the eval directories ``dirs`` (``DIR/runs/*.jsonl``, else ``DIR/*.jsonl``).
 
     A corrupted line (see :func:`kvtrim.eval.store.scan_lines`) is never used silently: with
     ``strict`` (what ``kvtrim report`` does) the lines are refused with a
     :class:`kvtrim.errors.CorruptResultsError` naming each ``file:line`` (its ``bad`` lists them all) (a report from partial data would look complete); without, each one is logged as
-    a warning with its ``file:line`` and left out."""
-    from kvtrim.eval.store import describe_bad, read_lines, result_files, scan_lines
+    a warning with its ``file:line`` and left out.
 
-    lines: list[dict] = []
+    Several directories are pooled only where that is right (:func:`kvtrim.eval.store.check_pool`):
+    one directory named twice, two directories that fill the same cell with another model or task
+    configuration, or with the same samples, are refused unless ``pool`` (``--pool``), which pools
+    them anyway with a warning each."""
+    from kvtrim.eval.store import check_pool, describe_bad, read_lines, result_files, scan_lines
+
+    per_dir: list[list[dict]] = []
     bad: list = []
     for d in dirs:
         p = Path(d)
@@ -304,10 +309,10 @@ def load_dirs(dirs: list[str], strict: bool = True) -> list[dict]:
             raise KVTrimError(f"{d!r} holds no result lines (runs/*.jsonl); run `kvtrim eval ... --out {d}` first")
         if strict:
             rows, problems = scan_lines(files)
-            lines += rows
+            per_dir.append(rows)
             bad += problems
         else:
-            lines += read_lines(files)
+            per_dir.append(read_lines(files))
     if bad:
         raise CorruptResultsError(
             f"{len(bad)} corrupted result line{'s' if len(bad) > 1 else ''}: {describe_bad(bad)}; nothing reported. "
@@ -315,9 +320,19 @@ def load_dirs(dirs: list[str], strict: bool = True) -> list[dict]:
             f"FILE.corrupt and recomputes them) or remove {'them' if len(bad) > 1 else 'it'} by hand",
             [(str(p), no, problem) for p, no, problem, _ in bad],
         )
+    lines = [r for rows in per_dir for r in rows]
     if not lines:
         raise KVTrimError(f"no result lines in {', '.join(dirs)}")
+    if len(dirs) > 1:
+        check_pool(dirs, per_dir, allow=pool)
     return lines
+
+
+def pooled_label(dirs: list[str]) -> str:
+    """What a report pools, for its header: each directory with its model and task configuration."""
+    from kvtrim.eval.store import describe_identity, dir_identity
+
+    return "; ".join(f"{d} ({describe_identity(dir_identity(d))})" for d in dirs)
 
 
 def render(summary: dict, image_dir: str | None = None) -> str:
@@ -337,11 +352,13 @@ def render(summary: dict, image_dir: str | None = None) -> str:
 
 
 def write_report(dirs: list[str], out_dir: str | None = None, readme: str | None = None, plots: bool = True,
-                 image_prefix: str | None = None, source_label: str | None = None) -> dict:
+                 image_prefix: str | None = None, source_label: str | None = None, pool: bool = False) -> dict:
     """Summarize ``dirs``, write ``report.md`` (+ PNGs) into ``out_dir`` (default: the first dir); optionally
     replace the report block of ``readme`` (its image links start with ``image_prefix``; report.md's point
-    at the PNGs beside it). ``source_label`` names the sources in report.md (default: ``dirs``). Returns the summary."""
-    lines = load_dirs(dirs)
+    at the PNGs beside it). ``source_label`` names the sources in report.md (default: each directory
+    with its model and task configuration, :func:`pooled_label`); ``pool`` as in :func:`load_dirs`.
+    Returns the summary."""
+    lines = load_dirs(dirs, pool=pool)
     summary = summarize(lines)
     target = Path(out_dir or dirs[0])
     try:
@@ -352,7 +369,7 @@ def write_report(dirs: list[str], out_dir: str | None = None, readme: str | None
         plot(summary["cells"], target)
     md = render(summary, "." if plots else None)
     write_atomic(target / "report.md", f"# kvtrim eval report\n\nFrom {summary['n_lines']} result lines in "
-                                       f"{source_label or ', '.join(dirs)}.\n\n" + md)
+                                       f"{source_label or pooled_label(dirs)}.\n\n" + md)
     if readme is not None:
         replace_block(Path(readme), render(summary, image_prefix if plots else None))
     return summary
@@ -369,5 +386,5 @@ def replace_block(path: Path, body: str) -> None:
     write_atomic(path, head + START + "\n" + body + END + tail)
 
 
-def summary_json(dirs: list[str]) -> str:
-    return json.dumps(summarize(load_dirs(dirs)), indent=1)
+def summary_json(dirs: list[str], pool: bool = False) -> str:
+    return json.dumps(summarize(load_dirs(dirs, pool=pool)), indent=1)
