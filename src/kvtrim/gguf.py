@@ -10,8 +10,15 @@ GGUF (:mod:`kvtrim.reference_models`) and a ``.gguf`` file the user names go the
 The conversion cache is keyed by the GGUF's content (SHA-256) and is safe for processes that
 start at the same time (two eval shards, say): each converts into its own temporary directory
 under an exclusive lock, checks again once it holds the lock, and publishes with one atomic
-rename. A published directory is never deleted or rewritten, so a process reading it is never
-disturbed.
+rename. A published directory is never rewritten while it is whole, so a process reading it is
+never disturbed.
+
+Integrity: the marker written last (``kvtrim-converted.json``) records the SHA-256 of the source
+GGUF and the size, modification time and SHA-256 of every file the conversion wrote. Each use
+checks them cheaply (sizes and modification times; a file whose time changed is hashed again), and
+:func:`check_converted` with ``full=True`` (``kvtrim models verify``) hashes every file. A
+damaged directory (a file cut, changed or missing) is converted again, with one warning. A
+directory converted before the files were recorded gets its record on first use.
 
 A GGUF that is fake, damaged or truncated is a ``ModelLoadError`` with a one-line message before
 any conversion starts. Loading the converted directory is :func:`kvtrim.models.load_model`'s job.
@@ -25,6 +32,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -76,11 +84,7 @@ def file_digest(path: str | os.PathLike) -> str:
             return rec["sha256"]
     except (OSError, ValueError, AttributeError):
         pass  # no record yet, or an unreadable one: hash the file
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = _sha256_of(path)
     st = path.stat()
     if [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev] == stamp:  # not changed while read
         try:
@@ -155,8 +159,70 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    write_atomic(out_dir / _CONVERTED_MARKER, json.dumps({"source": str(gguf), "sha256": file_digest(gguf)}))
+    record_conversion(out_dir, gguf)
     return out_dir
+
+
+def record_conversion(out_dir: Path, gguf: Path) -> None:
+    """Write the marker of a finished conversion, last: the source's SHA-256 and each written file's
+    size, modification time and SHA-256 (what :func:`check_converted` checks)."""
+    write_atomic(out_dir / _CONVERTED_MARKER, json.dumps({"source": str(gguf), "sha256": file_digest(gguf),
+                                                         "files": _file_records(out_dir)}))
+
+
+def _sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_records(out_dir: Path) -> dict[str, dict]:
+    """Name -> ``{"size", "mtime_ns", "sha256"}`` of every file a conversion wrote (the marker aside)."""
+    out = {}
+    for f in sorted(out_dir.iterdir()):
+        if f.name != _CONVERTED_MARKER and f.is_file() and not f.is_symlink():
+            st = f.stat()
+            out[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256_of(f)}
+    return out
+
+
+def _read_marker(out: Path) -> dict | None:
+    try:
+        rec = read_json(out / _CONVERTED_MARKER, "conversion record")
+    except ValueError:  # KVTrimError: unreadable, not JSON
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def check_converted(out: Path, *, full: bool = False) -> str | None:
+    """None when the converted directory ``out`` is whole, else what is wrong with it (one phrase).
+
+    Each file the marker records must be a regular file of its recorded size; its SHA-256 is
+    computed again when its modification time differs from the record's, or always with ``full``.
+    A marker without file records (an earlier kvtrim's) reports ``"no file digests recorded"``."""
+    rec = _read_marker(out)
+    if rec is None:
+        return "its record (kvtrim-converted.json) is missing or unreadable"
+    files = rec.get("files")
+    if not isinstance(files, dict):
+        return "no file digests recorded"
+    for name, want in files.items():
+        if not isinstance(want, dict) or not isinstance(name, str) or "/" in name:
+            return "its record (kvtrim-converted.json) is damaged"
+        f = out / name
+        try:
+            st = os.lstat(f)
+        except OSError:
+            return f"{name} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} is not a regular file"
+        if st.st_size != want.get("size"):
+            return f"{name} has {st.st_size} bytes, {want.get('size')} were written"
+        if (full or st.st_mtime_ns != want.get("mtime_ns")) and _sha256_of(f) != want.get("sha256"):
+            return f"{name} does not match its SHA-256"
+    return None
 
 
 def is_converted(out: Path) -> bool:
@@ -164,16 +230,23 @@ def is_converted(out: Path) -> bool:
     return (out / _CONVERTED_MARKER).is_file()
 
 
-def _remove_leftovers(root: Path, out: Path) -> None:
-    """Remove what interrupted conversions to ``out`` left behind. Called with the lock held, so
-    no temporary directory of this name is in use, and ``out`` (not converted) is read by nobody."""
+def _remove_leftovers(root: Path, out: Path, damaged: bool = False) -> None:
+    """Remove what interrupted conversions to ``out`` left behind, and ``out`` itself when it is
+    ``damaged``. Called with the lock held, so no temporary directory of this name is in use, and
+    ``out`` (not converted, or damaged) is of use to nobody."""
     for stale in root.glob(f".{out.name}.*.tmp"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
-    if out.exists() and not is_converted(out):
+    if out.exists() and (damaged or not is_converted(out)):
         trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
         os.replace(out, trash / "old")
         shutil.rmtree(trash, ignore_errors=True)
+
+
+def converted_path(gguf: str | os.PathLike, name: str | None = None) -> Path:
+    """Where :func:`converted_dir` puts the conversion of ``gguf`` (it may not exist yet)."""
+    gguf = Path(gguf)
+    return cache_dir() / f"{name or gguf.stem}-{file_digest(gguf)[:16]}"
 
 
 def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
@@ -188,15 +261,24 @@ def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
     gguf = Path(gguf)
     _check_gguf_magic(gguf)
     root = cache_dir()
-    out = root / f"{name or gguf.stem}-{file_digest(gguf)[:16]}"
-    if is_converted(out):
+    out = converted_path(gguf, name)
+    problem = check_converted(out) if is_converted(out) else "not converted"
+    if problem is None:
         return out
     try:
         root.mkdir(parents=True, exist_ok=True)
         with exclusive_lock(root / f".{out.name}.lock", str(gguf)):
-            if is_converted(out):  # another process converted it while this one waited
+            problem = check_converted(out) if is_converted(out) else "not converted"
+            if problem is None:  # another process converted (or repaired) it while this one waited
                 return out
-            _remove_leftovers(root, out)
+            if problem == "no file digests recorded":  # an earlier kvtrim's conversion: record them now
+                rec = _read_marker(out) or {}
+                write_atomic(out / _CONVERTED_MARKER, json.dumps(rec | {"files": _file_records(out)}))
+                return out
+            damaged = problem != "not converted"
+            if damaged:
+                logger.warning("the converted model %s is damaged (%s); converting %s again", out, problem, gguf)
+            _remove_leftovers(root, out, damaged)
             _check_gguf_complete(gguf)
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
             try:

@@ -11,6 +11,10 @@ from kvtrim.errors import KVTrimError
 def cmd_models(args) -> int:
     from kvtrim import reference_models as rm
 
+    if args.action == "verify":
+        from kvtrim.tools.verify_models import verify
+
+        return verify(args.name, progress=not args.quiet)
     if args.action == "install":
         if not args.name:
             raise KVTrimError("kvtrim models install needs a model name; known: " + ", ".join(rm.REFERENCE_MODELS))
@@ -37,7 +41,7 @@ def cmd_models(args) -> int:
 def add_model_commands(sub) -> None:
     """Add the ``models`` sub-command to kvtrim's parser."""
     p = sub.add_parser("models", help="list kvtrim's reference models (--model NAME), or install one")
-    p.add_argument("action", nargs="?", choices=["list", "install"], default="list")
+    p.add_argument("action", nargs="?", choices=["list", "install", "verify"], default="list")
     p.add_argument("name", nargs="?", help="the reference model to install (e.g. qwen2.5-0.5b)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
