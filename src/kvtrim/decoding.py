@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 
 if TYPE_CHECKING:
@@ -87,11 +88,21 @@ Program = Generator["Step | Wait", Any, Any]
 
 @dataclass(frozen=True)
 class Sampler:
-    """How a token is chosen from logits: greedy (the default) or sampling with temperature/top-p."""
+    """How a token is chosen from logits: greedy (the default) or sampling with temperature/top-p.
+
+    Checked at construction (``KVTrimError``): ``do_sample`` a bool, ``top_p`` in (0, 1], and when
+    sampling a finite ``temperature`` > 0 (greedy decoding reads no temperature)."""
 
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.do_sample, bool):
+            raise KVTrimError(f"do_sample must be True or False, got {self.do_sample!r}")
+        validate.number(self.top_p, "top_p", minimum=0.0, maximum=1.0, min_open=True)
+        if self.do_sample:
+            validate.number(self.temperature, "temperature (when sampling)", minimum=0.0, min_open=True)
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
         """One token id from ``logits`` (``[vocab]``)."""
@@ -106,6 +117,14 @@ class Sampler:
 
 
 GREEDY = Sampler()
+
+#: the seeds a sampling generator takes (torch.Generator.manual_seed: a signed or unsigned 64-bit integer)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def check_seed(seed, what: str = "seed") -> int:
+    """``seed`` as a sampling generator's seed: an integer within :data:`SEED_RANGE`; ``KVTrimError`` otherwise."""
+    return validate.integer(seed, what, minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
 
 
 def max_context(model) -> int:

@@ -24,7 +24,17 @@ import torch
 
 from kvtrim import decoding
 from kvtrim.cache import KVTrimCache
-from kvtrim.decoding import Clock, Sampler, check_context, check_prefill_chunk, check_token_ids, chunk_size, max_context, run
+from kvtrim.decoding import (
+    Clock,
+    Sampler,
+    check_context,
+    check_prefill_chunk,
+    check_seed,
+    check_token_ids,
+    chunk_size,
+    max_context,
+    run,
+)
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.hf import attach
 from kvtrim.machine import heap_trimmed_per_module, release_memory
@@ -118,12 +128,12 @@ def generate_ids(
     ``model_inputs`` are extra prefill inputs of a vision-language model (``pixel_values``,
     ``image_grid_thw``, ``mm_token_type_ids``, ... from its processor; see ``kvtrim.vlm``).
     """
+    sampler = Sampler(do_sample, temperature, top_p)  # checked before any work
     prefill_chunk = check_prefill_chunk(policy, prefill_chunk)
     if model_inputs and prefill_chunk:
         raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")
     row = _Row.make(model, tokenizer, prompt_ids, policy, max_new_tokens=max_new_tokens, seed=seed,
                     stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk, cache=cache)
-    sampler = Sampler(do_sample, temperature, top_p)
     with attach(model, prefill_attention=prefill):
         row.prefill(model, prefill, extra=model_inputs or None)
         t1 = time.perf_counter()
@@ -180,6 +190,7 @@ def generate_batch(
 
     from kvtrim.integrations.batched import drive
 
+    sampler = Sampler(do_sample, temperature, top_p)  # checked before any work
     n = len(prompts)
     if n == 0:
         raise KVTrimError("no prompts given; generate_batch needs at least one prompt")
@@ -205,7 +216,6 @@ def generate_batch(
     if alone and n > 1:
         logger.warning("method(s) %s change the forward pass (hidden-state pruning) and cannot share a batch: "
                        "their rows decode alone at batch 1", ", ".join(alone))
-    sampler = Sampler(do_sample, temperature, top_p)
     bar = tqdm(total=sum(limits), desc="kvtrim generate", unit="tok", disable=not progress, dynamic_ncols=True)
     try:
         with attach(model, prefill_attention=prefill):
@@ -252,7 +262,8 @@ class _Row:
     @classmethod
     def make(cls, model, tokenizer, prompt_ids, policy: Policy, *, max_new_tokens: int, seed: int, stop_at_eos: bool,
              prefill_chunk: int | None = None, cache: KVTrimCache | None = None) -> "_Row":
-        """Check the prompt (length, context, token ids) and set up its cache; raises ``KVTrimError``."""
+        """Check the prompt (length, context, token ids) and the seed, and set up its cache; raises ``KVTrimError``."""
+        seed = check_seed(seed)
         max_ctx = max_context(model)
         check_prompt(policy, len(prompt_ids), max_new_tokens, max_ctx)
         ids = check_token_ids(model, prompt_ids)

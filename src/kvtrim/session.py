@@ -178,7 +178,7 @@ class Session:
         self._pending_ids: list[int] = []  # generated but not yet fed (the reply's last token)
         self._pending_text = ""  # template text after the last reply (e.g. "<|im_end|>\n")
         self._last_logits: torch.Tensor | None = None  # [vocab] float32: prediction of the next token
-        self._gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        self._gen = torch.Generator(device="cpu").manual_seed(decoding.check_seed(seed))
         cfg = model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self.device = next(model.parameters()).device

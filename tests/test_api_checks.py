@@ -1,0 +1,111 @@
+"""The Python API refuses misuse with one KVTrimError: a cache that served a sequence refuses a new
+prompt (and says to make a new cache or call ``reset()``); ``KVTrimCache`` refuses a module that is
+not a causal LM; the samplers refuse top_p outside (0, 1], a temperature that is not a finite
+number > 0 when sampling, and a seed a generator cannot take."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+import kvtrim
+from kvtrim.decoding import Sampler
+from kvtrim.errors import KVTrimError
+
+METHODS = [("full", {}), ("h2o", {"keep": 0.5}), ("snapkv", {"keep": 0.5}),
+           ("streaming_llm", {"max_tokens": 16, "position": "reassigned"})]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_llama(vocab_size=128, max_position_embeddings=512)
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _gen(model, ids, cache, n=5):
+    return model.generate(ids, **cache.kwargs(), max_new_tokens=n, do_sample=False)
+
+
+@pytest.mark.parametrize("method, kw", METHODS, ids=[m for m, _ in METHODS])
+def test_a_used_cache_refuses_a_new_prompt_and_reset_starts_over(lm, method, kw):
+    first, second = _ids(40, 1), _ids(30, 2)
+    with kvtrim.compress(lm, method, **kw) as cache:
+        out = _gen(lm, first, cache)
+        seen = cache.get_seq_length()
+        for other in (second, first, _ids(seen, 3)):  # shorter, the same again, exactly as long
+            with pytest.raises(KVTrimError, match=r"does not continue it .*make a new cache .*or call cache.reset\(\)"):
+                _gen(lm, other, cache)
+            assert cache.get_seq_length() == seen  # refused before any layer changed
+        cont = _gen(lm, torch.cat([out, second], 1), cache, 3)  # the whole sequence and a new turn: a continuation
+        assert cont.shape[1] == out.shape[1] + second.shape[1] + 3
+        cache.reset()
+        again = _gen(lm, second, cache)
+    with kvtrim.compress(lm, method, **kw) as fresh:
+        assert torch.equal(again, _gen(lm, second, fresh))
+
+
+def test_a_hand_loop_restarting_at_position_zero_is_refused(lm):
+    with kvtrim.compress(lm, "snapkv", keep=0.5) as cache:
+        lm(_ids(20, 4), **cache.kwargs(), use_cache=True)
+        lm(_ids(1, 5), **cache.kwargs(), use_cache=True)  # a decode step continues
+        with pytest.raises(KVTrimError, match="holds a sequence of 21 tokens"):
+            lm(_ids(8, 6), position_ids=torch.arange(8)[None], **cache.kwargs(), use_cache=True)
+        lm(_ids(8, 6), **cache.kwargs(), use_cache=True)  # positions from the cache: a continuation
+        assert cache.get_seq_length() == 29
+
+
+@pytest.mark.parametrize("thing", [torch.nn.Linear(4, 4), object(), "snapkv"])
+def test_a_cache_on_something_that_is_not_a_causal_lm_is_one_line(thing):
+    with pytest.raises(KVTrimError, match="needs a transformers causal language model"):
+        kvtrim.KVTrimCache(thing, "snapkv", keep=0.5)
+
+
+def test_a_cache_on_an_encoder_is_refused():
+    from transformers import BertConfig, BertForMaskedLM
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=37))
+    with pytest.raises(KVTrimError, match=r"needs a decoder-only causal language model; BertForMaskedLM \(model_type 'bert'\)"):
+        kvtrim.KVTrimCache(bert, "full")
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+    ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": math.nan}, "top_p must be"),
+    ({"top_p": "0.9"}, "top_p must be"),
+    ({"do_sample": True, "temperature": math.nan}, r"temperature \(when sampling\) must be a finite number > 0"),
+    ({"do_sample": True, "temperature": 0.0}, "temperature .when sampling. must be"),
+    ({"do_sample": True, "temperature": -1}, "temperature .when sampling. must be"),
+    ({"do_sample": True, "temperature": math.inf}, "temperature .when sampling. must be"),
+    ({"do_sample": "yes"}, "do_sample must be True or False"),
+])
+def test_samplers_check_their_arguments(lm, kw, message):
+    with pytest.raises(KVTrimError, match=message):
+        Sampler(**kw)
+    policy = kvtrim.create_policy("full")
+    with pytest.raises(KVTrimError, match=message):
+        kvtrim.generate_ids(lm, None, [5, 6, 7], policy, max_new_tokens=2, **kw)
+    with pytest.raises(KVTrimError, match=message):
+        kvtrim.generate_batch(lm, None, [[5, 6, 7]], policy, max_new_tokens=2, **kw)
+
+
+def test_greedy_decoding_reads_no_temperature(lm):
+    r = kvtrim.generate_ids(lm, None, [5, 6, 7], kvtrim.create_policy("full"), max_new_tokens=2, temperature=math.nan)
+    assert r.new_tokens == 2
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 1.5, True])
+def test_a_seed_a_generator_cannot_take_is_one_line(lm, seed):
+    from kvtrim.session import Session
+
+    with pytest.raises(KVTrimError, match="seed must be an integer in"):
+        kvtrim.generate_ids(lm, None, [5, 6, 7], kvtrim.create_policy("full"), max_new_tokens=2, seed=seed)
+    with pytest.raises(KVTrimError, match="seed must be an integer in"):
+        Session(lm, None, "inf_mllm", seed=seed)
