@@ -109,3 +109,22 @@ def test_a_seed_a_generator_cannot_take_is_one_line(lm, seed):
         kvtrim.generate_ids(lm, None, [5, 6, 7], kvtrim.create_policy("full"), max_new_tokens=2, seed=seed)
     with pytest.raises(KVTrimError, match="seed must be an integer in"):
         Session(lm, None, "inf_mllm", seed=seed)
+
+
+def test_token_ids_and_counts_of_every_entry_point_are_checked(lm):
+    """Found by tests/test_fuzz_api.py: each used to end in a torch or Python traceback."""
+    from kvtrim.session import Session
+
+    policy = kvtrim.create_policy("full")
+    with pytest.raises(KVTrimError, match=r"max_new_tokens must be a non-negative integer, got 0\.0"):
+        kvtrim.generate_batch(lm, None, [[5, 6, 7]], policy, max_new_tokens=0.0)
+    with pytest.raises(KVTrimError, match="max_new_tokens must be a non-negative integer"):
+        kvtrim.generate_ids(lm, None, [5, 6, 7], policy, max_new_tokens="3")
+    s = Session(lm, None, "inf_mllm", max_tokens=48)
+    with pytest.raises(KVTrimError, match="the turn: token 0 is None"):
+        s.send_ids([None], max_new_tokens=1)
+    with pytest.raises(KVTrimError, match=r"the stream: token 0 is 2\.5"):
+        s.feed_ids([2.5], chunk=1)
+    with pytest.raises(KVTrimError, match="outside the model's vocabulary"):
+        s.send_ids([128], max_new_tokens=1)
+    assert s.seen == 0

@@ -6,6 +6,7 @@ configurations or the same samples twice unless asked (``--pool``), and says wha
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,23 @@ def test_a_sweep_records_its_keys_and_refuses_a_resume_with_another_seed(tmp_pat
         run_eval(lm, make_plan("passkey", "256", "snapkv", "0.5", samples=1, seed=5, haystack="pydoc"), out,
                  progress=False)
     assert read_lines(result_files(out)) == lines
+
+
+@pytest.mark.parametrize("extra, problem", [
+    ({"decode_steps": 3}, "decode_steps is 3 without decode_seconds"),
+    ({"decode_steps": 3, "decode_seconds": None}, "decode_steps is 3 without decode_seconds"),
+    ({"task": "ppl", "nll_sum": 5.0, "n_target": 0}, "n_target is 0"),
+    ({"score": float("nan")}, "score is nan"),
+    ({"kv_bytes": -1}, "kv_bytes is -1"),
+    ({"ref_nll_sum": "x"}, "ref_nll_sum is 'x'"),
+])
+def test_lines_the_report_cannot_use_are_corrupted_not_a_traceback(tmp_path, extra, problem):
+    """Found by tests/test_fuzz_eval_dirs.py: each used to end the report in a traceback."""
+    from kvtrim.errors import CorruptResultsError
+    from kvtrim.eval.report import load_dirs, summarize
+
+    d = _eval_dir(tmp_path / "a", {"model": "m", "format": 1}, [_line(), _line(sample=1) | extra])
+    with pytest.raises(CorruptResultsError, match=re.escape(problem)):
+        load_dirs([str(d)])
+    ppl = _eval_dir(tmp_path / "b", {"model": "m", "format": 1}, [_line(task="ppl", nll_sum=1e6, n_target=1)])
+    assert summarize(load_dirs([str(ppl)]))["cells"][0]["score"] == float("inf")  # past the largest float: inf

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvtrim import decoding
+from kvtrim import decoding, validate
 from kvtrim.cache import KVTrimCache
 from kvtrim.decoding import (
     Clock,
@@ -90,8 +90,7 @@ def check_prompt(policy: Policy, n_prompt: int, max_new_tokens: int, max_context
     """Raise a clear error when a prompt cannot be run with this policy."""
     if n_prompt == 0:
         raise KVTrimError("the prompt is empty; give a question or prompt text")
-    if max_new_tokens < 0:
-        raise KVTrimError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    validate.integer(max_new_tokens, "max_new_tokens", minimum=0)
     check_context(policy, n_prompt + max_new_tokens, max_context,
                   what=f"the prompt has {n_prompt} tokens (+{max_new_tokens} to generate) and")
 
@@ -198,9 +197,10 @@ def generate_batch(
         policies = [policies] * n
     if len(policies) != n:
         raise KVTrimError(f"give one policy, or one per prompt: {n} prompts but {len(policies)} policies")
-    limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(limits) != n:
-        raise KVTrimError(f"give one max_new_tokens, or one per prompt: {n} prompts but {len(limits)} limits")
+    given = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    if len(given) != n:
+        raise KVTrimError(f"give one max_new_tokens, or one per prompt: {n} prompts but {len(given)} limits")
+    limits = [validate.integer(x, "max_new_tokens", minimum=0) for x in given]
     if not isinstance(max_rows, int) or max_rows < 1:
         raise KVTrimError(f"max_rows must be an integer >= 1, got {max_rows!r}")
     rows = []

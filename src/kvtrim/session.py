@@ -313,6 +313,7 @@ class Session:
         """
         if len(ids) == 0:
             raise KVTrimError("the turn is empty; send a non-empty message")
+        ids = decoding.check_token_ids(self.model, ids, "the turn")
         validate.integer(max_new_tokens, "max_new_tokens", minimum=1)
         self._check_fits(len(ids), max_new_tokens)
         if stop_ids is None:
@@ -387,6 +388,7 @@ class Session:
         validate.integer(chunk, "chunk", minimum=1, unit="tokens")
         if len(ids) == 0:
             raise KVTrimError("nothing to feed: the text is empty")
+        ids = decoding.check_token_ids(self.model, ids, "the stream")
         held = min(self.policy.budget(self.seen + len(ids)), self.seen + len(ids))
         if self.max_context and self.policy.can_stream() and held + min(chunk, len(ids)) > self.max_context:
             raise KVTrimError(

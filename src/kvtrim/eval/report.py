@@ -70,7 +70,7 @@ def summarize(lines: Iterable[dict]) -> dict:
         if task == "labelfree":
             refs = [r for r in rows if r.get("ref_nll_sum") is not None and r.get("ref_tokens")]
             if refs:
-                cell["ref_ppl"] = math.exp(sum(r["ref_nll_sum"] for r in refs) / sum(r["ref_tokens"] for r in refs))
+                cell["ref_ppl"] = _exp(sum(r["ref_nll_sum"] for r in refs) / sum(r["ref_tokens"] for r in refs))
         cell["kv_bytes"] = statistics.fmean(r["kv_bytes"] for r in rows)
         cell["prefill_s"] = statistics.median(r["prefill_seconds"] for r in rows)
         # per-token decode time from lines decoded alone; a batch row's decode_seconds is its share of
@@ -86,9 +86,14 @@ def summarize(lines: Iterable[dict]) -> dict:
     return {"cells": cells, "n_lines": len(lines)}
 
 
+def _exp(x: float) -> float:
+    """``exp(x)``, infinite past the largest float (a perplexity beyond it is reported as inf)."""
+    return math.exp(x) if x < 709.0 else math.inf
+
+
 def _score(task: str, rows: list[dict]) -> float:
     if task == "ppl":
-        return math.exp(sum(r["nll_sum"] for r in rows) / sum(r["n_target"] for r in rows))
+        return _exp(sum(r["nll_sum"] for r in rows) / sum(r["n_target"] for r in rows))
     return statistics.fmean(float(r["score"]) for r in rows)
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -255,11 +256,18 @@ _REQUIRED = {"task": (str,), "length": (int,), "sample": (int,), "method": (str,
              "kv_bytes": (float,), "prefill_seconds": (float,)}
 #: fields that, when present, must have these types
 _OPTIONAL = {"keep": (float, type(None)), "prefill": (str,), "decode_seconds": (float, type(None)),
-             "decode_steps": (int, type(None)), "nll_sum": (float,), "n_target": (int,)}
+             "decode_steps": (int, type(None)), "nll_sum": (float,), "n_target": (int,),
+             "ref_nll_sum": (float, type(None)), "ref_tokens": (int, type(None)), "decode_rows": (float, type(None)),
+             "kv_bytes_full": (float, type(None))}
+#: numeric fields that cannot be negative (a count, a time, a size); ``n_target`` of a ppl line is >= 1
+_NON_NEGATIVE = ("length", "sample", "kv_bytes", "prefill_seconds", "decode_seconds", "decode_steps", "nll_sum",
+                 "n_target", "ref_nll_sum", "ref_tokens", "kv_bytes_full")
 
 
 def _has_type(v, types: tuple) -> bool:
     if isinstance(v, bool):
+        return False
+    if isinstance(v, float) and not math.isfinite(v):  # NaN and infinities parse as JSON numbers
         return False
     return any(isinstance(v, int) if t is int else isinstance(v, (int, float)) if t is float else isinstance(v, t)
                for t in types)
@@ -281,6 +289,13 @@ def line_problem(raw: bytes) -> tuple[dict | None, str | None]:
     for k, types in (*_REQUIRED.items(), *_OPTIONAL.items()):
         if k in d and not _has_type(d[k], types):
             return None, f"{k} is {d[k]!r}"
+    for k in _NON_NEGATIVE:
+        if isinstance(d.get(k), (int, float)) and d[k] < 0:
+            return None, f"{k} is {d[k]!r}"
+    if d.get("task") == "ppl" and d["n_target"] < 1:
+        return None, f"n_target is {d['n_target']!r}"
+    if d.get("decode_steps") and d.get("decode_seconds") is None:
+        return None, f"decode_steps is {d['decode_steps']!r} without decode_seconds"
     return d, None
 
 
