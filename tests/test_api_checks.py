@@ -128,3 +128,29 @@ def test_token_ids_and_counts_of_every_entry_point_are_checked(lm):
     with pytest.raises(KVTrimError, match="outside the model's vocabulary"):
         s.send_ids([128], max_new_tokens=1)
     assert s.seen == 0
+
+
+@pytest.mark.parametrize("method", ["fastv", "hae"])
+def test_a_session_of_a_method_that_needs_image_spans_refuses_every_text_turn(lm, method):
+    """Found by tests/test_fuzz_api.py: after FastV refused a text turn midway, the next turn failed in SDPA."""
+    from kvtrim.session import Session
+
+    s = Session(lm, None, method)
+    for turn in ([3], [3, 3], [5, 6, 7]):
+        with pytest.raises(KVTrimError, match=f"method '{method}' prunes|left incomplete"):
+            s.send_ids(turn, max_new_tokens=1)
+
+
+def test_a_cache_left_half_updated_by_a_refused_forward_refuses_to_go_on(lm):
+    """Found by tests/test_fuzz_api.py: a refusal raised inside a forward (Elastic Cache's prompt too
+    short for its sinks) left the first layer a token ahead, and the next forward failed in SDPA."""
+    from kvtrim.session import Session
+
+    s = Session(lm, None, "elastic")
+    with pytest.raises(KVTrimError, match="fewer than the 5 it always keeps"):
+        s.send_ids([3], max_new_tokens=1)
+    with pytest.raises(KVTrimError, match="left incomplete by a forward that failed midway"):
+        s.feed_ids([3, 3, 3, 3], chunk=4)
+    s.cache.reset()
+    s.feed_ids([3, 4, 5, 6, 7, 8], chunk=6)  # reset: a whole cache again
+    assert s.seen == 6

@@ -254,3 +254,14 @@ def test_an_eval_directory_with_a_fifo_is_one_line(tmp_path):
     os.mkfifo(tmp_path / "config.json")
     with pytest.raises(KVTrimError, match="is a FIFO"):
         _returns_within(lambda: check_out_dir(tmp_path, "model"))
+
+
+def test_a_session_target_that_cannot_be_made_is_refused_before_anything_runs(tmp_path):
+    from kvtrim.session_file import check_save_target
+
+    f = tmp_path / "model.txt"
+    f.write_text("x")
+    with pytest.raises(SessionError, match=r"[Nn]ot a directory"):
+        check_save_target(f / "sess")  # the probe's /save model.txt/sess: was a NotADirectoryError at the end
+    check_save_target(tmp_path / "new" / "deeper" / "sess")  # folders are made as needed
+    assert not (tmp_path / "new").exists()

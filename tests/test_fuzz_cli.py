@@ -120,11 +120,12 @@ def argv(draw, d: Path):
 def _outputs(args: list[str], cwd: Path) -> list[str]:
     """What the command may write: the values of its output options, a report's default output (its
     first directory), calibrate's default runs directory."""
-    outs = [args[i + 1] for i, a in enumerate(args[:-1]) if a in OUTPUT_OPTIONS]
+    named = [(a, args[i + 1]) for i, a in enumerate(args[:-1]) if a in OUTPUT_OPTIONS]
+    outs = [v for _, v in named]
     if args[0] == "report" and "--out" not in args and len(args) > 1:
         outs.append(args[1])
-    if args[0] == "calibrate":
-        outs += [str(Path(o).with_suffix("")) + "-runs" for o in outs if o]
+    if args[0] == "calibrate":  # its sweep's default directory: OUT without the suffix, + "-runs"
+        outs += [str(Path(v).with_suffix("")) + "-runs" for a, v in named if a == "--out" and Path(v).name]
     return [os.path.join(cwd, o) for o in outs if o]
 
 

@@ -231,9 +231,10 @@ class KVTrimCache(Cache):
                 "Wrap the call in `with kvtrim.attach(model):` (or use kvtrim.compress)."
             )
         layer = self.layers[layer_idx]
-        if layer_idx == self._first_compressed and key_states.shape[-2] > 1 and isinstance(layer, CompressedLayer) \
-                and layer.seen:  # a prompt or a turn (a decode step is not checked: no device sync per token)
-            self._check_continues(layer, _position_ids(args, kwargs))
+        if layer_idx == self._first_compressed and isinstance(layer, CompressedLayer) and layer.seen:
+            self._check_whole(layer)
+            if key_states.shape[-2] > 1:  # a prompt or a turn (a decode step is not checked: no device sync per token)
+                self._check_continues(layer, _position_ids(args, kwargs))
         if self._raw_spans is not None and isinstance(layer, CompressedLayer) and not layer.is_initialized:
             n = layer.incoming_tokens(key_states.shape[-2])
             self.set_spans(self._raw_spans, n)
@@ -259,6 +260,16 @@ class KVTrimCache(Cache):
                 f"{first} does not continue it (a new prompt through a used cache would see the old one): make a "
                 "new cache for a new sequence (kvtrim.KVTrimCache(model, ...)), or call cache.reset() first; to "
                 "continue the sequence, pass all of it (the prompt, the reply and the new turn) to generate")
+
+    def _check_whole(self, first: CompressedLayer) -> None:
+        """Refuse a forward on a cache that an earlier forward left half updated (it failed midway,
+        after some layers took its tokens: a refusal raised inside the forward, an interruption)."""
+        counts = [layer.seen for layer in self.layers if isinstance(layer, CompressedLayer)]
+        if any(n != first.seen for n in counts):
+            raise KVTrimError(
+                f"this KVTrimCache was left incomplete by a forward that failed midway (its layers have seen "
+                f"{min(counts)} to {max(counts)} tokens); it cannot go on: make a new cache (or session), or call "
+                "cache.reset()")
 
     def reset(self) -> None:
         """Forget the sequence the cache holds: every layer empty (and the policy's state in it), the

@@ -149,9 +149,18 @@ def split_tensors(tensors: dict[str, torch.Tensor], model) -> tuple[dict[str, to
 
 def check_save_target(directory: str | os.PathLike) -> None:
     """Raise :class:`~kvtrim.errors.SessionError` now if :func:`write_session` (``Session.save``)
-    would refuse ``directory`` (a file, a symbolic link, a directory that is not a session), so a
-    command can refuse it before the model loads."""
-    _replaceable(Path(directory))
+    would refuse ``directory`` (a file, a symbolic link, a directory that is not a session) or could
+    not create it (a file where a folder above it should be, a folder that cannot be written), so a
+    command can refuse it before the model loads and the conversation starts."""
+    target = Path(directory)
+    _replaceable(target)
+    above = target.absolute().parent
+    while not os.path.lexists(above) and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise SessionError(f"cannot save a session to {str(target)!r}: {str(above)!r} is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise SessionError(f"cannot save a session to {str(target)!r}: the folder {str(above)!r} cannot be written")
 
 
 def _fingerprint(model) -> dict:
