@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,14 +54,6 @@ def child(spec: dict) -> dict:
             out["methods"][method] = {"prefill_s": t1 - t0, "decode_ms": 1000 * (t2 - t1) / max(steps, 1),
                                       "tokens": tokens}
     return out
-
-
-def commit_of(src: Path) -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def table(result: dict) -> str:
@@ -126,11 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                                          for side in runs for r in runs[side]),
                       "samples": {side: [r["methods"][m] for r in runs[side]] for side in runs}}
     result = {**spec, "reps": args.reps, "old": sides["old"], "new_src": sides["new"],
-              "old_commit": commit_of(Path(sides["old"])), "new_commit": commit_of(Path(sides["new"])),
-              "prompt_tokens": runs["new"][0]["prompt_tokens"], "methods": methods,
-              "machine": harness.finish_record(record)}
-    harness.write_json(args.out, result)
-    print(table(result))
+              "old_commit": harness.git_commit(Path(sides["old"])), "new_commit": harness.git_commit(Path(sides["new"])),
+              "prompt_tokens": runs["new"][0]["prompt_tokens"], "methods": methods}
+    harness.publish(args.out, result, record, table)
     return 0
 
 

@@ -183,9 +183,7 @@ def main(argv=None) -> int:
     out["forward_sums"] = forward_sums(out["kernel"])
     if args.model:
         out["model"], out["model_rows"], out["packed_linears"] = model_rows(args)
-    out["machine"] = harness.finish_record(machine)
-    harness.write_json(args.out, out)
-    print(table(out))
+    harness.publish(args.out, out, machine, table)
     return 0
 
 

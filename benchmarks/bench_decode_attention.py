@@ -162,9 +162,7 @@ def main(argv=None) -> int:
     out["kernel"] = kernel_rows(args) if args.shapes and args.lengths else []
     if args.model:
         out["model"], out["model_rows"] = model_rows(args)
-    out["machine"] = harness.finish_record(machine)
-    harness.write_json(args.out, out)
-    print(table(out))
+    harness.publish(args.out, out, machine, table)
     return 0
 
 

@@ -28,9 +28,9 @@ import torch
 from transformers import DynamicCache
 
 from kvtrim import decoding, harness
-from kvtrim.cache import KVTrimCache
+from kvtrim.cache import KVTrimCache, cache_keyword
 from kvtrim.data import prose_haystack
-from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.integrations.hf import attach
 from kvtrim.models import load_model
 
 
@@ -62,7 +62,7 @@ def run(model, ids: list[int], config: str, steps: int, warmup: int) -> dict:
 
         def serve(step):  # transformers' own cache: a plain forward (no kvtrim positions to pass)
             x = torch.tensor([step.ids])
-            return model(input_ids=x, **{cache_kwarg(): step.cache}, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+            return model(input_ids=x, **{cache_keyword(): step.cache}, use_cache=True, logits_to_keep=1).logits[0, -1].float()
     else:
         name, _, keep = config.partition("@")
         cache = KVTrimCache(model, name, **({"keep": float(keep)} if keep else {}))

@@ -300,9 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 for rec in runs:
                     result["records"].append({**rec, **bound(rec, alone["base_rss"], w)})
                 harness.write_json(args.out, result)  # rewritten after every run: a long run keeps what it measured
-    result["machine"] = harness.finish_record(machine)
-    harness.write_json(args.out, result)
-    print(table(result))
+    harness.publish(args.out, result, machine, table)
     return 0
 
 

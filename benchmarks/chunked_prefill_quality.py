@@ -126,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{task} {i} {method} keep={keep} chunk={chunk}: {value:.0f} {text[:50]!r} ({prefill_s:.1f}s)",
                           file=sys.stderr, flush=True)
             harness.write_json(args.out, result)
-    result["machine"] = harness.finish_record(machine)
-    harness.write_json(args.out, result)
-    print(table(result))
+    harness.publish(args.out, result, machine, table)
     return 0
 
 

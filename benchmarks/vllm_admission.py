@@ -17,8 +17,8 @@ per block; ``VLLM_CPU_KVCACHE_SPACE``, which would override it, is unset). ``--n
 cap, limits admission).
 
 Configurations, each in a fresh process, one after another: vLLM as is (plugin not configured),
-the plugin with ``snapkv`` and with ``streaming_llm`` at ``--keep`` (kvtrim's scheduler, prefix
-caching off in all three). After every engine step the script reads vLLM's own gauges
+the plugin with each method of ``--methods`` (default: every text method) at ``--keep`` (kvtrim's
+scheduler, prefix caching off in all). After every engine step the script reads vLLM's own gauges
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``) and
 its preemption counter (``vllm:num_preemptions``), and timestamps each request's first and last
 token. Reported: the most requests running at once, their mean over the steps (and over time),
@@ -126,8 +126,8 @@ def measure(args) -> dict:
     from kvtrim.models import embedded_model_dir
 
     model_dir = args.model_dir or str(embedded_model_dir())
-    configs = [("vLLM (plugin off)", None), (f"plugin snapkv keep={args.keep}", {"method": "snapkv", "keep": args.keep}),
-               (f"plugin streaming_llm keep={args.keep}", {"method": "streaming_llm", "keep": args.keep})]
+    configs = [("vLLM (plugin off)", None), *((f"plugin {m} keep={args.keep}", {"method": m, "keep": args.keep})
+                                               for m in args.methods.split(","))]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     runs = []
     load0 = os.getloadavg()
@@ -180,6 +180,8 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--pool-blocks", type=int, default=48)
     ap.add_argument("--keep", type=float, default=0.25)
+    ap.add_argument("--methods", default="snapkv,streaming_llm,h2o,inf_mllm,elastic",
+                    help="the plugin's methods to run, comma-separated (default: every text method)")
     args = ap.parse_args(argv)
     if args.one:  # one configuration, in a process of its own
         r = one(json.loads(args.one))
@@ -190,9 +192,7 @@ def main(argv=None) -> int:
         return 0
     machine = harness.machine_record()
     result = measure(args)
-    result["machine"] = harness.finish_record(machine)
-    harness.write_json(args.out, result)
-    print(table(result))
+    harness.publish(args.out, result, machine, table)
     return 0
 
 

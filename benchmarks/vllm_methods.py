@@ -24,11 +24,15 @@ share of (layer, KV head) kept sets equal to the reference's (tensor parallel 1)
 request, and needles answered by each engine. vLLM's own dense run (plugin not configured) is
 compared with transformers' full cache the same way, to show how far the two engines' arithmetic
 alone takes them apart.
+
+Each finished engine run and the reference are kept in a folder beside ``--out``
+(``NAME.work-<settings hash>/``): rerunning the same command after an interruption resumes there.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -81,9 +85,9 @@ def child(spec: dict) -> dict:
                 rec["tokens"] = list(o.outputs[0].token_ids)
             if internal is None:  # vLLM appends a suffix of its own to a request id
                 internal = next((r for r in sched.requests if r == rid or r.startswith(rid + "-")), None)
-                if internal is not None and worker_state is not None:
-                    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
-                    first_block = mgr.req_to_blocks[internal][0].block_id
+            mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+            if internal is not None and worker_state is not None and first_block is None and mgr.req_to_blocks.get(internal):
+                first_block = mgr.req_to_blocks[internal][0].block_id  # once it holds blocks
             steps = getattr(sched, "kvtrim_steps", {}).get(internal) if internal else None
             if steps is not None:  # kept until the scheduler's next step, also for a finished request
                 rec["steps"] = [list(s) for s in steps]
@@ -95,7 +99,7 @@ def child(spec: dict) -> dict:
                         pos = layer.positions
                         if layer.pending is not None:
                             pos = torch.gather(pos, 2, layer.pending.idx)
-                        kept[li] = pos[0].tolist()
+                        kept[str(li)] = pos[0].tolist()
                     rec["kept"] = kept
         out[rid] = rec
     return {"block_size": bs, "requests": [out[f"r{i}"] for i in range(len(spec["prompts"]))]}
@@ -125,7 +129,7 @@ def reference(model_dir: str, prompts: list[list[int]], configs: list[dict], new
                 with torch.inference_mode(), attach(model):
                     cache = replay(model, policy, rec, block_size=block_size)
                     tokens, _ = decoding.run(model, decoding.decode(cache, rec.logits, new))
-                kept = {layer.layer_idx: layer.positions[0].tolist() for layer in cache.compressed_layers}
+                kept = {str(layer.layer_idx): layer.positions[0].tolist() for layer in cache.compressed_layers}
                 out.setdefault(key, []).append({"tokens": tokens, "kept": kept})
                 print(f"reference {key} prompt {pi}: {len(ids)} tokens", file=sys.stderr, flush=True)
     return out
@@ -145,7 +149,7 @@ def kept_equal(vllm: dict | None, ref: dict) -> float | None:
         return None
     same = total = 0
     for li, heads in ref.items():
-        got = vllm.get(li) or vllm.get(str(li))
+        got = vllm.get(str(li))
         for h, pos in enumerate(heads):
             total += 1
             same += got is not None and sorted(got[h]) == sorted(pos)
@@ -210,9 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     configs = [{"method": "full", "prefill": p, "keep": None} for p in prefills] + \
         [{"method": m, "prefill": p, "keep": args.keep} for p in prefills for m in methods]
+    # every finished engine run and the reference are kept in a work folder beside --out, so an
+    # interrupted run resumes where it stopped (with the same settings: they name the folder)
+    settings = {"model_dir": model_dir, "prompts": prompts, "new": args.new, "keep": args.keep}
+    tag = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    work = Path(args.out).with_name(Path(args.out).stem + f".work-{tag}")
+    work.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for c in configs:
             for tp in tps:
+                key = f"{c['method']}|{c['prefill']}|{tp}"
+                done = work / (key.replace("|", "_") + ".json")
+                if done.exists():
+                    runs[key] = json.loads(done.read_text())
+                    continue
                 kv: dict = {} if c["method"] == "full" else {"method": c["method"], "keep": c["keep"]}
                 if c["prefill"] != "dense":
                     kv["prefill"] = c["prefill"]
@@ -220,11 +235,15 @@ def main(argv: list[str] | None = None) -> int:
                         "threads": max(1, args.threads // tp), "kvtrim": kv or None}
                 path = Path(tmp) / "spec.json"
                 path.write_text(json.dumps(spec))
-                key = f"{c['method']}|{c['prefill']}|{tp}"
                 print(f"vLLM {key}", file=sys.stderr, flush=True)
                 runs[key] = harness.isolated(__file__, ["--child", str(path)])
+                harness.write_json(done, runs[key])
     block_size = next(iter(runs.values()))["block_size"]
-    ref = reference(model_dir, prompts, configs, args.new, block_size)
+    ref_file = work / "reference.json"
+    ref = json.loads(ref_file.read_text()) if ref_file.exists() else None
+    if ref is None or any(f"{c['method']}|{c['prefill']}" not in ref for c in configs):
+        ref = reference(model_dir, prompts, configs, args.new, block_size)
+        harness.write_json(ref_file, ref)
     from kvtrim.eval.metrics import score
 
     rows = []
@@ -251,10 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             })
     result = {"model": Path(model_dir).name, "keep": args.keep, "new": args.new, "samples": args.samples,
               "lengths": lengths, "block_size": block_size, "threads": args.threads,
-              "prompt_tokens": [len(p) for p in prompts], "rows": rows,
-              "machine": harness.finish_record(record)}
-    harness.write_json(args.out, result)
-    print(table(result))
+              "prompt_tokens": [len(p) for p in prompts], "rows": rows}
+    harness.publish(args.out, result, record, table)
     return 0
 
 

@@ -231,9 +231,7 @@ def main(argv=None) -> int:
         return 0
     machine = harness.machine_record()
     result = measure(args)
-    result["machine"] = harness.finish_record(machine)
-    harness.write_json(args.out, result)
-    print(table(result))
+    harness.publish(args.out, result, machine, table)
     return 0
 
 

@@ -88,3 +88,14 @@ def real():
     from kvtrim.models import load_model
 
     return load_model()
+
+
+def cli_status(argv: list[str]) -> int:
+    """``kvtrim.cli.main(argv)``'s exit status, whether the command returned it or the command line was
+    refused as it was parsed (argparse exits; kvtrim's parser prints its one ``kvtrim: error:`` line first)."""
+    from kvtrim.cli import main
+
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1

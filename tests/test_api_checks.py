@@ -1,7 +1,7 @@
 """The Python API refuses misuse with one KVTrimError: a cache that served a sequence refuses a new
 prompt (and says to make a new cache or call ``reset()``); ``KVTrimCache`` refuses a module that is
 not a causal LM; the samplers refuse top_p outside (0, 1], a temperature that is not a finite
-number > 0 when sampling, and a seed a generator cannot take."""
+number > 0 (greedy or not, as the command line's --temperature), and a seed a generator cannot take."""
 
 from __future__ import annotations
 
@@ -76,14 +76,14 @@ def test_a_cache_on_an_encoder_is_refused():
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
-    ({"top_p": 0}, r"top_p must be in \(0, 1\]"),
+    ({"top_p": 1.5}, r"top_p must be a fraction in \(0, 1\], got 1.5"),
+    ({"top_p": 0}, r"top_p must be a fraction in \(0, 1\]"),
     ({"top_p": math.nan}, "top_p must be"),
     ({"top_p": "0.9"}, "top_p must be"),
-    ({"do_sample": True, "temperature": math.nan}, r"temperature \(when sampling\) must be a finite number > 0"),
-    ({"do_sample": True, "temperature": 0.0}, "temperature .when sampling. must be"),
-    ({"do_sample": True, "temperature": -1}, "temperature .when sampling. must be"),
-    ({"do_sample": True, "temperature": math.inf}, "temperature .when sampling. must be"),
+    ({"do_sample": True, "temperature": math.nan}, r"temperature must be a finite number > 0, got nan"),
+    ({"do_sample": True, "temperature": 0.0}, "temperature must be a finite number > 0"),
+    ({"do_sample": True, "temperature": -1}, "temperature must be a finite number > 0"),
+    ({"do_sample": True, "temperature": math.inf}, "temperature must be a finite number > 0"),
     ({"do_sample": "yes"}, "do_sample must be True or False"),
 ])
 def test_samplers_check_their_arguments(lm, kw, message):
@@ -96,8 +96,12 @@ def test_samplers_check_their_arguments(lm, kw, message):
         kvtrim.generate_batch(lm, None, [[5, 6, 7]], policy, max_new_tokens=2, **kw)
 
 
-def test_greedy_decoding_reads_no_temperature(lm):
-    r = kvtrim.generate_ids(lm, None, [5, 6, 7], kvtrim.create_policy("full"), max_new_tokens=2, temperature=math.nan)
+def test_greedy_decoding_refuses_a_bad_temperature_too(lm):
+    """A sampler's values are checked greedy or not (as the command line checks --temperature without
+    --sample), so a bad one is refused where it is given rather than ignored."""
+    with pytest.raises(KVTrimError, match="temperature must be a finite number > 0, got nan"):
+        kvtrim.generate_ids(lm, None, [5, 6, 7], kvtrim.create_policy("full"), max_new_tokens=2, temperature=math.nan)
+    r = kvtrim.generate_ids(lm, None, [5, 6, 7], kvtrim.create_policy("full"), max_new_tokens=2, temperature=0.5)
     assert r.new_tokens == 2
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import cli_status
 
 from kvtrim import decoding
 from kvtrim.cache import KVTrimCache
-from kvtrim.cli import main
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_batch, generate_ids
 from kvtrim.integrations.hf import attach
@@ -132,13 +132,13 @@ def test_methods_that_rewrite_the_forward_are_refused(method):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["generate", "--prefill-chunk", "0", "--question", "hi"], "prefill_chunk must be an integer >= 2"),
-    (["generate", "--prefill-chunk", "1", "--method", "snapkv", "--question", "hi"], "prefill_chunk must be an integer >= 2"),
+    (["generate", "--prefill-chunk", "0", "--question", "hi"], "--prefill-chunk must be an integer >= 2"),
+    (["generate", "--prefill-chunk", "1", "--method", "snapkv", "--question", "hi"], "--prefill-chunk must be an integer >= 2"),
     (["generate", "--prefill-chunk", "512", "--method", "hae", "--keep", "0.5", "--question", "hi"],
      "needs the whole prompt in one forward"),
 ])
 def test_cli_refuses_before_loading(argv, message, capsys):
-    assert main(argv) == 2
+    assert cli_status(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtrim: error: ") and err.count("\n") == 1 and message in err, err
 

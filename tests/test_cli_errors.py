@@ -52,8 +52,10 @@ def test_context_and_stream_files_must_be_utf8_text(content, message, tmp_path, 
 def test_stream_limit_must_be_positive(limit, tmp_path, capsys):
     f = tmp_path / "t.txt"
     f.write_text("some words " * 20)
-    assert main(["stream", "--file", str(f), "--limit", limit]) == 2
-    assert "--limit must be a positive number of tokens" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # refused as the command line is parsed
+        main(["stream", "--file", str(f), f"--limit={limit}"])
+    assert e.value.code == 2
+    assert f"--limit must be a positive number of tokens, got {limit}" in capsys.readouterr().err
 
 
 @pytest.mark.model

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -56,6 +58,31 @@ def test_sampler_greedy_is_argmax_and_top_p_keeps_only_the_nucleus():
     assert picks == {1}  # token 1 alone holds more than half of the mass
     picks = {decoding.Sampler(True, 1.0, 1.0).choose(logits, g) for _ in range(200)}
     assert {1, 2} <= picks
+
+
+def test_sampler_top_k_keeps_only_the_k_likeliest_tokens():
+    logits = torch.tensor([1.0, 1.2, 0.9, 1.1, -2.0])  # flat enough that every token would be drawn without a filter
+    g = torch.Generator().manual_seed(0)
+    assert {decoding.Sampler(True, top_k=1).choose(logits, g) for _ in range(50)} == {1}
+    assert {decoding.Sampler(True, top_k=2).choose(logits, g) for _ in range(300)} == {1, 3}
+    assert {decoding.Sampler(True, top_k=0).choose(logits, g) for _ in range(300)} == {0, 1, 2, 3, 4}
+    # top-k first, then top-p of what is left (renormalised): of tokens 1 and 3, token 1 alone passes 0.5
+    assert {decoding.Sampler(True, top_p=0.5, top_k=2).choose(logits, g) for _ in range(100)} == {1}
+    assert decoding.Sampler(True, top_k=10).choose(logits, g) in range(5)  # k above the vocabulary: all
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"top_k": -1}, "top_k must be a non-negative integer"),
+    ({"top_k": 2.5}, "top_k must be a non-negative integer"),
+    ({"top_p": 0.0}, "top_p must be a fraction in (0, 1]"),
+    ({"top_p": 1.5}, "top_p must be a fraction in (0, 1]"),
+    ({"temperature": 0.0}, "temperature must be a finite number > 0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number > 0"),
+])
+def test_sampler_refuses_bad_settings_greedy_or_not(kw, message):
+    for do_sample in (True, False):
+        with pytest.raises(KVTrimError, match=re.escape(message)):
+            decoding.Sampler(do_sample, **kw)
 
 
 def test_chunk_rule_feeds_a_fitting_prompt_whole_and_never_degrades_to_tiny_chunks():

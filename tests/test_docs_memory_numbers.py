@@ -1,4 +1,4 @@
-"""Numbers that docs/memory.md quotes in prose about the Qwen2.5-0.5B chunked prefills are the
+"""Numbers that docs/memory.md quotes in prose about the Qwen2.5-Coder-0.5B-Instruct chunked prefills are the
 committed result files' numbers, rounded as written (the tables themselves are generated blocks,
 checked by tests/test_docs.py)."""
 

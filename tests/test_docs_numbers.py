@@ -65,7 +65,7 @@ def test_results_p6_paragraph_quotes_the_results(runs):
 
 
 def test_dtypes_p6_rerun_paragraph_quotes_the_results(runs):
-    text = paragraph(ROOT / "docs" / "dtypes.md", "On Qwen2.5-0.5B the target is now missed at 8k",
+    text = paragraph(ROOT / "docs" / "dtypes.md", "On Qwen2.5-Coder-0.5B-Instruct the target is now missed at 8k",
                      "**Rerun of both models on a CPU with AMX")
     m, q, s = runs["morning"], runs["qwen"], runs["smol"]
     want = expected_numbers(runs) + [
@@ -80,7 +80,7 @@ def test_dtypes_p6_rerun_paragraph_quotes_the_results(runs):
 
 
 def test_dtypes_p6_32k_rerun_paragraph_quotes_the_results(runs):
-    text = paragraph(ROOT / "docs" / "dtypes.md", "At 32k on Qwen2.5-0.5B kvtrim is ahead by",
+    text = paragraph(ROOT / "docs" / "dtypes.md", "At 32k on Qwen2.5-Coder-0.5B-Instruct kvtrim is ahead by",
                      "**Rerun of both models on a CPU with AMX")
     m, q = runs["morning32"], runs["qwen32"]
     want = numbers_32k(runs) + [f"{q['kvtrim']['e2e_seconds']:.2f}", f"{q['vllm']['e2e_seconds']:.2f}",
@@ -125,7 +125,7 @@ def test_packed_linear_numbers_are_the_results():
     v, k = run["vllm"], run["kvtrim"]
     assert k["e2e_seconds"] < v["e2e_seconds"] and k["decode_ms_per_token"] < v["decode_ms_per_token"]
     earlier = summary("idle_qwen8k_noamx_decattn.json")
-    text = paragraph(ROOT / "docs" / "dtypes.md", "The target is met again at 8k on Qwen2.5-0.5B",
+    text = paragraph(ROOT / "docs" / "dtypes.md", "The target is met again at 8k on Qwen2.5-Coder-0.5B-Instruct",
                      "**Rerun of both models on a CPU with AMX")
     side = {n: json.loads((SIDE / f"{n}.json").read_text())["summary"] for n in ("pack_off", "pack_auto")}
     want = [ratio(v["e2e_seconds"], k["e2e_seconds"]), f"{k['e2e_seconds']:.2f}", f"{v['e2e_seconds']:.2f}",
@@ -137,7 +137,7 @@ def test_packed_linear_numbers_are_the_results():
             f"{side['pack_off']['decode_ms_per_token']:.1f}", f"{side['pack_auto']['decode_ms_per_token']:.1f}"]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/dtypes.md's packed P6 paragraph lacks {missing}"
-    results = paragraph(RESULTS_MD, "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
+    results = paragraph(RESULTS_MD, "The latest run, Qwen2.5-Coder-0.5B-Instruct at 8k again", "<!-- generated")
     for n in (ratio(v["e2e_seconds"], k["e2e_seconds"]), f"{k['decode_ms_per_token']:.1f}", f"{v['decode_ms_per_token']:.1f}"):
         assert n in results, n
 
@@ -159,7 +159,7 @@ def test_smollm2_packed_paragraph_quotes_the_results():
             f"{at32['kvtrim']['prefill_density']:.2f}"]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/dtypes.md's SmolLM2 packed paragraph lacks {missing}"
-    results = paragraph(RESULTS_MD, "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
+    results = paragraph(RESULTS_MD, "The latest run, Qwen2.5-Coder-0.5B-Instruct at 8k again", "<!-- generated")
     for n in (ratio(at8["vllm"]["e2e_seconds"], at8["kvtrim"]["e2e_seconds"]),
               ratio(at32["vllm"]["e2e_seconds"], at32["kvtrim"]["e2e_seconds"])):
         assert n in results, n
@@ -176,6 +176,6 @@ def test_qwen32k_packed_paragraph_quotes_the_results():
             ratio(before["vllm"]["decode_ms_per_token"], before["kvtrim"]["decode_ms_per_token"])]
     missing = [n for n in want if n not in text]
     assert not missing, f"docs/dtypes.md's 32k packed paragraph lacks {missing}"
-    results = paragraph(RESULTS_MD, "The latest run, Qwen2.5-0.5B at 8k again", "<!-- generated")
+    results = paragraph(RESULTS_MD, "The latest run, Qwen2.5-Coder-0.5B-Instruct at 8k again", "<!-- generated")
     for n in (ratio(v["e2e_seconds"], k["e2e_seconds"]), ratio(v["decode_ms_per_token"], k["decode_ms_per_token"])):
         assert n in results, n

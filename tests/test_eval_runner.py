@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli_status
 
 from kvtrim.decoding import Clock, Step, Wait, decode
 from kvtrim.errors import KVTrimError
@@ -284,14 +285,13 @@ def test_sweep_refuses_bad_output_and_lengths(tiny_lm, tmp_path):
 
 
 def test_eval_cli_bad_input(tmp_path, capsys):
-    from kvtrim.cli import main
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
     cases = [
         (["eval", "passkey,bogus", "--out", str(tmp_path / "a")], "unknown task 'bogus'"),
         (["eval", "passkey", "--methods", "nope", "--out", str(tmp_path / "a")], "unknown method 'nope'"),
-        (["eval", "passkey", "--keep", "0,0.5", "--out", str(tmp_path / "a")], "--keep must be a fraction"),
+        (["eval", "passkey", "--keep", "0,0.5", "--out", str(tmp_path / "a")], "--keep must be comma-separated numbers in (0, 1)"),
         (["eval", "passkey", "--out", str(blocker / "x")], "cannot write to the output directory"),
         (["eval", "passkey", "--shard", "3/2", "--out", str(tmp_path / "a")], "--shard"),
         (["report", str(tmp_path / "missing")], "is not a directory"),
@@ -299,7 +299,7 @@ def test_eval_cli_bad_input(tmp_path, capsys):
         (["bench", "--reps", "0"], "--reps must be"),
     ]
     for argv, msg in cases:
-        assert main(argv) == 2, argv
+        assert cli_status(argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
 
 

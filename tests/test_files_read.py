@@ -89,6 +89,19 @@ def test_a_directory_a_socket_and_a_missing_file(tmp_path):
         s.close()
 
 
+def test_a_name_with_a_nul_byte_is_one_line(tmp_path, capsys):
+    """Found by the CLI fuzzer (``stream --file '\\x00'`` was a ValueError traceback)."""
+    with pytest.raises(KVTrimError, match=r"is not a file name \(it holds a NUL byte\)"):
+        files.read_bytes("a\x00b", "context file")
+    with pytest.raises(FileWriteError, match=r"is not a file name \(it holds a NUL byte\)"):
+        files.check_output(tmp_path / "a\x00b")
+    from kvtrim.cli import main
+
+    assert main(["stream", "--file", "\x00"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtrim: error:") and "NUL byte" in err and err.count("\n") == 1
+
+
 def test_the_size_limit_per_kind(tmp_path):
     p = tmp_path / "big.json"
     p.write_bytes(b" " * 1000)

@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
+from conftest import cli_status
 
-from kvtrim.cache import KVTrimCache
+from kvtrim.cache import KVTrimCache, cache_keyword
 from kvtrim.cli import main
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_ids
-from kvtrim.integrations.hf import attach, cache_kwarg
+from kvtrim.integrations.hf import attach
 from kvtrim.integrations.prefill import PatternConfig, SparsePrefill, make_pattern, make_prefill, model_identity
 from kvtrim.policies.full import Full
 from kvtrim.tools.search_patterns import head_candidates
@@ -26,7 +27,7 @@ def long_prompt():
 def _logits(model, ids, hook):
     cache = KVTrimCache(model, "full")
     with attach(model, prefill_attention=hook), torch.inference_mode():
-        return model(input_ids=ids, **{cache_kwarg(): cache}).logits
+        return model(input_ids=ids, **{cache_keyword(): cache}).logits
 
 
 def _config(model, entry: dict) -> PatternConfig:
@@ -236,13 +237,13 @@ def test_search_picks_the_lowest_error_candidate(model, long_prompt):
         (["generate", "--prefill", "block_sparse", "--prefill-size", "k_b", "--question", "q"], "takes KEY=VALUE"),
         (["generate", "--prefill", "a_shape", "--prefill-size", "k_b=3", "--question", "q"], "does not take ['k_b']"),
         (["generate", "--prefill", "block_sparse", "--pattern-config", "/nonexistent.json", "--question", "q"], "does not exist"),
-        (["search-patterns", "--density", "1.5", "--out", "/tmp/x.json"], "--density must be in (0, 1)"),
-        (["search-patterns", "--length", "100", "--out", "/tmp/x.json"], "--length must be >= 256"),
+        (["search-patterns", "--density", "1.5", "--out", "/tmp/x.json"], "--density must be comma-separated numbers in (0, 1)"),
+        (["search-patterns", "--length", "100", "--out", "/tmp/x.json"], "--length must be an integer >= 256"),
         (["search-patterns", "--out", "/nonexistent/dir/x.json"], "does not exist"),
     ],
 )
 def test_cli_bad_input(argv, message, capsys):
-    assert main(argv) == 2
+    assert cli_status(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtrim: error:") and message in err
 

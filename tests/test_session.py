@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import cli_status
 
 from kvtrim.errors import KVTrimError
 from kvtrim.session import Session
@@ -233,12 +234,11 @@ def test_chat_turns_hold_exactly_the_templated_conversation(real):
     ],
 )
 def test_cli_bad_input(argv, message, tmp_path, capsys):
-    from kvtrim.cli import main
 
     f, empty = tmp_path / "t.txt", tmp_path / "e.txt"
     f.write_text("some text " * 10)
     empty.write_text("  \n")
-    assert main([a.format(f=f, empty=empty) for a in argv]) == 2
+    assert cli_status([a.format(f=f, empty=empty) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtrim: error:") and message in err
 

@@ -208,9 +208,17 @@ def test_tensor_parallel_2_equals_one_rank_on_qwen(name):
     one, two = _ok(run(spec, scheduler=True, model="qwen")), _ok(run(spec, scheduler=True, tp=2, model="qwen"))
     for r in (one, two):
         assert "kvtrim: sparse prefill (minference) in use" in r["log"]
-    assert two["tokens"] == one["tokens"]
-    assert two["blocks_in_use"] == one["blocks_in_use"]  # every rank frees the same blocks
     method = json.loads(spec)["method"]
+    from kvtrim.integrations.vllm.config import parse
+
+    if parse({"kvtrim": json.loads(spec)}).policy().per_head:
+        assert two["tokens"] == one["tokens"]
+    else:
+        # a policy that ranks by the mean over all KV heads (Elastic Cache shares one token set per
+        # layer) averages over its rank's own heads at tensor parallel > 1, so its kept sets, and
+        # then its tokens, may differ from one rank's (docs/vllm.md, "Limits"); the blocks may not
+        assert len(two["tokens"]) == len(one["tokens"])
+    assert two["blocks_in_use"] == one["blocks_in_use"]  # every rank frees the same blocks
     if name != "keep 1":
         assert f"kvtrim: {method} frees evicted KV blocks" in two["log"]
         assert f"kvtrim: {method} compaction in use" in two["log"]

@@ -88,8 +88,8 @@ class Watch:
         for i in range(self.n):
             if self.internal[i] is None:
                 self.internal[i] = next((r for r in self.sched.requests if r.startswith(f"r{i}-") or r == f"r{i}"), None)
-                if self.internal[i] is not None:
-                    self.first_block[i] = mgr.req_to_blocks[self.internal[i]][0].block_id
+            if self.internal[i] is not None and self.first_block[i] is None and mgr.req_to_blocks.get(self.internal[i]):
+                self.first_block[i] = mgr.req_to_blocks[self.internal[i]][0].block_id  # once it holds blocks
             steps = getattr(self.sched, "kvtrim_steps", {}).get(self.internal[i])
             if steps is None:
                 continue  # not started, or ended before the scheduler's last step (its blocks may serve another)

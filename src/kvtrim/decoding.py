@@ -88,27 +88,38 @@ Program = Generator["Step | Wait", Any, Any]
 
 @dataclass(frozen=True)
 class Sampler:
-    """How a token is chosen from logits: greedy (the default) or sampling with temperature/top-p.
+    """How a token is chosen from logits: greedy (the default) or sampling.
 
-    Checked at construction (``KVTrimError``): ``do_sample`` a bool, ``top_p`` in (0, 1], and when
-    sampling a finite ``temperature`` > 0 (greedy decoding reads no temperature)."""
+    Sampling divides the logits by ``temperature`` (> 0), keeps the ``top_k`` likeliest tokens
+    (0: all), of those the smallest set whose probability reaches ``top_p`` (in (0, 1]; 1: all), and
+    draws from what is left, renormalised: the usual order of the filters, as in transformers'
+    ``generate``. The values are checked when the sampler is made (``KVTrimError``), greedy or not, so
+    a bad one is refused where it is given rather than ignored: ``do_sample`` a bool, a finite
+    ``temperature`` > 0, ``top_p`` a fraction in (0, 1], ``top_k`` a non-negative integer (the same
+    wording as the command line's checks of ``--temperature``, ``--top-p`` and ``--top-k``).
+    """
 
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
             raise KVTrimError(f"do_sample must be True or False, got {self.do_sample!r}")
-        validate.number(self.top_p, "top_p", minimum=0.0, maximum=1.0, min_open=True)
-        if self.do_sample:
-            validate.number(self.temperature, "temperature (when sampling)", minimum=0.0, min_open=True)
+        validate.number(self.temperature, "temperature", minimum=0, min_open=True)
+        validate.fraction(self.top_p, "top_p")
+        validate.integer(self.top_k, "top_k", minimum=0)
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:
         """One token id from ``logits`` (``[vocab]``)."""
         if not self.do_sample:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float() / max(self.temperature, 1e-6), dim=-1)
+        logits = logits.float() / self.temperature
+        if 0 < self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
         if self.top_p < 1.0:
             sp, si = probs.sort(dim=-1, descending=True)
             drop = sp.cumsum(-1) - sp > self.top_p

@@ -295,6 +295,8 @@ def check_output(path: str | os.PathLike, what: str = "--out", *, force: bool = 
         st = None
     except OSError as e:
         raise FileWriteError(f"{what} {str(p)!r}: {e.strerror or e}", e.errno, e.strerror, str(p)) from None
+    except ValueError:  # a NUL byte: no file can have this name
+        raise FileWriteError(f"{what} {str(p)!r} is not a file name (it holds a NUL byte)") from None
     if st is not None:
         if stat.S_ISLNK(st.st_mode):
             raise FileWriteError(f"{what} {str(p)!r} is a symbolic link; kvtrim does not write through links, "
@@ -367,6 +369,8 @@ def check_regular(path: str | os.PathLike, what: str, *, kind: str = "json", lim
         raise error(f"{what} {p!r} does not exist or is not a file") from None
     except OSError as e:
         raise error(f"cannot read {what} {p!r}: {e.strerror or e}") from None
+    except ValueError:  # a NUL byte: no file can have this name
+        raise error(f"{what} {p!r} is not a file name (it holds a NUL byte)") from None
     if stat.S_ISDIR(st.st_mode):
         raise error(f"{what} {p!r} does not exist or is not a file (it is a directory)")
     if stat.S_ISLNK(st.st_mode):

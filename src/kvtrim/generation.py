@@ -106,6 +106,7 @@ def generate_ids(
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     stop_at_eos: bool = True,
     prefill_chunk: int | None = None,
@@ -126,8 +127,10 @@ def generate_ids(
     the first forward; decode stays dense); its statistics are returned in ``result.prefill``.
     ``model_inputs`` are extra prefill inputs of a vision-language model (``pixel_values``,
     ``image_grid_thw``, ``mm_token_type_ids``, ... from its processor; see ``kvtrim.vlm``).
+    ``do_sample``, ``temperature``, ``top_p`` and ``top_k`` choose each token
+    (:class:`kvtrim.decoding.Sampler`; greedy by default); ``seed`` seeds the sampling.
     """
-    sampler = Sampler(do_sample, temperature, top_p)  # checked before any work
+    sampler = Sampler(do_sample, temperature, top_p, top_k)  # checked before any work
     prefill_chunk = check_prefill_chunk(policy, prefill_chunk)
     if model_inputs and prefill_chunk:
         raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")
@@ -153,6 +156,7 @@ def generate_batch(
     do_sample: bool = False,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     stop_at_eos: bool = True,
     prefill=None,
@@ -177,7 +181,8 @@ def generate_batch(
 
     ``max_new_tokens`` is one limit or one per prompt. ``prefill_chunk`` prefills every prompt in
     chunks, as :func:`generate_ids` does. ``progress`` shows a progress bar (tqdm, on
-    stderr) over the prefills and the generated tokens.
+    stderr) over the prefills and the generated tokens; it counts on every row's limit, and ends at
+    100% when rows stop early.
 
     Methods that change the forward pass itself (``Policy.rewrites_forward``: FastV's and HAE's
     hidden-state pruning) cannot share a forward with other rows: their rows decode alone at batch 1
@@ -189,7 +194,7 @@ def generate_batch(
 
     from kvtrim.integrations.batched import drive
 
-    sampler = Sampler(do_sample, temperature, top_p)  # checked before any work
+    sampler = Sampler(do_sample, temperature, top_p, top_k)  # checked before any work
     n = len(prompts)
     if n == 0:
         raise KVTrimError("no prompts given; generate_batch needs at least one prompt")
@@ -234,6 +239,10 @@ def generate_batch(
             for row in rows:
                 if row.max_new_tokens and row.policy.rewrites_forward:
                     row.tokens, row.steps = run(model, row.decode(sampler, tick))
+        # rows that stopped before their limit (EOS) generated fewer tokens than the bar counted on:
+        # the bar's total becomes what was generated, so a finished batch reads 100%
+        bar.total = sum(len(row.tokens) for row in rows)
+        bar.refresh()
     finally:
         bar.close()
     return [row.result(tokenizer) for row in rows]

@@ -21,7 +21,8 @@ damaged directory (a file cut, changed or missing) is converted again, with one 
 directory converted before the files were recorded gets its record on first use.
 
 A GGUF that is fake, damaged or truncated is a ``ModelLoadError`` with a one-line message before
-any conversion starts. Loading the converted directory is :func:`kvtrim.models.load_model`'s job.
+any conversion starts. A conversion shows a progress bar on stderr with the size the directory will
+take on disk. Loading the converted directory is :func:`kvtrim.models.load_model`'s job.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import logging
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -127,7 +129,15 @@ def _check_gguf_complete(path: Path) -> None:
         )
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+def converted_bytes(path: Path) -> int:
+    """About how many bytes the directory converted from the GGUF at ``path`` takes on disk: every
+    tensor of its tensor table in float32 (the tokenizer files add a few MiB)."""
+    import gguf
+
+    return sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors) * 4
+
+
+def convert_gguf(gguf: Path, out_dir: Path, *, progress: bool = True) -> Path:
     """Dequantize a GGUF into a plain transformers directory (config, safetensors, tokenizer).
 
     ``out_dir`` is written in place (it may exist and be empty); the marker file goes in last.
@@ -135,31 +145,51 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     publishes it atomically. A dequantized GGUF model is marked as quantized and cannot be saved as
     is; its state dict is copied into a fresh model of the same architecture built from the config
     with the quantization settings removed.
+
+    A conversion takes minutes for a large model, once: with ``progress`` a bar on stderr names the
+    step (tokenizer, weights, plain model, writing and recording the digests) and the size the directory will take on disk
+    (:func:`converted_bytes`); transformers shows its own bar over the tensors as it dequantizes them.
     """
+    from tqdm import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s once into %s (later loads are fast)", gguf, out_dir)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
-    src = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
-    )
-    cfg_dict = src.config.to_dict()
-    cfg_dict.pop("quantization_config", None)
-    cfg = AutoConfig.for_model(**cfg_dict)
-    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
-    missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
-    # Tied embeddings show up as a "missing" lm_head; anything else means the copy is wrong.
-    missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ModelLoadError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(str(out_dir))
-    tok.save_pretrained(str(out_dir))
-    for f in out_dir.iterdir():  # the marker must never be on disk before the files it vouches for
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    record_conversion(out_dir, gguf)
+    size = converted_bytes(gguf)
+    on_disk = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    with tqdm(total=4, desc=f"kvtrim: converting {gguf.name} once (about {on_disk} on disk)", unit="step",
+              file=sys.stderr, disable=not progress, bar_format="{desc}: {n}/{total} [{elapsed}]{postfix}") as bar:
+        bar.set_postfix_str("reading the tokenizer")
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
+        bar.update()
+        bar.set_postfix_str("dequantizing the weights")
+        src = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, trust_remote_code=False
+        )
+        bar.update()
+        bar.set_postfix_str("copying into a plain model")
+        cfg_dict = src.config.to_dict()
+        cfg_dict.pop("quantization_config", None)
+        cfg = AutoConfig.for_model(**cfg_dict)
+        plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, trust_remote_code=False)
+        missing, unexpected = plain.load_state_dict(src.state_dict(), strict=False)
+        # Tied embeddings show up as a "missing" lm_head; anything else means the copy is wrong.
+        missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ModelLoadError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
+        del src
+        bar.update()
+        bar.set_postfix_str(f"writing {out_dir.parent}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        plain.save_pretrained(str(out_dir))
+        tok.save_pretrained(str(out_dir))
+        for f in out_dir.iterdir():  # the marker must never be on disk before the files it vouches for
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        bar.set_postfix_str("recording the files' SHA-256")
+        record_conversion(out_dir, gguf)  # the marker, last: the source's and every written file's digest
+        bar.set_postfix_str("done")
+        bar.update()
     return out_dir
 
 
@@ -244,7 +274,8 @@ def _remove_leftovers(root: Path, out: Path, damaged: bool = False) -> None:
 
 
 def converted_path(gguf: str | os.PathLike, name: str | None = None) -> Path:
-    """Where :func:`converted_dir` puts the conversion of ``gguf`` (it may not exist yet)."""
+    """Where :func:`converted_dir` puts (or has put) the directory converted from ``gguf``, without
+    converting: ``cache_dir()/<name>-<first 16 hex digits of the file's SHA-256>``."""
     gguf = Path(gguf)
     return cache_dir() / f"{name or gguf.stem}-{file_digest(gguf)[:16]}"
 

@@ -252,6 +252,16 @@ def median(values: Iterable[float] | Iterable[Sample], key: str | Callable[[Any]
 # ----------------------------------------------------------------------------- machine record
 
 
+def git_commit(path: str | os.PathLike) -> str | None:
+    """The commit checked out where ``path`` lies (None outside a git checkout): which code a result
+    came from, when two checkouts are compared."""
+    try:
+        return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def machine_record() -> dict:
     """What the measurement runs on, at its start (:func:`kvtrim.machine.machine_info`: date,
     machine, versions, torch threads, ``loadavg_start``)."""
@@ -277,6 +287,15 @@ def machine_line(record: dict, threads: int) -> str:
 
 
 # ----------------------------------------------------------------------------- output
+
+
+def publish(path: str | os.PathLike, result: dict, record: dict, table: Callable[[Any], str] | None = None) -> None:
+    """The end of a benchmark: ``result["machine"]`` = the finished :func:`machine_record` ``record``,
+    ``result`` written to ``path`` (:func:`write_json`), and its table printed."""
+    result["machine"] = finish_record(record)
+    write_json(path, result)
+    if table is not None:
+        print(table(result))
 
 
 def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> None:

@@ -304,7 +304,7 @@ class Session:
     # --- chat ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def send_ids(self, ids: list[int], max_new_tokens: int = 256, *, do_sample: bool = False, temperature: float = 1.0,
-                 top_p: float = 1.0, stop_ids: tuple[int, ...] | None = None, streamer=None) -> list[int]:
+                 top_p: float = 1.0, top_k: int = 0, stop_ids: tuple[int, ...] | None = None, streamer=None) -> list[int]:
         """Feed ``ids`` as a new turn and generate up to ``max_new_tokens``; returns the new ids.
 
         The last generated token (or the stop token) is not fed until the next turn, as in any
@@ -319,7 +319,7 @@ class Session:
         if stop_ids is None:
             eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
             stop_ids = () if eos is None else (eos,)
-        sampler = Sampler(do_sample, temperature, top_p)
+        sampler = Sampler(do_sample, temperature, top_p, top_k)
         stops = tuple(stop_ids)
 
         def on_token(tok: int) -> None:

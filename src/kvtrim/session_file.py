@@ -7,7 +7,8 @@ A saved session is a directory of three files (format ``kvtrim-session`` v2; doc
 * ``session.json`` -- everything else: history, policy name and parameters, counters, pending
   text, per-layer metadata;
 * ``manifest.json`` -- the model's fingerprint (architecture, dtype, a digest of sampled weights),
-  the method, and the SHA-256 of the other two files.
+  the directory it was loaded from (``source``: what ``kvtrim chat --load`` loads when not given
+  ``--model``), the method, and the SHA-256 of the other two files.
 
 :func:`write_session` writes them into a fresh 0700 directory beside the target, each file 0600
 and fsynced (:func:`kvtrim.files.write_atomic`), and renames the directory into place; an
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from kvtrim.errors import SessionError
-from kvtrim.files import fsync_dir, read_bytes, write_atomic
+from kvtrim.files import fsync_dir, parse_json, read_bytes, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def write_session(directory: str | os.PathLike, model, state: dict, tensors: dic
     manifest = {
         "format": FORMAT, "version": FORMAT_VERSION, **ids,
         "model": _fingerprint(model), "dtype": _dtype_name(model), "weights": weights_digest(model),
-        "policy": state["policy"],
+        "source": str(getattr(model, "name_or_path", "") or "") or None, "policy": state["policy"],
         "files": {SESSION_FILE: _sha256(info_bytes), CACHE_FILE: _sha256(cache_bytes)},
     }
     files = {CACHE_FILE: cache_bytes, SESSION_FILE: info_bytes,
@@ -145,6 +146,23 @@ def split_tensors(tensors: dict[str, torch.Tensor], model) -> tuple[dict[str, to
         raise SessionError(f"last_logits has shape {tuple(logits.shape)} and dtype {_dtype_text(logits.dtype)}, "
                            f"expected ({vocab},) float32")
     return tensors, rng, logits
+
+
+def saved_model_source(directory: str | os.PathLike) -> str | None:
+    """The directory of the model a session was saved with (``source`` in its manifest), so a command
+    can continue the session without being told the model again. None when the manifest has none (a
+    v1 session, one saved before kvtrim recorded it, a model made in memory) or cannot be read: the
+    full load (:func:`read_session`) then says what is wrong. The link rule holds here too, and the
+    manifest is read as every session file is (:func:`kvtrim.files.read_bytes`: a regular file only,
+    never blocking on a FIFO)."""
+    try:
+        path = Path(directory) / MANIFEST_FILE
+        manifest = parse_json(read_bytes(path, "session file", follow_symlinks=False, error=SessionError),
+                              "session file", path, SessionError)
+    except SessionError:
+        return None
+    source = manifest.get("source") if isinstance(manifest, dict) else None
+    return source if isinstance(source, str) and source else None
 
 
 def check_save_target(directory: str | os.PathLike) -> None:
@@ -386,6 +404,8 @@ def _check_manifest(manifest: dict, files: dict[str, bytes], model, where: str) 
     for key, kind in kinds.items():
         if not isinstance(manifest.get(key), kind):
             raise SessionError(f"{where}: {MANIFEST_FILE} lacks {key!r} (or it is not a {kind.__name__})")
+    if not isinstance(manifest.get("source"), (str, type(None))):  # absent in sessions saved before it was recorded
+        raise SessionError(f"{where}: {MANIFEST_FILE}: source must be a path or null")
     for name in (SESSION_FILE, CACHE_FILE):
         want = manifest["files"].get(name)
         if not isinstance(want, str):

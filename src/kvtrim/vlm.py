@@ -300,7 +300,8 @@ def generate_with_images(args, policy, context: str = "") -> dict:
     cache = KVTrimCache(v.model, policy)
     res = generate_ids(
         v.model, v.tokenizer, ids, policy, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
-        temperature=args.temperature, seed=args.seed, cache=cache, model_inputs=extra,
+        temperature=args.temperature, top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0), seed=args.seed,
+        cache=cache, model_inputs=extra,
     )
     d = res.to_dict()
     d.pop("token_ids")

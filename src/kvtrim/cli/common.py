@@ -8,10 +8,16 @@ Every command refuses bad input before anything slow runs (the model load above 
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from kvtrim.errors import KVTrimError
-from kvtrim.validate import integer
+from kvtrim.validate import fraction, integer, number
+
+#: what ``--model`` accepts, in every command's help
+MODEL_HELP = ("a reference model's short name (smollm2, qwen2.5-0.5b: `kvtrim models`), a Hugging Face model directory, "
+              "a .gguf file (converted once into kvtrim's cache), or a model id already in the local Hugging Face cache "
+              "[default: the embedded SmolLM2-135M-Instruct]")
 
 
 def print_error(message: str) -> None:
@@ -19,26 +25,144 @@ def print_error(message: str) -> None:
     print(f"kvtrim: error: {message}", file=sys.stderr)
 
 
+# ----------------------------------------------------------------------------- help and parse-time checks
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with each option's allowed values and default after its text, in brackets:
+    ``[N >= 1] [default: 64]``. The allowed values come from the option's ``type`` (the checkers
+    below carry them as ``allowed``, written with the option's metavar); a choice option lists its
+    values in its metavar already. The default is left out when the text says it in words, and for
+    switches and options without a default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        allowed = getattr(action.type, "allowed", None)
+        if allowed:  # before a default the text gives in words, after the rest of the text
+            name = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+            head, sep, tail = text.rpartition(" [default:")
+            text = f"{head} [{allowed.format(name)}]{sep}{tail}" if sep else f"{text} [{allowed.format(name)}]"
+        if ("default" not in (action.help or "") and action.option_strings and action.nargs != 0
+                and not any(action.default is x for x in (None, False, argparse.SUPPRESS))):  # `is`: 0 == False
+            text += " [default: %(default)s]"
+        return text
+
+
+def _checked(kind: str, convert, check, allowed: str):
+    """An argparse ``type``: ``convert`` the text, then ``check`` it (a :mod:`kvtrim.validate` check
+    with an empty name); a failure is argparse's error ``argument --x: must be ...``, which
+    :class:`kvtrim.cli.Parser` prints as one line ``--x must be ..., got ...``. ``allowed`` is the range
+    for the help, ``{}`` standing for the option's metavar."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {kind}, got {text!r}") from None
+        try:
+            return check(value)
+        except KVTrimError as e:
+            raise argparse.ArgumentTypeError(str(e).strip()) from None
+
+    parse.allowed = allowed  # type: ignore[attr-defined]  # read by HelpFormatter
+    parse.__name__ = kind
+    return parse
+
+
+def int_arg(minimum: int | None = None, maximum: int | None = None, *, unit: str | None = None):
+    """An integer option in ``[minimum, maximum]`` (``unit`` names what it counts in the message),
+    checked when the command line is parsed."""
+    allowed = (f"{minimum} <= {{}} <= {maximum}" if minimum is not None and maximum is not None
+               else f"{{}} >= {minimum}" if minimum is not None else f"{{}} <= {maximum}")
+    return _checked("an integer", int, lambda v: integer(v, "", minimum=minimum, maximum=maximum, unit=unit), allowed)
+
+
+def float_arg(minimum: float, *, min_open: bool = False):
+    """A finite number above ``minimum`` (or at it, unless ``min_open``)."""
+    return _checked("a number", float, lambda v: number(v, "", minimum=minimum, min_open=min_open),
+                    f"{{}} {'>' if min_open else '>='} {minimum:g}")
+
+
+def fraction_arg(*, allow_zero: bool = False):
+    """A fraction in (0, 1] (``[0, 1]`` with ``allow_zero``)."""
+    return _checked("a number", float, lambda v: fraction(v, "", allow_zero=allow_zero),
+                    f"0 {'<=' if allow_zero else '<'} {{}} <= 1")
+
+
+def list_arg(kind: type, minimum: float, maximum: float | None = None, *, open_ends: bool = False, hint: str = ""):
+    """A comma-separated list of numbers (``int`` or ``float``), each in ``[minimum, maximum]``
+    (``(minimum, maximum)`` with ``open_ends``); the option keeps its text, which the command parses
+    as before. ``hint`` is added to the message (what to do instead)."""
+    lo, hi = ("(", ")") if open_ends else ("[", "]")
+    kinds = "integers" if kind is int else "numbers"
+    if maximum is None:
+        what = f"comma-separated {kinds} {'>' if open_ends else '>='} {minimum:g}"
+        allowed = f"each {'>' if open_ends else '>='} {minimum:g}"
+    else:
+        what = f"comma-separated {kinds} in {lo}{minimum:g}, {maximum:g}{hi}"
+        allowed = f"each in {lo}{minimum:g}, {maximum:g}{hi}"
+
+    def check(text: str) -> str:
+        try:
+            items = [kind(x.strip()) for x in text.split(",")]
+        except ValueError:
+            items = []
+        ok = bool(items) and all(
+            (minimum < x if open_ends else minimum <= x) and (maximum is None or (x < maximum if open_ends else x <= maximum))
+            for x in items)  # NaN fails every comparison
+        if not ok:
+            raise KVTrimError(f"must be {what}, got {text!r}{f' ({hint})' if hint else ''}")
+        return text
+
+    return _checked(what, str, check, allowed)
+
+
 # ----------------------------------------------------------------------------- the model
-def model_options(sp) -> None:
-    """``--dtype`` and ``--device`` for a command that loads a model (read by :func:`load_from_args`)."""
+def model_options(sp, *, threads: bool = True):
+    """The options group ``model`` of a command that loads one: ``--model``, ``--dtype``, ``--device`` and
+    (with ``threads``) ``--threads``, read by :func:`check_model_options` and :func:`load_from_args`.
+    Returns the group, for a command's own model options."""
     from kvtrim.models import DTYPES
 
-    sp.add_argument("--dtype", choices=list(DTYPES), default="float32",
-                    help="weight and KV-cache dtype (default float32; bfloat16 halves the KV bytes and runs the matrix "
-                         "work in bf16 where the CPU has it; kvtrim's scores stay float32)")
-    sp.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    g = sp.add_argument_group("model")
+    g.add_argument("--model", help=MODEL_HELP)
+    g.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                   help="weight and KV-cache dtype (bfloat16 halves the KV bytes and runs the matrix work in bf16 where "
+                        "the CPU has it; kvtrim's scores stay float32)")
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    if threads:
+        g.add_argument("--threads", type=int_arg(1), metavar="N",
+                       help="torch threads for the model's work [default: torch's, one per core]")
+    return g
+
+
+def sampling_options(g, *, temperature: float) -> None:
+    """``--sample``, ``--temperature``, ``--top-p``, ``--top-k`` and ``--seed`` (:class:`kvtrim.decoding.Sampler`)."""
+    g.add_argument("--sample", action="store_true", help="sample the next token instead of taking the most likely one")
+    g.add_argument("--temperature", type=float_arg(0, min_open=True), default=temperature, metavar="T",
+                   help="with --sample: divides the logits (lower: surer, higher: more varied)")
+    g.add_argument("--top-p", type=fraction_arg(), default=1.0, metavar="P",
+                   help="with --sample: draw from the smallest set of likeliest tokens whose probability reaches P (1: all)")
+    g.add_argument("--top-k", type=int_arg(0), default=0, metavar="K",
+                   help="with --sample: draw from the K likeliest tokens only (0: all)")
+    g.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="random seed of the sampling")
 
 
 def check_model_options(args) -> None:
     """Refuse a bad --dtype/--device before anything slow runs, and keep them resolved on ``args``
-    (a ``torch.dtype`` and a ``torch.device``), so the rest of the command does not parse them again."""
+    (a ``torch.dtype`` and a ``torch.device``), so the rest of the command does not parse them again;
+    apply ``--threads`` (``torch.set_num_threads``)."""
     from kvtrim.models import resolve_device, resolve_dtype
 
     if hasattr(args, "dtype"):
         args.dtype = resolve_dtype(args.dtype)
     if hasattr(args, "device"):
         args.device = resolve_device(args.device)
+    if getattr(args, "threads", None) is not None:
+        import torch
+
+        try:
+            torch.set_num_threads(args.threads)
+        except (ValueError, RuntimeError, OverflowError) as e:  # past a C int: "Overflow when unpacking long"
+            raise KVTrimError(f"--threads {args.threads} is more than torch can set ({str(e).strip()})") from None
 
 
 def load_from_args(args):

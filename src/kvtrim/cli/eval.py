@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kvtrim.cli.common import check_model_options, load_from_args, model_options
+from kvtrim.cli.common import check_model_options, fraction_arg, int_arg, list_arg, load_from_args, model_options
 from kvtrim.errors import KVTrimError
 
 
@@ -80,9 +80,17 @@ def cmd_report(args) -> int:
     if args.json:
         print(json.dumps(summarize(load_dirs(args.dirs, pool=args.pool)), indent=1))
         return 0
+    import time
+    from pathlib import Path
+
+    started = time.time()
     summary = write_report(args.dirs, args.out, readme=args.readme, plots=not args.no_plots,
                            image_prefix=args.image_prefix, pool=args.pool)
     print(render(summary, None))
+    target = Path(args.out or args.dirs[0])
+    plots = sorted(p.name for p in target.glob("*.png") if p.stat().st_mtime >= started - 1)
+    print(f"kvtrim report: wrote {target / 'report.md'}" + (f" and {len(plots)} plots beside it ({', '.join(plots)})" if plots else "")
+          + (f"; replaced the report block of {args.readme}" if args.readme else ""), file=sys.stderr)
     return 0
 
 
@@ -156,40 +164,51 @@ def cmd_calibrate(args) -> int:
 
 def add_eval_commands(sub) -> None:
     """Add the ``eval``, ``report``, ``calibrate`` and ``bench`` sub-commands to kvtrim's parser."""
-    from kvtrim.eval.plan import DEFAULT_KEEPS, DEFAULT_METHODS
+    from kvtrim.eval.common import MIN_LENGTH
+    from kvtrim.eval.plan import ALL_TASKS, DEFAULT_KEEPS, DEFAULT_METHODS
+    from kvtrim.integrations.prefill import PREFILL_MODES
 
-    e = sub.add_parser("eval", help="resumable quality sweep: tasks x lengths x methods x budgets, JSONL per sample")
-    e.add_argument("tasks", help="comma-separated tasks: passkey, niah_single, niah_multikey, niah_multivalue, "
-                                 "niah_multiquery, niah_phrase, vt, cwe, fwe, multiturn, ppl, labelfree")
-    e.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
-    e.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated methods; full is always included")
-    e.add_argument("--keep", default=",".join(map(str, DEFAULT_KEEPS)), help="comma-separated budgets in (0, 1) (default 0.1,0.25,0.5)")
-    e.add_argument("--length", default="2048", help="comma-separated prompt lengths in tokens (default 2048)")
-    e.add_argument("--samples", type=int, default=20, help="samples per cell, depths spread evenly (default 20)")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--prefill", default="dense", help="prefill attention: dense or minference/a_shape/vertical_slash/block_sparse")
-    e.add_argument("--haystack", help="haystack for the needle tasks: prose (default), essays, pydoc, filler")
-    e.add_argument("--shard", help="I/N: run every N-th sample unit starting at I (N processes can share --out)")
-    e.add_argument("--unbatched", action="store_true",
-                   help="decode the configurations of a sample one at a time at batch 1 (slower; by default they "
-                        "decode together, one batch row each, see docs/eval.md)")
-    e.add_argument("--plain-prompt", action="store_true",
+    lengths = list_arg(int, MIN_LENGTH)
+    keeps = list_arg(float, 0, 1, open_ends=True, hint="1 is the full cache, run as method 'full'")
+    e = sub.add_parser("eval", help="resumable quality sweep: tasks x lengths x methods x budgets, JSONL per sample",
+                       description="Generate every sample offline and score each method and budget against it; one "
+                                   "JSON line per sample and configuration; rerun to resume (docs/eval.md).")
+    e.add_argument("tasks", help=f"comma-separated tasks: {', '.join(ALL_TASKS)}")
+    model_options(e)
+    m = e.add_argument_group("methods and budgets")
+    m.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="A,B",
+                   help="comma-separated methods; full is always included")
+    m.add_argument("--keep", type=keeps, default=",".join(map(str, DEFAULT_KEEPS)), metavar="R1,R2", help="budgets")
+    m.add_argument("--prefill", default="dense", metavar="MODE", help=f"prefill attention: {', '.join(PREFILL_MODES)}")
+    t = e.add_argument_group("samples")
+    t.add_argument("--length", type=lengths, default="2048", metavar="N1,N2", help="prompt lengths in tokens")
+    t.add_argument("--samples", type=int_arg(1), default=20, metavar="N", help="samples per cell, depths spread evenly")
+    t.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="seed of the samples")
+    t.add_argument("--haystack", metavar="NAME",
+                   help="haystack for the needle tasks: prose, essays, pydoc or filler [default: prose]")
+    t.add_argument("--plain-prompt", action="store_true",
                    help="kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat template "
                         "(used anyway for a model without one)")
-    e.add_argument("--quiet", action="store_true", help="no progress bar")
-    e.add_argument("--out", required=True, help="output directory (created; a rerun resumes)")
-    model_options(e)
+    r = e.add_argument_group("run and output")
+    r.add_argument("--shard", metavar="I/N", help="run every N-th sample unit starting at I (N processes can share --out)")
+    r.add_argument("--unbatched", action="store_true",
+                   help="decode the configurations of a sample one at a time at batch 1 (slower; by default they "
+                        "decode together, one batch row each, see docs/eval.md)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--out", required=True, metavar="DIR", help="output directory (created; a rerun resumes)")
     e.set_defaults(func=cmd_eval)
 
     r = sub.add_parser("report", help="markdown tables and PNG plots from kvtrim eval result directories")
-    r.add_argument("dirs", nargs="+", help="result directories of kvtrim eval (and anchors in the same line format)")
-    r.add_argument("--out", help="where report.md and the PNGs go (default: the first directory)")
-    r.add_argument("--readme", help="also replace the kvtrim-report block of this markdown file")
-    r.add_argument("--image-prefix", help="path of the PNGs as written in --readme links (default: relative '.')")
-    r.add_argument("--no-plots", action="store_true")
-    r.add_argument("--json", action="store_true", help="print the aggregated cells as JSON and write nothing")
-    r.add_argument("--pool", action="store_true", help="pool directories that fill the same cells with other models, "
-                   "task configurations or the same samples (refused by default)")
+    r.add_argument("dirs", nargs="+", metavar="DIR", help="result directories of kvtrim eval (and anchors in the same line format)")
+    i = r.add_argument_group("input")
+    i.add_argument("--pool", action="store_true", help="pool directories that fill the same cells with other models, "
+                   "task configurations or the same samples (refused by default; a warning each)")
+    o = r.add_argument_group("output")
+    o.add_argument("--out", metavar="DIR", help="where report.md and the PNGs go [default: the first DIR]")
+    o.add_argument("--readme", metavar="FILE", help="also replace the kvtrim-report block of this markdown file")
+    o.add_argument("--image-prefix", metavar="PATH", help="path of the PNGs as written in --readme links [default: relative '.']")
+    o.add_argument("--no-plots", action="store_true", help="write report.md only")
+    o.add_argument("--json", action="store_true", help="print the aggregated cells as JSON and write nothing")
     r.set_defaults(func=cmd_report)
 
     from kvtrim.eval.calibrate import DEFAULT_KEEPS as CAL_KEEPS
@@ -199,36 +218,41 @@ def add_eval_commands(sub) -> None:
     c = sub.add_parser("calibrate", help="measure agreement with the full cache per method and budget: the calibration "
                                          "--quality picks budgets from (see docs/autobudget.md)")
     c.add_argument("tasks", nargs="?", default=",".join(CAL_TASKS),
-                   help=f"comma-separated tasks with answers (default {','.join(CAL_TASKS)})")
-    c.add_argument("--model", help="Hugging Face model directory, .gguf file or reference model (default: the embedded model)")
-    c.add_argument("--methods", default=",".join(CAL_METHODS), help=f"comma-separated methods (default {','.join(CAL_METHODS)})")
-    c.add_argument("--keep", default=",".join(map(str, CAL_KEEPS)), help=f"budgets to measure (default {','.join(map(str, CAL_KEEPS))})")
-    c.add_argument("--length", default="2048", help="comma-separated prompt lengths in tokens (default 2048)")
-    c.add_argument("--samples", type=int, default=6, help="samples per task and length (default 6)")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--plain-prompt", action="store_true", help="kvtrim's plain prompt format (as in kvtrim eval)")
-    c.add_argument("--runs", help="the kvtrim eval directory the sweep writes (resumable; default: OUT without .json + '-runs')")
-    c.add_argument("--extra", action="append", metavar="DIR", help="lines of another kvtrim eval sweep of the same model to include (repeatable)")
-    c.add_argument("--build-only", action="store_true", help="run no sweep: build from the lines already in --runs and "
-                                                            "--extra (a partial sweep gives a calibration from fewer samples)")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
-    c.add_argument("--out", required=True, help="the calibration JSON to write (pass it to --calibration)")
-    c.add_argument("--force", action="store_true", help="replace an existing --out")
+                   help=f"comma-separated tasks with answers [default: {','.join(CAL_TASKS)}]")
     model_options(c)
+    m = c.add_argument_group("methods and budgets")
+    m.add_argument("--methods", default=",".join(CAL_METHODS), metavar="A,B", help="comma-separated methods")
+    m.add_argument("--keep", type=keeps, default=",".join(map(str, CAL_KEEPS)), metavar="R1,R2", help="budgets to measure")
+    t = c.add_argument_group("samples")
+    t.add_argument("--length", type=lengths, default="2048", metavar="N1,N2", help="prompt lengths in tokens")
+    t.add_argument("--samples", type=int_arg(1), default=6, metavar="N", help="samples per task and length")
+    t.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="seed of the samples")
+    t.add_argument("--plain-prompt", action="store_true", help="kvtrim's plain prompt format (as in kvtrim eval)")
+    o = c.add_argument_group("runs and output")
+    o.add_argument("--runs", metavar="DIR", help="the kvtrim eval directory the sweep writes (resumable) "
+                                                 "[default: OUT without .json + '-runs']")
+    o.add_argument("--extra", action="append", metavar="DIR", help="lines of another kvtrim eval sweep of the same model to include (repeatable)")
+    o.add_argument("--build-only", action="store_true", help="run no sweep: build from the lines already in --runs and "
+                                                            "--extra (a partial sweep gives a calibration from fewer samples)")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    o.add_argument("--out", required=True, metavar="FILE", help="the calibration JSON to write (pass it to --calibration)")
+    o.add_argument("--force", action="store_true", help="replace an existing --out")
     c.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="speed and memory: prefill vs length, decode per token, resident KV bytes, peak RSS")
-    b.add_argument("--model")
-    b.add_argument("--methods", default="full,snapkv,streaming_llm", help="comma-separated methods (default full,snapkv,streaming_llm)")
-    b.add_argument("--keep", type=float, default=0.25, help="budget of the compressing methods (default 0.25)")
-    b.add_argument("--lengths", default="1024,2048,4096", help="comma-separated prompt lengths (default 1024,2048,4096)")
-    b.add_argument("--reps", type=int, default=3, help="timed repetitions after one warm-up (default 3)")
-    b.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per run (default 32)")
-    b.add_argument("--prefill", default="dense", help="prefill attention mode (dense, minference, ...)")
-    b.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    b.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs (one subprocess per configuration)")
-    b.add_argument("--quiet", action="store_true")
-    b.add_argument("--out", help="write the JSON result here (checked before the run; an existing file is refused)")
-    b.add_argument("--force", action="store_true", help="replace an existing --out")
-    model_options(b)
+    g = model_options(b, threads=False)
+    g.add_argument("--threads", type=int_arg(1), metavar="N", help="torch threads, recorded with the result [default: torch's, one per core]")
+    m = b.add_argument_group("methods and budget")
+    m.add_argument("--methods", default="full,snapkv,streaming_llm", metavar="A,B", help="comma-separated methods")
+    m.add_argument("--keep", type=fraction_arg(), default=0.25, metavar="R", help="budget of the compressing methods")
+    m.add_argument("--prefill", default="dense", metavar="MODE", help=f"prefill attention: {', '.join(PREFILL_MODES)}")
+    t = b.add_argument_group("measurement")
+    t.add_argument("--lengths", type=list_arg(int, 128), default="1024,2048,4096", metavar="N1,N2", help="prompt lengths in tokens")
+    t.add_argument("--reps", type=int_arg(1), default=3, metavar="N", help="timed repetitions after one warm-up")
+    t.add_argument("--new-tokens", type=int_arg(2), default=32, metavar="N", help="decode steps timed per run")
+    t.add_argument("--no-rss", action="store_true", help="skip the peak-RSS runs (one subprocess per configuration)")
+    o = b.add_argument_group("output")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    o.add_argument("--out", metavar="FILE", help="write the JSON result here (checked before the run; an existing file is refused)")
+    o.add_argument("--force", action="store_true", help="replace an existing --out")
     b.set_defaults(func=cmd_bench)

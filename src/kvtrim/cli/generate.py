@@ -14,11 +14,14 @@ import sys
 from kvtrim.cli.common import (
     check_model_options,
     check_quality_args,
+    fraction_arg,
+    int_arg,
     load_from_args,
     model_options,
     prefill_from_args,
     quality_choice,
     read_context,
+    sampling_options,
 )
 from kvtrim.errors import KVTrimError
 from kvtrim.validate import integer, number
@@ -105,6 +108,8 @@ def cmd_generate(args) -> int:
         max_new_tokens=args.max_new_tokens,
         do_sample=args.sample,
         temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
         seed=args.seed,
         prefill=prefill,
         prefill_chunk=chunk,
@@ -132,29 +137,61 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def budget_args(sp) -> None:
-    """``--keep`` / ``--max-tokens`` / ``--quality`` (one of them) and ``--calibration``."""
-    g = sp.add_mutually_exclusive_group()
-    g.add_argument("--keep", type=float, help="fraction of tokens to keep, in (0, 1] (fastv: of the image tokens)")
-    g.add_argument("--max-tokens", type=int, help="fixed number of tokens to keep per layer (a compressing method given "
-                                                  "neither keeps 1024: kvtrim.policies.base.DEFAULT_MAX_TOKENS; hae: none)")
-    g.add_argument("--quality", type=float, help="target agreement with the full cache in (0, 1]: the smallest budget "
-                                                 "calibrated to reach it for this method, model and prompt length "
-                                                 "(docs/autobudget.md)")
-    sp.add_argument("--calibration", help="calibration JSON for --quality, made by kvtrim calibrate (default: the one "
-                                          "shipped for the model)")
+def method_help(default: str) -> str:
+    """``--method``'s help: every registered method by name, and the default."""
+    from kvtrim.registry import method_names
+
+    return f"KV method: {', '.join(method_names())} (`kvtrim methods` says what each keeps) [default: {default}]"
+
+
+def budget_args(g, *, fastv: bool = True) -> None:
+    """``--keep`` / ``--max-tokens`` / ``--quality`` (one of them) and ``--calibration``, in the group ``g``."""
+    from kvtrim.policies.base import DEFAULT_MAX_TOKENS
+
+    b = g.add_mutually_exclusive_group()
+    b.add_argument("--keep", type=fraction_arg(), metavar="R",
+                   help="fraction of the tokens seen to keep" + (" (fastv: of the image tokens)" if fastv else ""))
+    b.add_argument("--max-tokens", type=int_arg(1), metavar="N",
+                   help=f"tokens to keep per layer and KV head [default: {DEFAULT_MAX_TOKENS} for a compressing method "
+                        "given no budget; hae: none]")
+    b.add_argument("--quality", type=fraction_arg(), metavar="Q",
+                   help="target agreement with the full cache: the smallest budget calibrated to reach it for this "
+                        "method, model and prompt length (docs/autobudget.md)")
+    g.add_argument("--calibration", metavar="FILE", help="calibration JSON for --quality, made by kvtrim calibrate "
+                                                         "[default: the one shipped for the model]")
+
+
+def prefill_options(sp):
+    """The group ``prefill`` of ``generate``: sparse prefill (MInference) and chunked prefill."""
+    from kvtrim.decoding import MIN_PREFILL_CHUNK
+    from kvtrim.integrations.prefill import DEFAULT_MIN_LENGTH, PREFILL_MODES
+
+    g = sp.add_argument_group("prefill", "how the prompt is read: sparse attention (MInference), in chunks")
+    g.add_argument("--prefill", default="dense", metavar="MODE",
+                   help=f"prefill attention: {', '.join(PREFILL_MODES)} (minference: per-head patterns from a config; "
+                        "the others: one pattern for every head; docs/minference.md)")
+    g.add_argument("--pattern-config", metavar="FILE",
+                   help="per-head pattern config for --prefill minference [default: the one shipped for the model]")
+    g.add_argument("--prefill-size", action="append", metavar="KEY=VALUE",
+                   help="pattern size for a single-pattern mode, e.g. k_b=32 (repeatable)")
+    g.add_argument("--prefill-min-length", type=int_arg(1, unit="tokens"), default=DEFAULT_MIN_LENGTH, metavar="N",
+                   help="prompts shorter than this prefill densely (docs/minference.md says why at this length)")
+    g.add_argument("--prefill-chunk", type=int_arg(MIN_PREFILL_CHUNK, unit="tokens"), metavar="N",
+                   help="feed the prompt in chunks of N tokens, compressing after each (the cache holds at most the "
+                        "budget + one chunk; docs/memory.md) [default: one forward]")
+    return g
 
 
 def add_generate_command(sub) -> None:
     """Add the ``generate`` sub-command to kvtrim's parser."""
-    g = sub.add_parser("generate", help="answer a question or continue a prompt with a compressed cache")
-    g.add_argument("--model", help="Hugging Face model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--method", default="full", help="KV method (see `kvtrim methods`)")
-    budget_args(g)
-    g.add_argument("--position", help="position policy: true, reassigned or compressed (default: the method's)")
-    g.add_argument("--context-file", help="a text file prepended to the question/prompt")
-    g.add_argument("--image", action="append", metavar="FILE", help="an image for a vision-language --model (repeatable)")
-    q = g.add_mutually_exclusive_group(required=True)
+    from kvtrim.policies.base import POSITION_POLICIES
+
+    g = sub.add_parser("generate", help="answer a question or continue a prompt with a compressed cache",
+                       description="Answer a question (or continue a prompt, or run a file of prompts) with a "
+                                   "compressed KV cache; the answer goes to stdout, the measurements to stderr.")
+    model_options(g)
+    i = g.add_argument_group("prompt")
+    q = i.add_mutually_exclusive_group(required=True)
     q.add_argument("--question", help="a question (the chat template applied, or the plain format for a model without one)")
     q.add_argument("--prompt", help="raw prompt text to continue (no chat template)")
     q.add_argument("--prompts-file", metavar="FILE",
@@ -162,23 +199,23 @@ def add_generate_command(sub) -> None:
                         ".jsonl file (one object per line: question or prompt, optional method/keep/max_tokens/"
                         "position/max_new_tokens/id) or a text file of one question per line; prints one JSON "
                         "line per prompt, in order (docs/batch.md)")
-    g.add_argument("--plain-prompt", action="store_true",
+    i.add_argument("--context-file", metavar="FILE", help="a UTF-8 text file put before the question or prompt")
+    i.add_argument("--image", action="append", metavar="FILE", help="an image for a vision-language --model (repeatable)")
+    i.add_argument("--plain-prompt", action="store_true",
                    help="format --question in kvtrim's plain prompt format (User: ... / Assistant:) even if the model "
                         "has a chat template (used anyway for a model without one)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--prefill-chunk", type=int, metavar="N",
-                   help="feed the prompt in chunks of N tokens, compressing after each (bounded prefill memory: the "
-                        "cache holds at most the budget + one chunk; docs/memory.md). Default: one forward")
-    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--json", action="store_true", help="print one JSON object (with --prompts-file: every field on each line)")
-    g.add_argument("--max-rows", type=int, default=64, help="with --prompts-file: most rows decoded in one forward (default 64)")
-    g.add_argument("--no-progress", action="store_true", help="with --prompts-file: no progress bar")
-    model_options(g)
-    sp = g.add_argument_group("sparse prefill (MInference)")
-    sp.add_argument("--prefill", default="dense", help="dense (default), minference (per-head config), a_shape, vertical_slash, block_sparse")
-    sp.add_argument("--pattern-config", help="per-head pattern config for --prefill minference (default: the one shipped for the model)")
-    sp.add_argument("--prefill-size", action="append", metavar="KEY=VALUE", help="pattern size for a single-pattern mode, e.g. k_b=32 (repeatable)")
-    sp.add_argument("--prefill-min-length", type=int, default=4096, help="prompts shorter than this prefill densely (default 4096: twice the break-even measured on a 2-core CPU)")
+    m = g.add_argument_group("method and budget")
+    m.add_argument("--method", default="full", metavar="NAME", help=method_help("full, no compression"))
+    budget_args(m)
+    m.add_argument("--position", metavar="POLICY",
+                   help=f"positions of the kept tokens: {', '.join(POSITION_POLICIES)} [default: the method's]")
+    prefill_options(g)
+    d = g.add_argument_group("generation")
+    d.add_argument("--max-new-tokens", type=int_arg(0, unit="tokens"), default=64, metavar="N", help="tokens to generate at most")
+    sampling_options(d, temperature=1.0)
+    d.add_argument("--max-rows", type=int_arg(1), default=64, metavar="N",
+                   help="with --prompts-file: most rows decoded in one forward")
+    o = g.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object (with --prompts-file: every field on each line)")
+    o.add_argument("--no-progress", action="store_true", help="with --prompts-file: no progress bar")
     g.set_defaults(func=cmd_generate)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kvtrim.cli.common import check_model_options, load_from_args, model_options, quality_choice
+from kvtrim.cli.common import check_model_options, fraction_arg, int_arg, load_from_args, model_options, quality_choice
 
 
 def cmd_methods(args) -> int:
@@ -83,23 +83,30 @@ def cmd_demo(args) -> int:
 def add_methods_command(sub) -> None:
     """Add the ``methods`` sub-command to kvtrim's parser."""
     m = sub.add_parser("methods", help="list the registered KV methods")
-    m.add_argument("--json", action="store_true")
+    m.add_argument("--json", action="store_true", help="print the list as JSON (name, description)")
     m.set_defaults(func=cmd_methods)
 
 
 def add_demo_command(sub) -> None:
     """Add the ``demo`` sub-command to kvtrim's parser."""
-    d = sub.add_parser("demo", help="pass-key retrieval on a long context with every method")
-    d.add_argument("--model")
-    d.add_argument("--keep", type=float, default=0.2, help="budget for the compressing methods (default 0.2)")
-    d.add_argument("--quality", type=float, help="instead of --keep: per method, the smallest budget calibrated to keep "
-                                                 "agreement with the full cache >= this, in (0, 1] (docs/autobudget.md)")
-    d.add_argument("--calibration", help="calibration JSON for --quality (default: the one shipped for the model)")
-    d.add_argument("--length", type=int, default=3000, help="context length in tokens (default 3000)")
-    d.add_argument("--depth", type=float, default=0.5)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--methods", help="comma-separated methods (default: all registered that act on text)")
-    d.add_argument("--plain-prompt", action="store_true",
-                   help="kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat template")
+    from kvtrim.eval.common import MIN_LENGTH
+
+    d = sub.add_parser("demo", help="pass-key retrieval on a long context with every method",
+                       description="Hide a 5-digit pass key in a long context and ask for it with each method: "
+                                   "whether it was found, the resident KV memory, prefill time and decode speed.")
     model_options(d)
+    m = d.add_argument_group("methods and budget")
+    m.add_argument("--methods", metavar="A,B", help="comma-separated methods [default: all registered that act on text]")
+    m.add_argument("--keep", type=fraction_arg(), default=0.2, metavar="R", help="budget of the compressing methods")
+    m.add_argument("--quality", type=fraction_arg(), metavar="Q",
+                   help="instead of --keep: per method, the smallest budget calibrated to keep agreement with the full "
+                        "cache at or above Q (docs/autobudget.md)")
+    m.add_argument("--calibration", metavar="FILE", help="calibration JSON for --quality [default: the one shipped for the model]")
+    t = d.add_argument_group("task")
+    t.add_argument("--length", type=int_arg(MIN_LENGTH, unit="tokens"), default=3000, metavar="N", help="context length in tokens")
+    t.add_argument("--depth", type=fraction_arg(allow_zero=True), default=0.5, metavar="D",
+                   help="where the pass key sits (0: start, 1: end)")
+    t.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="seed of the context and the pass key")
+    t.add_argument("--plain-prompt", action="store_true",
+                   help="kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat template")
     d.set_defaults(func=cmd_demo)

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvtrim.cli.common import check_model_options, load_from_args, model_options
+from kvtrim.cli.common import check_model_options, float_arg, int_arg, list_arg, load_from_args, model_options
 from kvtrim.errors import KVTrimError
 
 
@@ -51,13 +51,20 @@ def cmd_search_patterns(args) -> int:
 def add_search_patterns_command(sub) -> None:
     """Add the ``search-patterns`` sub-command to kvtrim's parser."""
     s = sub.add_parser("search-patterns", help="offline per-head MInference pattern search; writes a pattern config")
-    s.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
-    s.add_argument("--length", type=int, default=8192, help="calibration prompt length in tokens (default 8192; sizes are absolute, so a config is sparser at longer prompts and denser at shorter ones)")
-    s.add_argument("--density", default="0.1,0.2,0.35,0.5,0.65,0.8", help="cost levels: executed cost of the candidates as fractions of dense attention at --length, tried cheapest first (default 0.1,0.2,0.35,0.5,0.65,0.8)")
-    s.add_argument("--max-error", type=float, default=0.05, help="a head takes the cheapest level whose best pattern's relative output error is <= this, else stays dense (default 0.05)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--tag", help="model name substring the shipped config matches (packaging only)")
-    s.add_argument("--out", required=True, help="output JSON file")
-    s.add_argument("--force", action="store_true", help="replace an existing --out")
     model_options(s)
+    g = s.add_argument_group("search")
+    g.add_argument("--length", type=int_arg(256, unit="tokens"), default=8192, metavar="N",
+                   help="calibration prompt length in tokens (sizes are absolute, so a config is sparser at longer "
+                        "prompts and denser at shorter ones)")
+    g.add_argument("--density", type=list_arg(float, 0, 1, open_ends=True), default="0.1,0.2,0.35,0.5,0.65,0.8",
+                   metavar="D1,D2", help="cost levels: executed cost of the candidates as fractions of dense attention "
+                                         "at --length, tried cheapest first")
+    g.add_argument("--max-error", type=float_arg(0, min_open=True), default=0.05, metavar="E",
+                   help="a head takes the cheapest level whose best pattern's relative output error is at most E, "
+                        "else stays dense")
+    g.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="seed of the calibration prompt")
+    o = s.add_argument_group("output")
+    o.add_argument("--tag", help="model name substring the shipped config matches (packaging only)")
+    o.add_argument("--out", required=True, metavar="FILE", help="output JSON file")
+    o.add_argument("--force", action="store_true", help="replace an existing --out")
     s.set_defaults(func=cmd_search_patterns)

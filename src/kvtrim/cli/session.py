@@ -19,10 +19,13 @@ from pathlib import Path
 from kvtrim.cli.common import (
     check_model_options,
     check_quality_args,
+    fraction_arg,
+    int_arg,
     load_from_args,
     model_options,
     print_error,
     quality_choice,
+    sampling_options,
 )
 from kvtrim.errors import KVTrimError
 
@@ -60,6 +63,12 @@ def _policy(args, streaming: bool):
     return pol
 
 
+def describe_policy(policy) -> str:
+    """A policy as people read it: ``inf_mllm (max_tokens=1024, position=reassigned, ...)``."""
+    params = [f"{k}={v}" for k, v in policy.describe().items() if k != "method" and v is not None]
+    return f"{policy.name} ({', '.join(params)})" if params else policy.name
+
+
 def _json(d: dict) -> str:
     """Strict JSON: a value that is not a number (a perplexity with nothing scored) is null, not NaN."""
     return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in d.items()}, allow_nan=False)
@@ -86,6 +95,10 @@ def cmd_chat(args) -> int:
                 "cannot change them (start a new chat without --load to use another method)")
         if not Path(args.load).is_dir():
             raise KVTrimError(f"session directory {args.load!r} does not exist")
+        if args.model is None:  # the model the session was saved with (its manifest's source), else the default
+            from kvtrim.session_file import saved_model_source
+
+            args.model = saved_model_source(args.load)
     else:
         args.method = args.method or DEFAULT_METHOD
     policy = None if args.load else _policy(args, streaming=False)
@@ -100,8 +113,7 @@ def cmd_chat(args) -> int:
     else:
         s = Session(lm.model, lm.tokenizer, policy, seed=args.seed, plain=args.plain_prompt)
     interactive = sys.stdin.isatty()
-    print(f"kvtrim chat: {lm.source}, method {s.policy.name} {s.policy.describe()}; /save DIR, /stats, /quit",
-          file=sys.stderr)
+    print(f"kvtrim chat: {lm.source}, method {describe_policy(s.policy)}; /save DIR, /stats, /quit", file=sys.stderr)
 
     def stats() -> str:
         c = s.cache
@@ -138,7 +150,7 @@ def cmd_chat(args) -> int:
             continue
         streamer = TextStreamer(lm.tokenizer, skip_special_tokens=True)
         s.send(text, max_new_tokens=args.max_new_tokens, do_sample=args.sample, temperature=args.temperature,
-               streamer=streamer)
+               top_p=args.top_p, top_k=args.top_k, streamer=streamer)
         sys.stdout.flush()
         print(stats(), file=sys.stderr)
     if args.save:
@@ -197,38 +209,55 @@ def cmd_stream(args) -> int:
 
 def add_session_commands(sub) -> None:
     """Add the ``chat`` and ``stream`` sub-commands to kvtrim's parser."""
-    c = sub.add_parser("chat", help="interactive multi-turn chat over a bounded cache (one line per turn)")
-    c.add_argument("--model", help="Hugging Face model directory or .gguf file (default: the embedded model)")
-    c.add_argument("--method", help=f"KV method supporting turns (default {DEFAULT_METHOD})")
-    g = c.add_mutually_exclusive_group()
-    g.add_argument("--max-tokens", type=int, help="KV budget per layer (default 1024, the methods' default budget)")
-    g.add_argument("--keep", type=float, help="fraction of tokens to keep instead of a fixed budget")
-    g.add_argument("--quality", type=float, help="target agreement with the full cache in (0, 1]: the budget calibrated "
-                                                 "to reach it, the largest over the calibrated prompt lengths (docs/autobudget.md)")
-    c.add_argument("--calibration", help="calibration JSON for --quality (default: the one shipped for the model)")
-    c.add_argument("--position", help="position policy (default: reassigned for streaming methods)")
-    c.add_argument("--plain-prompt", action="store_true",
+    from kvtrim.cli.generate import method_help
+    from kvtrim.policies.base import DEFAULT_MAX_TOKENS, POSITION_POLICIES
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat over a bounded cache (one line per turn)",
+                       description="Chat over a bounded KV cache: one line per turn on stdin, the reply on stdout, the "
+                                   "KV memory in use on stderr; /save DIR, /stats, /quit.")
+    model_options(c)
+    m = c.add_argument_group("method and budget")
+    m.add_argument("--method", metavar="NAME", help=method_help(f"{DEFAULT_METHOD}; a method that supports turns"))
+    g = m.add_mutually_exclusive_group()
+    g.add_argument("--max-tokens", type=int_arg(1), metavar="N",
+                   help=f"tokens kept per layer and KV head [default: {DEFAULT_MAX_TOKENS}, the methods' default budget]")
+    g.add_argument("--keep", type=fraction_arg(), metavar="R", help="fraction of the tokens seen to keep, instead of a fixed budget")
+    g.add_argument("--quality", type=fraction_arg(), metavar="Q",
+                   help="target agreement with the full cache: the budget calibrated to reach it, the largest over the "
+                        "calibrated prompt lengths (docs/autobudget.md)")
+    m.add_argument("--calibration", metavar="FILE", help="calibration JSON for --quality [default: the one shipped for the model]")
+    m.add_argument("--position", metavar="POLICY",
+                   help=f"positions of the kept tokens: {', '.join(POSITION_POLICIES)} [default: reassigned for a "
+                        "streaming method, else the method's]")
+    d = c.add_argument_group("generation")
+    d.add_argument("--max-new-tokens", type=int_arg(1, unit="tokens"), default=256, metavar="N", help="longest reply in tokens")
+    sampling_options(d, temperature=0.7)
+    d.add_argument("--plain-prompt", action="store_true",
                    help="turns in kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat "
                         "template (used anyway for a model without one)")
-    c.add_argument("--max-new-tokens", type=int, default=256)
-    c.add_argument("--sample", action="store_true")
-    c.add_argument("--temperature", type=float, default=0.7)
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--load", help="continue a session saved in this directory")
-    c.add_argument("--save", help="save the session into this directory at the end")
-    model_options(c)
+    o = c.add_argument_group("session")
+    o.add_argument("--load", metavar="DIR", help="continue a session saved in this directory (its model too, unless --model)")
+    o.add_argument("--save", metavar="DIR", help="save the session into this directory at the end")
     c.set_defaults(func=cmd_chat)
 
-    s = sub.add_parser("stream", help="feed a long text file through a bounded cache, chunk by chunk")
-    s.add_argument("--file", required=True, help="UTF-8 text file")
-    s.add_argument("--chunk", type=int, default=512, help="tokens per chunk (default 512)")
-    s.add_argument("--max-tokens", type=int, help="KV budget per layer (default 1024, the methods' default budget)")
-    s.add_argument("--method", default="inf_mllm", help="streaming KV method (default inf_mllm)")
-    s.add_argument("--position", help="position policy (default reassigned)")
-    s.add_argument("--model")
-    s.add_argument("--limit", type=int, help="stop after this many tokens of the file")
-    s.add_argument("--json", action="store_true", help="one JSON object per chunk, then a summary object")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
-    s.add_argument("--save", help="save the session into this directory at the end")
+    s = sub.add_parser("stream", help="feed a long text file through a bounded cache, chunk by chunk",
+                       description="Feed a long text file through a bounded KV cache, chunk by chunk; per chunk: "
+                                   "perplexity, resident KV bytes, process memory, tokens/s.")
+    s.add_argument_group("input").add_argument("--file", required=True, help="UTF-8 text file")
     model_options(s)
+    m = s.add_argument_group("method and budget")
+    m.add_argument("--method", default="inf_mllm", metavar="NAME",
+                   help=method_help("inf_mllm; a method that can stream: inf_mllm, streaming_llm, h2o"))
+    m.add_argument("--max-tokens", type=int_arg(1), metavar="N",
+                   help=f"tokens kept per layer and KV head [default: {DEFAULT_MAX_TOKENS}, the methods' default budget]")
+    m.add_argument("--position", metavar="POLICY",
+                   help=f"positions of the kept tokens: {', '.join(POSITION_POLICIES)} [default: reassigned]")
+    f = s.add_argument_group("feeding")
+    f.add_argument("--chunk", type=int_arg(1, unit="tokens"), default=512, metavar="N", help="tokens per chunk")
+    f.add_argument("--limit", type=int_arg(1, unit="tokens"), metavar="N",
+                   help="stop after this many tokens of the file [default: the whole file]")
+    o = s.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="one JSON object per chunk, then a summary object")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument("--save", metavar="DIR", help="save the session into this directory at the end")
     s.set_defaults(func=cmd_stream)

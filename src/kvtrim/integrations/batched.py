@@ -128,7 +128,7 @@ def step_rows(model, caches: list[KVTrimCache], feeds: list[list[int]], all_logi
     All feeds must have the same length ``n``. Returns per row float32 logits: ``[vocab]`` of the
     last position, or with ``all_logits`` ``[n, vocab]`` of every fed position.
     """
-    from kvtrim.integrations.hf import cache_kwarg
+    from kvtrim.cache import cache_keyword
 
     n = len(feeds[0]) if feeds else 0
     if n == 0 or len(feeds) != len(caches) or any(len(f) != n for f in feeds):
@@ -137,7 +137,7 @@ def step_rows(model, caches: list[KVTrimCache], feeds: list[list[int]], all_logi
     ids = torch.tensor(feeds, device=device)
     pos = torch.stack([explicit_positions(c, n) for c in caches]).to(device)
     cache = caches[0] if len(caches) == 1 else MultiCache(caches)
-    kw = {cache_kwarg(): cache, "use_cache": True, "logits_to_keep": 0 if all_logits else 1, "position_ids": pos}
+    kw = {cache_keyword(): cache, "use_cache": True, "logits_to_keep": 0 if all_logits else 1, "position_ids": pos}
     logits = model(input_ids=ids, **kw).logits.float()
     return [logits[b] if all_logits else logits[b, -1] for b in range(len(caches))]
 

@@ -32,7 +32,7 @@ import torch
 
 from kvtrim import validate
 from kvtrim.attention.fused import causal_attention_scores, fused_backend
-from kvtrim.cache import ACTIVE, KVTrimCache, cache_keyword
+from kvtrim.cache import ACTIVE, KVTrimCache
 from kvtrim.decisions import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
 from kvtrim.registry import DEFAULT_METHOD
@@ -359,8 +359,3 @@ def compress(model, method: str = DEFAULT_METHOD, prefill=None, **policy_kwargs)
         cache.prefill_stats = prefill.stats
     with attach(model, prefill_attention=prefill):
         yield cache
-
-
-def cache_kwarg() -> str:
-    """The keyword ``generate``/``forward`` take the cache under: ``cache`` from transformers 5.20, else ``past_key_values``."""
-    return cache_keyword()

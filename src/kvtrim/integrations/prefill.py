@@ -53,8 +53,9 @@ PATTERNS = {"a_shape": AShape, "vertical_slash": VerticalSlash, "block_sparse": 
 SIZE_KEYS = {"a_shape": ("n_init", "n_local"), "vertical_slash": ("k_v", "k_s"), "block_sparse": ("k_b",)}
 # Keys a config entry may carry besides ``pattern`` and its sizes: the search's diagnostics.
 DIAGNOSTIC_KEYS = ("error", "density", "level", "candidates")
-# Below this many prompt tokens the default SparsePrefill runs dense (see docs/minference.md for
-# the measured crossover on this machine).
+#: Below this many prompt tokens the default SparsePrefill runs dense: twice the measured break-even,
+#: where the gain was clear on every machine measured (docs/minference.md, "Why 4096"); the vLLM
+#: plugin's default (kvtrim.integrations.vllm.config.DEFAULT_MIN_LENGTH) is the same.
 DEFAULT_MIN_LENGTH = 4096
 
 

@@ -156,6 +156,8 @@ def _cell(cells, task, length, method, keep):
 def guide(root: Path) -> str:
     """"Which method for which job": each pick with the measured reason, from the committed results (the
     document and chat rows from the reference model's sweep, the others from the embedded model's benchmarks)."""
+    from kvtrim.integrations.prefill import DEFAULT_MIN_LENGTH
+
     q = _eval_cells(root, EVAL_QWEN_DIRS[0])
     q16 = _eval_cells(root, EVAL_QWEN_DIRS[1])
     n = 4096
@@ -192,13 +194,13 @@ def guide(root: Path) -> str:
     lines = [
         "| job | pick | why (measured) |",
         "|---|---|---|",
-        "| one-shot question over a long document | `snapkv`, keep 0.25-0.5 | Qwen2.5-0.5B sweep, 4k tokens, single needle "
+        "| one-shot question over a long document | `snapkv`, keep 0.25-0.5 | Qwen2.5-Coder-0.5B-Instruct sweep, 4k tokens, single needle "
         f"at keep 0.1 / 0.25 / 0.5 (full cache {full_ns:.2f}): "
         + ", ".join(f"`{m}` {row('niah_single', m)}" for m in doc_methods)
         + f"; at 16k tokens (full cache {full_ns16:.2f}): "
         + ", ".join(f"`{m}` {row('niah_single', m, q16, 16384)}" for m in doc_methods) + " |",
         "| long chat (many turns) | `snapkv` keep 0.5, or `inf_mllm` (`kvtrim chat`'s default) when the chat must stay "
-        "bounded | Qwen2.5-0.5B sweep, 4k tokens, multi-turn questions through one cache at keep 0.1 / 0.25 / 0.5 "
+        "bounded | Qwen2.5-Coder-0.5B-Instruct sweep, 4k tokens, multi-turn questions through one cache at keep 0.1 / 0.25 / 0.5 "
         f"(full cache {full_mt:.2f}): " + ", ".join(f"`{m}` {row('multiturn', m)}" for m in doc_methods)
         + f"; at 16k tokens (full cache {full_mt16:.2f}): "
         + ", ".join(f"`{m}` {row('multiturn', m, q16, 16384)}" for m in doc_methods) + " |",
@@ -212,7 +214,7 @@ def guide(root: Path) -> str:
         "that `snapkv` keeps (DAP proxy) |",
         "| faster prefill of a long prompt | `--prefill minference` (with any KV method) | MInference prefill benchmark (embedded model): "
         + ", ".join(f"{sp[n]:.2f}x at {n}" for n in sorted(sp)) + f" tokens (break-even at {crossover}; "
-        "`--prefill-min-length` keeps shorter prompts dense) |",
+        f"`--prefill-min-length`, default {DEFAULT_MIN_LENGTH}, keeps shorter prompts dense) |",
     ]
     return "\n".join(lines) + "\n"
 
@@ -291,7 +293,7 @@ def eval_qwen(root: Path) -> str:
         dtype = read_json(root / rel / "config.json", "eval config").get("dtype", "float32")
         cells = _eval_cells(root, rel)
         for n in sorted({c["length"] for c in cells if c["prefill"] == "dense"}):
-            parts.append(f"#### Qwen2.5-0.5B, {n} tokens, {dtype} (`{rel}`)\n\n" + score_table(cells, n))
+            parts.append(f"#### Qwen2.5-Coder-0.5B-Instruct, {n} tokens, {dtype} (`{rel}`)\n\n" + score_table(cells, n))
     return "\n\n".join(parts) + "\n"
 
 
@@ -306,6 +308,7 @@ def headline(root: Path) -> str:
     """The README's short summary of the results: a few numbers from the committed results, each claim
     checked here against them (a claim that no longer holds raises instead of printing)."""
     from kvtrim.eval.report import MIN_FULL_SCORE, row_summary
+    from kvtrim.integrations.prefill import DEFAULT_MIN_LENGTH
 
     def share(cells, n, m, k) -> float:
         """The mean of each solved task's score relative to the full cache's (the tables' "rel. to full")."""
@@ -333,7 +336,7 @@ def headline(root: Path) -> str:
         return ", ".join(f"`{m}` {rel[m][0.25]:.0%} / {rel[m][0.5]:.0%}" for m in order)
 
     out.append(
-        f"- **Documents and chats** on the reference model Qwen2.5-0.5B: the share of the full cache's score each method "
+        f"- **Documents and chats** on the reference model Qwen2.5-Coder-0.5B-Instruct: the share of the full cache's score each method "
         f"keeps (over the tasks the full cache solves, score at least {MIN_FULL_SCORE:g}) at keep 0.25 / 0.5. At {n4} tokens "
         f"({d4}): {shares(rels[(n4, d4)])}; at {n16} tokens ({d16}): {shares(rels[(n16, d16)])}. `snapkv` is first and "
         "`elastic` last at every budget (0.1, 0.25, 0.5).")
@@ -350,7 +353,9 @@ def headline(root: Path) -> str:
     sp = {int(k): v for k, v in mp["summary"]["minference"]["speedup_wall"].items()}
     out.append(
         f"- **Sparse prefill** (`--prefill minference`, embedded model): the prefill is {sp[max(sp)]:.2f}x faster at "
-        f"{max(sp)} tokens; break-even at {mp['summary']['minference']['crossover_length']} tokens.")
+        f"{max(sp)} tokens; break-even at {mp['summary']['minference']['crossover_length']} tokens, and "
+        f"`--prefill-min-length` keeps prompts under {DEFAULT_MIN_LENGTH} dense, where the gain was clear on every "
+        "machine measured ([why](docs/minference.md)).")
     rows = [c for name in BEAT_VLLM_RUNS
             for c in _load(root, f"benchmarks/results/beat_vllm/{name}.json")["comparison"] if c["kvtrim"] == BEST_CONFIG]
     by_len = {n: [c for c in rows if c["length"] == n] for n in sorted({c["length"] for c in rows})}

@@ -201,8 +201,8 @@ def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT
         max_error: a head takes the cheapest level whose best candidate has a relative output
             error at most this, and stays dense if none does. ``None``: one level, best candidate.
     """
-    from kvtrim.cache import KVTrimCache
-    from kvtrim.integrations.hf import attach, cache_kwarg
+    from kvtrim.cache import KVTrimCache, cache_keyword
+    from kvtrim.integrations.hf import attach
 
     levels = list(target_density) if isinstance(target_density, (list, tuple)) else [target_density]
     if not levels or not all(0.0 < d < 1.0 for d in levels):
@@ -227,7 +227,7 @@ def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT
     cache = KVTrimCache(model, "full")
     device = next(model.parameters()).device
     with attach(model, prefill_attention=hook):
-        model(input_ids=torch.tensor([ids], device=device), **{cache_kwarg(): cache}, logits_to_keep=1)
+        model(input_ids=torch.tensor([ids], device=device), **{cache_keyword(): cache}, logits_to_keep=1)
     if bar is not None:
         bar.close()
     if any(r is None for r in hook.rows):

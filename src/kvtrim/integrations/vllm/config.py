@@ -32,7 +32,9 @@ TESTED_VLLM = ("0.32.0",)
 PREFILL = ("dense", "minference", "a_shape", "vertical_slash", "block_sparse")
 #: the plugin's own keys; every other key is a parameter of the method
 KEYS = ("prefill", "pattern_config", "sizes", "min_length", "method")
-#: Below this prompt length the sparse prefill runs dense (kvtrim's measured crossover on CPU).
+#: Below this prompt length the sparse prefill runs vLLM's kernel: the same default as on transformers
+#: (kvtrim.integrations.prefill.DEFAULT_MIN_LENGTH; docs/minference.md says why), so both engines
+#: prefill the same prompts sparsely.
 DEFAULT_MIN_LENGTH = 4096
 
 
