@@ -143,6 +143,8 @@ def test_kernels_load_without_transformers():
 TRANSFORMERS_ALLOWED = {
     ("kvtrim.cache", "transformers.cache_utils"):
         "a KVTrimCache is a transformers Cache: it subclasses Cache and builds DynamicSlidingWindowLayer",
+    ("kvtrim.cache", "transformers.models.auto.modeling_auto"):
+        "a KVTrimCache refuses an encoder (a masked LM such as BERT) by transformers' own architecture tables",
     ("kvtrim.storage", "transformers.cache_utils"):
         "the transformers storage: a CompressedLayer is a transformers CacheLayerMixin",
     ("kvtrim.models", "transformers"):

@@ -169,7 +169,7 @@ def test_not_json_and_missing_file(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(KVTrimError, match="not valid JSON"):
         Calibration.load(tmp_path / "bad.json")
-    with pytest.raises(KVTrimError, match="cannot read calibration"):
+    with pytest.raises(KVTrimError, match=r"calibration .*none.json. does not exist"):
         Calibration.load(tmp_path / "none.json")
 
 
@@ -231,7 +231,7 @@ def test_agreement_from_result_lines():
     (["generate", "--method", "snapkv", "--quality", "0", "--question", "q"], "--quality must be a fraction in (0, 1]"),
     (["generate", "--method", "full", "--quality", "0.9", "--question", "q"], "takes none"),
     (["generate", "--method", "snapkv", "--quality", "0.9", "--calibration", "/nonexistent.json", "--question", "q"],
-     "cannot read calibration"),
+     "calibration '/nonexistent.json' does not exist"),
     (["demo", "--methods", "snapkv", "--quality", "2"], "--quality must be a fraction in (0, 1]"),
     (["demo", "--model", "/some/model", "--methods", "snapkv", "--quality", "0.9"], "kvtrim calibrate"),
     (["calibrate", "ppl", "--out", "x.json"], "ppl has no answer"),

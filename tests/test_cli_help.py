@@ -112,6 +112,19 @@ def test_threads_sets_torchs_threads():
         torch.set_num_threads(before)
 
 
+def test_threads_torch_cannot_take_is_one_line(capsys):
+    """Found by the CLI fuzzer: --threads past a C int was a ValueError traceback from torch."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        assert main(["generate", "--question", "q", "--threads", str(2**31)]) == 2
+    finally:
+        torch.set_num_threads(before)
+    err = capsys.readouterr().err
+    assert err.startswith("kvtrim: error: --threads 2147483648 is more than torch can set") and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--question", "q", "--top-p", "0"], "--top-p must be a fraction in (0, 1], got 0.0"),
     (["generate", "--question", "q", "--top-k", "-1"], "--top-k must be a non-negative integer, got -1"),

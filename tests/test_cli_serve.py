@@ -157,6 +157,17 @@ def test_weight_bytes_count_the_served_dtype(model_dir):
     assert serve.weight_bytes(model_dir, "bfloat16") == 2 * n
 
 
+def test_weight_bytes_never_block_on_a_fifo(model_dir):
+    """The weights' headers are read as every file kvtrim reads (kvtrim.files): a FIFO in their place
+    is one line, nothing opened."""
+    from kvtrim.errors import KVTrimError
+
+    (model_dir / "model.safetensors").unlink()
+    os.mkfifo(model_dir / "model.safetensors")
+    with pytest.raises(KVTrimError, match=r"is a FIFO \(named pipe\), not a regular file"):
+        serve.weight_bytes(model_dir, "float32")
+
+
 def test_default_vllm_python_is_the_checkouts_vllm_venv(tmp_path, monkeypatch):
     monkeypatch.setattr(serve, "checkout_root", lambda: tmp_path)
     assert serve.default_vllm_python() == sys.executable

@@ -60,6 +60,32 @@ def test_saved_model_source_is_none_without_a_manifest(tmp_path):
     assert saved_model_source(tmp_path) is None
 
 
+def test_saved_model_source_never_blocks_on_a_fifo_or_follows_a_link(tmp_path):
+    """The manifest is read as every session file is (kvtrim.files.read_bytes): a FIFO in its place is
+    None at once (the full load then says what it is), and so is a link to a real manifest."""
+    import os
+    import signal
+
+    from kvtrim.session_file import MANIFEST_FILE, saved_model_source
+
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / MANIFEST_FILE)
+    old = signal.signal(signal.SIGALRM, lambda *a: pytest.fail("saved_model_source blocked on a FIFO"))
+    signal.alarm(10)
+    try:
+        assert saved_model_source(fifo) is None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    real = tmp_path / "real.json"
+    real.write_text(json.dumps({"source": "/some/model"}))
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / MANIFEST_FILE).symlink_to(real)
+    assert saved_model_source(linked) is None
+
+
 @pytest.mark.parametrize("plots", [False, True])
 def test_report_says_where_it_wrote(plots, tmp_path, capsys):
     pytest.importorskip("matplotlib")

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
+from kvtrim.files import parse_json, read_bytes, write_atomic
 
 if TYPE_CHECKING:
     from kvtrim.policies.base import Policy
@@ -213,19 +214,22 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Calibration:
+        """The calibration in the JSON file ``path`` (read through :func:`kvtrim.files.read_bytes`: a
+        regular file within the JSON size limit); ``KVTrimError`` naming what is wrong."""
         p = Path(path)
+        data = read_bytes(p, "calibration")
         try:
-            d = json.loads(p.read_text(encoding="utf-8"))
-        except OSError as e:
-            raise KVTrimError(f"cannot read calibration {str(p)!r}: {e.strerror or e}") from None
-        except ValueError as e:
-            raise KVTrimError(f"calibration {str(p)!r} is not valid JSON ({e}); remake it with `{CALIBRATE_COMMAND}`") from None
+            d = parse_json(data, "calibration", p)
+        except KVTrimError as e:
+            raise KVTrimError(f"{e}; remake it with `{CALIBRATE_COMMAND}`") from None
         cal = cls.from_dict(d, f"calibration {str(p)!r}")
         cal.path = str(p)
         return cal
 
-    def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+    def save(self, path: str | os.PathLike, *, force: bool = True) -> None:
+        """Write the calibration as JSON, atomically (:func:`kvtrim.files.write_atomic`: never through a
+        symbolic link); ``force=False`` refuses an existing file."""
+        write_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n", force=force)
 
     # --- picking ----------------------------------------------------------------------------------
     def points(self, method: str) -> list[Point]:

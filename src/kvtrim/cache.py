@@ -82,6 +82,43 @@ def _layer_nbytes(layer) -> int:
     return layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
 
 
+def _position_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The position ids of the forward calling ``update``: transformers hands the attention's keyword
+    arguments on as ``kwargs=`` (``position_ids``); older code a ``cache_kwargs`` dict
+    (``cache_position``)."""
+    for extra in (kwargs.get("kwargs"), kwargs.get("cache_kwargs"), *(a for a in args if isinstance(a, dict))):
+        if isinstance(extra, dict):
+            for key in ("position_ids", "cache_position"):
+                if isinstance(extra.get(key), torch.Tensor):
+                    return extra[key]
+    return None
+
+
+def _decoder_config(model):
+    """The decoder config of ``model`` (a transformers model or its config), refusing anything that is
+    not a decoder-only causal LM with one ``KVTrimError`` line: a module without a transformers config,
+    an encoder-decoder, an encoder such as BERT (a masked LM, by transformers' architecture tables)."""
+    config = getattr(model, "config", model)
+    get = getattr(config, "get_text_config", None)
+    what = type(model).__name__
+    if not callable(get):
+        raise KVTrimError(f"KVTrimCache needs a transformers causal language model (or its config), got {what}")
+    text_cfg = get(decoder=True)
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size")
+               if not isinstance(getattr(text_cfg, k, None), int)]
+    if missing:
+        raise KVTrimError(f"KVTrimCache needs a decoder-only causal language model; {what}'s config has no "
+                          f"{', '.join(missing)}")
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False) or (
+            getattr(text_cfg, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not getattr(text_cfg, "is_decoder", False)):
+        raise KVTrimError(f"KVTrimCache needs a decoder-only causal language model; {what} (model_type "
+                          f"{getattr(text_cfg, 'model_type', None)!r}) is not one")
+    return text_cfg
+
+
 @functools.lru_cache(maxsize=1)
 def cache_keyword() -> str:
     """The keyword ``generate``/``forward`` take a cache under: ``cache`` from transformers 5.20, else ``past_key_values``."""
@@ -129,8 +166,7 @@ class KVTrimCache(Cache):
         elif policy_kwargs:
             raise KVTrimError("pass method parameters either in the Policy object or as keywords with a name, not both")
         self.block_size = None if block_size is None else validate.integer(block_size, "block_size", minimum=1)
-        config = getattr(model, "config", model)
-        text_cfg = config.get_text_config(decoder=True)
+        text_cfg = _decoder_config(model)
         self.policy = policy
         self.position_policy = policy.position_policy
         self.num_layers = int(text_cfg.num_hidden_layers)
@@ -163,11 +199,13 @@ class KVTrimCache(Cache):
             else:
                 raise KVTrimError(f"layer type {lt!r} (layer {i}) is not supported; kvtrim supports full and sliding attention layers")
         super().__init__(layers=layers)
+        self._first_compressed = next((i for i, layer in enumerate(layers) if isinstance(layer, CompressedLayer)), -1)
         self._last_layer: CompressedLayer | None = None
         # Modality spans of the prompt (kvtrim.spans.SpanSet): given here, set with set_spans(), or
         # found from the prompt's token ids for vision-language models when the prefill runs.
         self.spans: SpanSet | None = None
         self._raw_spans = spans
+        self._given_spans = spans  # what reset() starts from again
 
     @property
     def inv_freq(self) -> torch.Tensor | None:
@@ -193,6 +231,10 @@ class KVTrimCache(Cache):
                 "Wrap the call in `with kvtrim.attach(model):` (or use kvtrim.compress)."
             )
         layer = self.layers[layer_idx]
+        if layer_idx == self._first_compressed and isinstance(layer, CompressedLayer) and layer.seen:
+            self._check_whole(layer)
+            if key_states.shape[-2] > 1:  # a prompt or a turn (a decode step is not checked: no device sync per token)
+                self._check_continues(layer, _position_ids(args, kwargs))
         if self._raw_spans is not None and isinstance(layer, CompressedLayer) and not layer.is_initialized:
             n = layer.incoming_tokens(key_states.shape[-2])
             self.set_spans(self._raw_spans, n)
@@ -201,6 +243,41 @@ class KVTrimCache(Cache):
             self._last_layer = layer
             ACTIVE.set(LayerBinding(self, layer))
         return out
+
+    def _check_continues(self, layer: CompressedLayer, positions: torch.Tensor | None) -> None:
+        """Refuse a prompt or turn that does not continue the sequence this cache holds (before any
+        layer changes): one whose positions start at 0 (a new prompt through a used cache: ``generate`` called
+        again, a second ``model(...)``), or, for a model whose RoPE kvtrim knows, at a position that is
+        neither the tokens seen nor the stored slots (what a ``generate`` call with another prompt
+        slices out of a used cache). A forward that names no positions is not checked."""
+        if positions is None or positions.numel() == 0:
+            return
+        first = int(positions.reshape(-1, positions.shape[-1])[0, 0])
+        expected = (layer.seen, layer.length, layer.length + layer.rot_offset)
+        if first == 0 or (self.rotary is not None and positions.dim() == 2 and first not in expected):
+            raise KVTrimError(
+                f"this KVTrimCache holds a sequence of {layer.seen} tokens, and a forward whose positions start at "
+                f"{first} does not continue it (a new prompt through a used cache would see the old one): make a "
+                "new cache for a new sequence (kvtrim.KVTrimCache(model, ...)), or call cache.reset() first; to "
+                "continue the sequence, pass all of it (the prompt, the reply and the new turn) to generate")
+
+    def _check_whole(self, first: CompressedLayer) -> None:
+        """Refuse a forward on a cache that an earlier forward left half updated (it failed midway,
+        after some layers took its tokens: a refusal raised inside the forward, an interruption)."""
+        counts = [layer.seen for layer in self.layers if isinstance(layer, CompressedLayer)]
+        if any(n != first.seen for n in counts):
+            raise KVTrimError(
+                f"this KVTrimCache was left incomplete by a forward that failed midway (its layers have seen "
+                f"{min(counts)} to {max(counts)} tokens); it cannot go on: make a new cache (or session), or call "
+                "cache.reset()")
+
+    def reset(self) -> None:
+        """Forget the sequence the cache holds: every layer empty (and the policy's state in it), the
+        modality spans as given at construction. The cache then serves a new sequence from position 0."""
+        super().reset()
+        self._last_layer = None
+        self.spans, self._raw_spans = None, self._given_spans
+        ACTIVE.set(None)
 
     def after_attention(self, layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Called by kvtrim's attention function once the layer's attention output is computed: the

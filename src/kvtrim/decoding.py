@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 
 if TYPE_CHECKING:
@@ -92,8 +93,10 @@ class Sampler:
     Sampling divides the logits by ``temperature`` (> 0), keeps the ``top_k`` likeliest tokens
     (0: all), of those the smallest set whose probability reaches ``top_p`` (in (0, 1]; 1: all), and
     draws from what is left, renormalised: the usual order of the filters, as in transformers'
-    ``generate``. The values are checked when the sampler is made, greedy or not, so a bad one is
-    refused where it is given rather than ignored.
+    ``generate``. The values are checked when the sampler is made (``KVTrimError``), greedy or not, so
+    a bad one is refused where it is given rather than ignored: ``do_sample`` a bool, a finite
+    ``temperature`` > 0, ``top_p`` a fraction in (0, 1], ``top_k`` a non-negative integer (the same
+    wording as the command line's checks of ``--temperature``, ``--top-p`` and ``--top-k``).
     """
 
     do_sample: bool = False
@@ -102,8 +105,8 @@ class Sampler:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        from kvtrim import validate
-
+        if not isinstance(self.do_sample, bool):
+            raise KVTrimError(f"do_sample must be True or False, got {self.do_sample!r}")
         validate.number(self.temperature, "temperature", minimum=0, min_open=True)
         validate.fraction(self.top_p, "top_p")
         validate.integer(self.top_k, "top_k", minimum=0)
@@ -125,6 +128,14 @@ class Sampler:
 
 
 GREEDY = Sampler()
+
+#: the seeds a sampling generator takes (torch.Generator.manual_seed: a signed or unsigned 64-bit integer)
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def check_seed(seed, what: str = "seed") -> int:
+    """``seed`` as a sampling generator's seed: an integer within :data:`SEED_RANGE`; ``KVTrimError`` otherwise."""
+    return validate.integer(seed, what, minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
 
 
 def max_context(model) -> int:

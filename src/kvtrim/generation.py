@@ -22,9 +22,19 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvtrim import decoding
+from kvtrim import decoding, validate
 from kvtrim.cache import KVTrimCache
-from kvtrim.decoding import Clock, Sampler, check_context, check_prefill_chunk, check_token_ids, chunk_size, max_context, run
+from kvtrim.decoding import (
+    Clock,
+    Sampler,
+    check_context,
+    check_prefill_chunk,
+    check_seed,
+    check_token_ids,
+    chunk_size,
+    max_context,
+    run,
+)
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.hf import attach
 from kvtrim.machine import heap_trimmed_per_module, release_memory
@@ -80,8 +90,7 @@ def check_prompt(policy: Policy, n_prompt: int, max_new_tokens: int, max_context
     """Raise a clear error when a prompt cannot be run with this policy."""
     if n_prompt == 0:
         raise KVTrimError("the prompt is empty; give a question or prompt text")
-    if max_new_tokens < 0:
-        raise KVTrimError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    validate.integer(max_new_tokens, "max_new_tokens", minimum=0)
     check_context(policy, n_prompt + max_new_tokens, max_context,
                   what=f"the prompt has {n_prompt} tokens (+{max_new_tokens} to generate) and")
 
@@ -121,12 +130,12 @@ def generate_ids(
     ``do_sample``, ``temperature``, ``top_p`` and ``top_k`` choose each token
     (:class:`kvtrim.decoding.Sampler`; greedy by default); ``seed`` seeds the sampling.
     """
+    sampler = Sampler(do_sample, temperature, top_p, top_k)  # checked before any work
     prefill_chunk = check_prefill_chunk(policy, prefill_chunk)
     if model_inputs and prefill_chunk:
         raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")
     row = _Row.make(model, tokenizer, prompt_ids, policy, max_new_tokens=max_new_tokens, seed=seed,
                     stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk, cache=cache)
-    sampler = Sampler(do_sample, temperature, top_p, top_k)
     with attach(model, prefill_attention=prefill):
         row.prefill(model, prefill, extra=model_inputs or None)
         t1 = time.perf_counter()
@@ -185,6 +194,7 @@ def generate_batch(
 
     from kvtrim.integrations.batched import drive
 
+    sampler = Sampler(do_sample, temperature, top_p, top_k)  # checked before any work
     n = len(prompts)
     if n == 0:
         raise KVTrimError("no prompts given; generate_batch needs at least one prompt")
@@ -192,9 +202,10 @@ def generate_batch(
         policies = [policies] * n
     if len(policies) != n:
         raise KVTrimError(f"give one policy, or one per prompt: {n} prompts but {len(policies)} policies")
-    limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    if len(limits) != n:
-        raise KVTrimError(f"give one max_new_tokens, or one per prompt: {n} prompts but {len(limits)} limits")
+    given = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * n
+    if len(given) != n:
+        raise KVTrimError(f"give one max_new_tokens, or one per prompt: {n} prompts but {len(given)} limits")
+    limits = [validate.integer(x, "max_new_tokens", minimum=0) for x in given]
     if not isinstance(max_rows, int) or max_rows < 1:
         raise KVTrimError(f"max_rows must be an integer >= 1, got {max_rows!r}")
     rows = []
@@ -210,7 +221,6 @@ def generate_batch(
     if alone and n > 1:
         logger.warning("method(s) %s change the forward pass (hidden-state pruning) and cannot share a batch: "
                        "their rows decode alone at batch 1", ", ".join(alone))
-    sampler = Sampler(do_sample, temperature, top_p, top_k)
     bar = tqdm(total=sum(limits), desc="kvtrim generate", unit="tok", disable=not progress, dynamic_ncols=True)
     try:
         with attach(model, prefill_attention=prefill):
@@ -261,7 +271,8 @@ class _Row:
     @classmethod
     def make(cls, model, tokenizer, prompt_ids, policy: Policy, *, max_new_tokens: int, seed: int, stop_at_eos: bool,
              prefill_chunk: int | None = None, cache: KVTrimCache | None = None) -> "_Row":
-        """Check the prompt (length, context, token ids) and set up its cache; raises ``KVTrimError``."""
+        """Check the prompt (length, context, token ids) and the seed, and set up its cache; raises ``KVTrimError``."""
+        seed = check_seed(seed)
         max_ctx = max_context(model)
         check_prompt(policy, len(prompt_ids), max_new_tokens, max_ctx)
         ids = check_token_ids(model, prompt_ids)

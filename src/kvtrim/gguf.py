@@ -10,8 +10,15 @@ GGUF (:mod:`kvtrim.reference_models`) and a ``.gguf`` file the user names go the
 The conversion cache is keyed by the GGUF's content (SHA-256) and is safe for processes that
 start at the same time (two eval shards, say): each converts into its own temporary directory
 under an exclusive lock, checks again once it holds the lock, and publishes with one atomic
-rename. A published directory is never deleted or rewritten, so a process reading it is never
-disturbed.
+rename. A published directory is never rewritten while it is whole, so a process reading it is
+never disturbed.
+
+Integrity: the marker written last (``kvtrim-converted.json``) records the SHA-256 of the source
+GGUF and the size, modification time and SHA-256 of every file the conversion wrote. Each use
+checks them cheaply (sizes and modification times; a file whose time changed is hashed again), and
+:func:`check_converted` with ``full=True`` (``kvtrim models verify``) hashes every file. A
+damaged directory (a file cut, changed or missing) is converted again, with one warning. A
+directory converted before the files were recorded gets its record on first use.
 
 A GGUF that is fake, damaged or truncated is a ``ModelLoadError`` with a one-line message before
 any conversion starts. A conversion shows a progress bar on stderr with the size the directory will
@@ -26,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -33,7 +41,7 @@ from pathlib import Path
 import torch
 
 from kvtrim.errors import ModelLoadError, model_load_errors, one_line
-from kvtrim.files import cache_dir, exclusive_lock, fsync_dir, write_atomic
+from kvtrim.files import cache_dir, check_regular, exclusive_lock, fsync_dir, read_json, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +77,16 @@ def file_digest(path: str | os.PathLike) -> str:
     it moves on every write and cannot be set back (``os.utime`` restores an mtime, not a ctime).
     """
     path = Path(path).resolve()
-    st = path.stat()
+    st = check_regular(path, "model file", kind="weights", error=ModelLoadError)
     stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
     side = cache_dir() / "digests" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
     try:
-        rec = json.loads(side.read_text())
+        rec = read_json(side, "digest record")
         if rec.get("path") == str(path) and rec.get("stat") == stamp and isinstance(rec.get("sha256"), str):
             return rec["sha256"]
     except (OSError, ValueError, AttributeError):
         pass  # no record yet, or an unreadable one: hash the file
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    digest = h.hexdigest()
+    digest = _sha256_of(path)
     st = path.stat()
     if [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev] == stamp:  # not changed while read
         try:
@@ -94,6 +98,7 @@ def file_digest(path: str | os.PathLike) -> str:
 
 
 def _check_gguf_magic(path: Path) -> None:
+    check_regular(path, "model file", kind="weights", error=ModelLoadError)  # a FIFO or a device never blocks a read
     try:
         with open(path, "rb") as f:
             head = f.read(4)
@@ -142,7 +147,7 @@ def convert_gguf(gguf: Path, out_dir: Path, *, progress: bool = True) -> Path:
     with the quantization settings removed.
 
     A conversion takes minutes for a large model, once: with ``progress`` a bar on stderr names the
-    step (tokenizer, weights, plain model, writing) and the size the directory will take on disk
+    step (tokenizer, weights, plain model, writing and recording the digests) and the size the directory will take on disk
     (:func:`converted_bytes`); transformers shows its own bar over the tensors as it dequantizes them.
     """
     from tqdm import tqdm
@@ -181,10 +186,73 @@ def convert_gguf(gguf: Path, out_dir: Path, *, progress: bool = True) -> Path:
             if f.is_file():
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
-        write_atomic(out_dir / _CONVERTED_MARKER, json.dumps({"source": str(gguf), "sha256": file_digest(gguf)}))
+        bar.set_postfix_str("recording the files' SHA-256")
+        record_conversion(out_dir, gguf)  # the marker, last: the source's and every written file's digest
         bar.set_postfix_str("done")
         bar.update()
     return out_dir
+
+
+def record_conversion(out_dir: Path, gguf: Path) -> None:
+    """Write the marker of a finished conversion, last: the source's SHA-256 and each written file's
+    size, modification time and SHA-256 (what :func:`check_converted` checks)."""
+    write_atomic(out_dir / _CONVERTED_MARKER, json.dumps({"source": str(gguf), "sha256": file_digest(gguf),
+                                                         "files": _file_records(out_dir)}))
+
+
+def _sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_records(out_dir: Path) -> dict[str, dict]:
+    """Name -> ``{"size", "mtime_ns", "sha256"}`` of every file a conversion wrote (the marker aside)."""
+    out = {}
+    for f in sorted(out_dir.iterdir()):
+        if f.name != _CONVERTED_MARKER and f.is_file() and not f.is_symlink():
+            st = f.stat()
+            out[f.name] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256_of(f)}
+    return out
+
+
+def _read_marker(out: Path) -> dict | None:
+    try:
+        rec = read_json(out / _CONVERTED_MARKER, "conversion record")
+    except ValueError:  # KVTrimError: unreadable, not JSON
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def check_converted(out: Path, *, full: bool = False) -> str | None:
+    """None when the converted directory ``out`` is whole, else what is wrong with it (one phrase).
+
+    Each file the marker records must be a regular file of its recorded size; its SHA-256 is
+    computed again when its modification time differs from the record's, or always with ``full``.
+    A marker without file records (an earlier kvtrim's) reports ``"no file digests recorded"``."""
+    rec = _read_marker(out)
+    if rec is None:
+        return "its record (kvtrim-converted.json) is missing or unreadable"
+    files = rec.get("files")
+    if not isinstance(files, dict):
+        return "no file digests recorded"
+    for name, want in files.items():
+        if not isinstance(want, dict) or not isinstance(name, str) or "/" in name:
+            return "its record (kvtrim-converted.json) is damaged"
+        f = out / name
+        try:
+            st = os.lstat(f)
+        except OSError:
+            return f"{name} is missing"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{name} is not a regular file"
+        if st.st_size != want.get("size"):
+            return f"{name} has {st.st_size} bytes, {want.get('size')} were written"
+        if (full or st.st_mtime_ns != want.get("mtime_ns")) and _sha256_of(f) != want.get("sha256"):
+            return f"{name} does not match its SHA-256"
+    return None
 
 
 def is_converted(out: Path) -> bool:
@@ -192,13 +260,14 @@ def is_converted(out: Path) -> bool:
     return (out / _CONVERTED_MARKER).is_file()
 
 
-def _remove_leftovers(root: Path, out: Path) -> None:
-    """Remove what interrupted conversions to ``out`` left behind. Called with the lock held, so
-    no temporary directory of this name is in use, and ``out`` (not converted) is read by nobody."""
+def _remove_leftovers(root: Path, out: Path, damaged: bool = False) -> None:
+    """Remove what interrupted conversions to ``out`` left behind, and ``out`` itself when it is
+    ``damaged``. Called with the lock held, so no temporary directory of this name is in use, and
+    ``out`` (not converted, or damaged) is of use to nobody."""
     for stale in root.glob(f".{out.name}.*.tmp"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
-    if out.exists() and not is_converted(out):
+    if out.exists() and (damaged or not is_converted(out)):
         trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
         os.replace(out, trash / "old")
         shutil.rmtree(trash, ignore_errors=True)
@@ -224,14 +293,23 @@ def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
     _check_gguf_magic(gguf)
     root = cache_dir()
     out = converted_path(gguf, name)
-    if is_converted(out):
+    problem = check_converted(out) if is_converted(out) else "not converted"
+    if problem is None:
         return out
     try:
         root.mkdir(parents=True, exist_ok=True)
         with exclusive_lock(root / f".{out.name}.lock", str(gguf)):
-            if is_converted(out):  # another process converted it while this one waited
+            problem = check_converted(out) if is_converted(out) else "not converted"
+            if problem is None:  # another process converted (or repaired) it while this one waited
                 return out
-            _remove_leftovers(root, out)
+            if problem == "no file digests recorded":  # an earlier kvtrim's conversion: record them now
+                rec = _read_marker(out) or {}
+                write_atomic(out / _CONVERTED_MARKER, json.dumps(rec | {"files": _file_records(out)}))
+                return out
+            damaged = problem != "not converted"
+            if damaged:
+                logger.warning("the converted model %s is damaged (%s); converting %s again", out, problem, gguf)
+            _remove_leftovers(root, out, damaged)
             _check_gguf_complete(gguf)
             tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
             try:

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrim.errors import KVTrimError
-from kvtrim.files import write_atomic
+from kvtrim.files import append, check_output, decode_text, parse_json, read_bytes, write_atomic
 
 #: The prefix of the line a child of :func:`isolated` prints its result on.
 CHILD_TAG = "@@kvtrim-harness "
@@ -90,8 +90,9 @@ def options(*, reps: int | None = 3, warmup: int | None = 1, out_help: str = "wr
 def check_out(path: str | os.PathLike, *, force: bool = False, directory: bool = False) -> Path:
     """Validate an output path before the work starts; create its parent folder; return it.
 
-    A file that exists is refused unless ``force`` (a result is never overwritten by accident);
-    with ``directory=True`` the path is a folder of results (created; an existing one is reused,
+    A file that exists is refused unless ``force`` (a result is never overwritten by accident), a
+    symbolic link always (the result is written atomically, never through a link:
+    :func:`kvtrim.files.check_output`); with ``directory=True`` the path is a folder of results (created; an existing one is reused,
     which is how resumable scripts continue).
     """
     p = Path(path)
@@ -101,27 +102,37 @@ def check_out(path: str | os.PathLike, *, force: bool = False, directory: bool =
                 raise KVTrimError(f"--out {p} exists and is not a directory; name a directory for the results")
             p.mkdir(parents=True, exist_ok=True)
             return p
-        if p.is_dir():
+        if p.is_dir() and not p.is_symlink():
             raise KVTrimError(f"--out {p} is a directory; name a file (e.g. {p / 'result.json'})")
-        if p.exists() and not force:
+        if p.exists() and not p.is_symlink() and not force:
             raise KVTrimError(f"--out {p} exists; name a new file, or pass --force to replace it")
         p.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise KVTrimError(f"--out {p}: cannot create it ({e.strerror or e})") from None
     if not os.access(p.parent, os.W_OK):
         raise KVTrimError(f"--out {p}: cannot write into {p.parent}")
-    return p
+    return check_output(p, "--out", force=force)
 
 
 def read_result(path: str | os.PathLike) -> Any:
-    """A result file: JSON lines (``*.jsonl``: a list of their objects) or a JSON document."""
-    text = Path(path).read_text()
+    """A result file: JSON lines (``*.jsonl``: a list of their objects) or a JSON document. Read
+    through :func:`kvtrim.files.read_bytes` (a regular file within the results size limit); a
+    file that is neither is one ``KVTrimError`` line naming it (and the line, for JSON lines)."""
+    data = read_bytes(path, "result file", kind="results")
     if Path(path).suffix != ".jsonl":
         try:
-            return json.loads(text)
-        except json.JSONDecodeError:
+            return parse_json(data, "result file", path)
+        except KVTrimError:
             pass
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    text = decode_text(data, "result file", path)
+    rows = []
+    for no, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise KVTrimError(f"result file {str(path)!r}, line {no}: not valid JSON ({e})") from None
+    return rows
 
 
 def start(parser: argparse.ArgumentParser, args: argparse.Namespace, *, table: Callable[[Any], str] | None = None,
@@ -295,10 +306,9 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: int | None = 1) -> 
 
 
 def append_jsonl(path: str | os.PathLike, obj: Any) -> None:
-    """Append ``obj`` as one JSON line (flushed: a resumable run loses at most the line being written)."""
-    with open(path, "a") as f:
-        f.write(json.dumps(obj) + "\n")
-        f.flush()
+    """Append ``obj`` as one JSON line (:func:`kvtrim.files.append`: one write, never through a
+    symbolic link; a resumable run loses at most the line being written)."""
+    append(path, json.dumps(obj) + "\n")
 
 
 # ----------------------------------------------------------------------------- isolated mode

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +28,7 @@ import torch
 
 from kvtrim import reference_models
 from kvtrim.errors import KVTrimError, ModelLoadError, model_load_errors, one_line
-from kvtrim.files import cache_dir
+from kvtrim.files import cache_dir, check_regular, read_bytes
 from kvtrim.gguf import DEFAULT_NAME, converted_dir, embedded_gguf_path, is_converted
 
 if TYPE_CHECKING:
@@ -86,9 +88,11 @@ def _looks_like_model_id(text: str) -> bool:
     return "/" in text
 
 
-def _check_safetensors(path: Path) -> None:
-    """Refuse a ``.safetensors`` file whose header is unreadable or whose tensors run past its end."""
+def _check_safetensors(path: Path) -> dict:
+    """Refuse a ``.safetensors`` file whose header is unreadable or whose tensors run past its end;
+    returns its header (tensor name -> dtype, shape, offsets)."""
     where = f"{path.parent.name}/{path.name}"
+    check_regular(path, "weight file", kind="weights", error=ModelLoadError)  # a FIFO or a device: nothing opened
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -103,6 +107,48 @@ def _check_safetensors(path: Path) -> None:
         raise ModelLoadError(
             f"weight file {where!r} is truncated: its tensors need {8 + n + end} bytes but the file has {size}"
         )
+    return header
+
+
+_LAYER_INDEX = re.compile(r"(?:layers|h|blocks)\.(\d+)\.")
+
+
+def check_weights_fit_config(shapes: dict[str, list[int]], cfg, where: str) -> None:
+    """Refuse a ``config.json`` that does not describe its weights (``shapes``: tensor name -> shape,
+    from the safetensors headers), which transformers would load without a word (a layer count that
+    leaves layers random or unused, a vocabulary that cuts the embedding): the input embedding
+    ``[vocab_size, hidden_size]``, the first attention projection's rows (``num_attention_heads x
+    head_dim`` for ``q_proj``, ``num_key_value_heads x head_dim`` for ``k_proj``) and columns
+    (``hidden_size``), and the number of decoder layers."""
+    text = cfg.get_text_config(decoder=True)
+    hidden = getattr(text, "hidden_size", None)
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+        return
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    emb = next((n for n in sorted(shapes) if n.endswith(("embed_tokens.weight", ".wte.weight"))), None)
+    problems = []
+    if emb is not None:
+        want = [getattr(text, "vocab_size", None), hidden]
+        if list(shapes[emb]) != want:
+            problems.append(f"{emb} is {list(shapes[emb])} but the config says [vocab_size, hidden_size] = {want}")
+        prefix = emb.rsplit(".", 2)[0] + "."
+        layers = {int(m.group(1)) for n in shapes if n.startswith(prefix)
+                  and (m := _LAYER_INDEX.match(n[len(prefix):])) is not None}
+        n_layers = getattr(text, "num_hidden_layers", None)
+        if layers and isinstance(n_layers, int) and max(layers) + 1 != n_layers:
+            problems.append(f"the weights hold {max(layers) + 1} decoder layers but the config says num_hidden_layers "
+                            f"= {n_layers}")
+    for proj, rows in (("q_proj.weight", heads * head_dim), ("k_proj.weight", kv * head_dim)):
+        name = next((n for n in sorted(shapes) if n.endswith("." + proj)), None)
+        if name is not None and len(shapes[name]) == 2 and list(shapes[name]) != [rows, hidden]:
+            problems.append(f"{name} is {list(shapes[name])} but the config's heads, head_dim and hidden_size give "
+                            f"{[rows, hidden]}")
+    if problems:
+        raise ModelLoadError(f"config.json in {where!r} does not fit its weights: {problems[0]}"
+                             + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                             + "; the config belongs to another model")
 
 
 def _check_config_json(path: Path, where: str) -> None:
@@ -110,10 +156,9 @@ def _check_config_json(path: Path, where: str) -> None:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"Model directory {where!r} has no config.json; it is not a Hugging Face model directory.")
+    data = read_bytes(cfg_file, "model config", error=ModelLoadError)
     try:
-        cfg = json.loads(cfg_file.read_bytes())
-    except OSError as e:
-        raise ModelLoadError(f"cannot read config.json in {where!r}: {one_line(e)}") from None
+        cfg = json.loads(data)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         raise ModelLoadError(f"config.json in {where!r} is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
@@ -134,16 +179,29 @@ def _check_config_json(path: Path, where: str) -> None:
         )
 
 
-def _check_model_files(path: Path, where: str) -> None:
-    """Tokenizer files are there and the safetensors files are complete (cheap: headers only)."""
-    names = {p.name for p in path.iterdir()}
+def _check_model_files(path: Path, where: str, cfg=None) -> None:
+    """Tokenizer files are there, the safetensors files are complete and, given the loaded ``cfg``,
+    fit it (:func:`check_weights_fit_config`; cheap: headers only)."""
+    names = set()
+    for p in path.iterdir():
+        names.add(p.name)
+        try:
+            mode = p.stat().st_mode  # follows links: a Hugging Face cache snapshot links to its blobs
+        except OSError as e:
+            raise ModelLoadError(f"Model directory {where!r}: cannot read {p.name}: {e.strerror or e}") from None
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            check_regular(p, "file in the model directory", kind="weights", error=ModelLoadError)  # one line, nothing opened
     if not (names & set(_TOKENIZER_FILES) or any(n.endswith(".tiktoken") for n in names)):
         raise ModelLoadError(
             f"Model directory {where!r} has no tokenizer files ({', '.join(_TOKENIZER_FILES[:3])}, ...); "
             "kvtrim needs the model's own tokenizer: save it there with tokenizer.save_pretrained(DIR)"
         )
+    shapes: dict[str, list[int]] = {}
     for st in sorted(path.glob("*.safetensors")):
-        _check_safetensors(st)
+        header = _check_safetensors(st)
+        shapes |= {k: v.get("shape") for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)}
+    if cfg is not None and shapes:
+        check_weights_fit_config(shapes, cfg, where)
 
 
 def embedded_model_dir() -> Path:
@@ -310,7 +368,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
         raise ModelLoadError(
             f"{label!r} (model_type {cfg.model_type!r}) is not a causal language model; kvtrim needs a decoder-only LM."
         )
-    _check_model_files(path, where)
+    _check_model_files(path, where, cfg)
     with model_load_errors("load the tokenizer", where):
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     with model_load_errors("load the model", where):

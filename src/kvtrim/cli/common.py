@@ -159,7 +159,10 @@ def check_model_options(args) -> None:
     if getattr(args, "threads", None) is not None:
         import torch
 
-        torch.set_num_threads(args.threads)
+        try:
+            torch.set_num_threads(args.threads)
+        except (ValueError, RuntimeError, OverflowError) as e:  # past a C int: "Overflow when unpacking long"
+            raise KVTrimError(f"--threads {args.threads} is more than torch can set ({str(e).strip()})") from None
 
 
 def load_from_args(args):

@@ -78,14 +78,14 @@ def cmd_report(args) -> int:
     if not args.json:
         _check_report_paths(args)
     if args.json:
-        print(json.dumps(summarize(load_dirs(args.dirs)), indent=1))
+        print(json.dumps(summarize(load_dirs(args.dirs, pool=args.pool)), indent=1))
         return 0
     import time
     from pathlib import Path
 
     started = time.time()
     summary = write_report(args.dirs, args.out, readme=args.readme, plots=not args.no_plots,
-                           image_prefix=args.image_prefix)
+                           image_prefix=args.image_prefix, pool=args.pool)
     print(render(summary, None))
     target = Path(args.out or args.dirs[0])
     plots = sorted(p.name for p in target.glob("*.png") if p.stat().st_mtime >= started - 1)
@@ -123,6 +123,7 @@ def cmd_calibrate(args) -> int:
     from kvtrim.eval.plan import make_plan
     from kvtrim.eval.store import check_out_dir
     from kvtrim.eval.sweep import run_eval
+    from kvtrim.files import check_output
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
                      plain=args.plain_prompt)
@@ -133,6 +134,7 @@ def cmd_calibrate(args) -> int:
     out = Path(args.out)
     if out.is_dir() or not out.parent.is_dir():
         raise KVTrimError(f"--out {args.out!r} must be a file in an existing directory")
+    check_output(out, "--out", force=args.force)  # a link, an existing file: refused before the sweep
     runs = args.runs or str(out.with_suffix("")) + "-runs"
     check_out_dir(runs)
     if args.build_only:  # the model's label and config are enough: no weights are loaded
@@ -155,7 +157,7 @@ def cmd_calibrate(args) -> int:
     made = {"runs": [runs, *(args.extra or [])], "seed": plan.seed, "plain_prompt": plan.plain} | ({"command": command} if command else {})
     lines = [r for r in read_sweeps([runs, *(args.extra or [])], source) if r["task"] in plan.tasks]
     cal = build_calibration(lines, model, made, methods=plan.methods)
-    cal.save(out)
+    cal.save(out, force=args.force)
     print(f"kvtrim calibrate: wrote {out} ({len(cal.methods)} methods; lines in {runs})", file=sys.stderr)
     return 0
 
@@ -198,6 +200,9 @@ def add_eval_commands(sub) -> None:
 
     r = sub.add_parser("report", help="markdown tables and PNG plots from kvtrim eval result directories")
     r.add_argument("dirs", nargs="+", metavar="DIR", help="result directories of kvtrim eval (and anchors in the same line format)")
+    i = r.add_argument_group("input")
+    i.add_argument("--pool", action="store_true", help="pool directories that fill the same cells with other models, "
+                   "task configurations or the same samples (refused by default; a warning each)")
     o = r.add_argument_group("output")
     o.add_argument("--out", metavar="DIR", help="where report.md and the PNGs go [default: the first DIR]")
     o.add_argument("--readme", metavar="FILE", help="also replace the kvtrim-report block of this markdown file")
@@ -231,6 +236,7 @@ def add_eval_commands(sub) -> None:
                                                             "--extra (a partial sweep gives a calibration from fewer samples)")
     o.add_argument("--quiet", action="store_true", help="no progress bar")
     o.add_argument("--out", required=True, metavar="FILE", help="the calibration JSON to write (pass it to --calibration)")
+    o.add_argument("--force", action="store_true", help="replace an existing --out")
     c.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="speed and memory: prefill vs length, decode per token, resident KV bytes, peak RSS")

@@ -1,4 +1,5 @@
-"""``kvtrim models``: the reference models, and installing the ones that are not embedded."""
+"""``kvtrim models``: the reference models, installing the ones that are not embedded, and verifying
+what is installed (``kvtrim models verify``, :mod:`kvtrim.tools.verify_models`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ def cmd_models(args) -> int:
     from kvtrim import reference_models as rm
     from kvtrim.gguf import is_converted
 
+    if args.action == "verify":
+        from kvtrim.tools.verify_models import verify
+
+        return verify(args.name, progress=not args.quiet)
     if args.action == "install":
         if not args.name:
             raise KVTrimError("kvtrim models install needs a model name; known: " + ", ".join(rm.REFERENCE_MODELS))
@@ -69,11 +74,14 @@ def _paths(m) -> tuple[Path | None, Path | None]:
 
 def add_model_commands(sub) -> None:
     """Add the ``models`` sub-command to kvtrim's parser."""
-    p = sub.add_parser("models", help="list kvtrim's reference models (--model NAME), or install one",
+    p = sub.add_parser("models", help="list kvtrim's reference models (--model NAME), install or verify one",
                        description="List kvtrim's reference models (usable as --model NAME) with the transformers "
-                                   "directory each is converted into, or install one.")
-    p.add_argument("action", nargs="?", choices=["list", "install"], default="list", help="what to do [default: list]")
-    p.add_argument("name", nargs="?", help="the reference model to install (e.g. qwen2.5-0.5b)")
+                                   "directory each is converted into, install one, or verify what is installed "
+                                   "(hash each assembled GGUF and conversion whole against its recorded SHA-256).")
+    p.add_argument("action", nargs="?", choices=["list", "install", "verify"], default="list",
+                   help="what to do [default: list]")
+    p.add_argument("name", nargs="?", help="the reference model to install or verify (e.g. qwen2.5-0.5b; verify: all "
+                                          "when omitted)")
     p.add_argument("--json", action="store_true", help="print the list as JSON: name, model, installed, about, install, "
                                                        "gguf, path (the converted transformers directory), converted")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -11,7 +11,8 @@ from kvtrim.errors import KVTrimError
 
 
 def cmd_search_patterns(args) -> int:
-    from kvtrim.tools.search_patterns import search_patterns
+    from kvtrim.files import check_output
+    from kvtrim.tools.search_patterns import save_config, search_patterns
 
     try:
         levels = sorted(float(x) for x in args.density.split(","))
@@ -30,12 +31,13 @@ def cmd_search_patterns(args) -> int:
         raise KVTrimError(f"--out: directory {str(out.parent)!r} does not exist")
     if not os.access(out if out.exists() else out.parent, os.W_OK):
         raise KVTrimError(f"--out {args.out!r} is not writable")
+    check_output(out, "--out", force=args.force)  # a link, an existing file: refused before the model loads
     check_model_options(args)
     lm = load_from_args(args)
     tags = [args.tag] if args.tag else []
     cfg = search_patterns(lm.model, lm.tokenizer, length=args.length, target_density=levels, seed=args.seed, model_tags=tags,
                           max_error=args.max_error)
-    cfg.save(out)
+    save_config(cfg, out, force=args.force)
     counts = cfg.counts()
     errs = [e["error"] for row in cfg.layers for e in row]
     print(
@@ -64,4 +66,5 @@ def add_search_patterns_command(sub) -> None:
     o = s.add_argument_group("output")
     o.add_argument("--tag", help="model name substring the shipped config matches (packaging only)")
     o.add_argument("--out", required=True, metavar="FILE", help="output JSON file")
+    o.add_argument("--force", action="store_true", help="replace an existing --out")
     s.set_defaults(func=cmd_search_patterns)

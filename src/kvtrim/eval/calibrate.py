@@ -13,7 +13,6 @@ same model (``--extra DIR``). ``ppl`` has no answer to agree with and is left ou
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections import defaultdict
@@ -24,6 +23,7 @@ from kvtrim.budget import AGREEMENT, Calibration, Point
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.plan import REFERENCE
 from kvtrim.eval.store import result_files
+from kvtrim.files import read_json
 
 #: tasks without an answer to compare with the full cache's
 NO_AGREEMENT = ("ppl",)
@@ -73,24 +73,31 @@ def agreement_points(lines: Iterable[dict], prefill: str = "dense") -> dict[str,
 
 
 def read_sweeps(dirs: Iterable[str | Path], model_source: str | None = None) -> list[dict]:
-    """Result lines of ``kvtrim eval`` directories, all of one model (``config.json``); corrupted lines refused."""
-    from kvtrim.eval.store import describe_bad, scan_lines
+    """Result lines of ``kvtrim eval`` directories, all of one model (``config.json``); corrupted lines
+    refused, and so is pooling directories that fill the same cell with other weights, another task
+    configuration or the same samples (:func:`kvtrim.eval.store.check_pool`)."""
+    from kvtrim.eval.store import check_pool, describe_bad, scan_lines
 
-    lines: list[dict] = []
-    for d in dirs:
-        d = Path(d)
+    paths = [Path(d) for d in dirs]
+    per_dir: list[list[dict]] = []
+    for d in paths:
         cfg = d / "config.json"
         if not cfg.is_file():
             raise KVTrimError(f"{str(d)!r} is not a kvtrim eval directory (no config.json)")
-        held = json.loads(cfg.read_text()).get("model")
+        d_cfg = read_json(cfg, "eval config")
+        if not isinstance(d_cfg, dict):
+            raise KVTrimError(f"eval config {str(cfg)!r} is not a JSON object; the directory is damaged")
+        held = d_cfg.get("model")
         if model_source is not None and held != model_source:
             raise KVTrimError(f"{str(d)!r} holds a sweep of {held!r}, not {model_source!r}")
         model_source = held
         rows, bad = scan_lines(result_files(d))
         if bad:
             raise KVTrimError(f"{str(d)!r} has corrupted result lines: {describe_bad(bad)}; rerun its kvtrim eval")
-        lines += rows
-    return lines
+        per_dir.append(rows)
+    if len(paths) > 1:
+        check_pool(paths, per_dir)
+    return [r for rows in per_dir for r in rows]
 
 
 def build_calibration(lines: list[dict], model: dict, made: dict | None = None, methods: Iterable[str] | None = None) -> Calibration:

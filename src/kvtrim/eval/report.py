@@ -21,6 +21,7 @@ so the README's results are produced from committed result files, never typed.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -30,6 +31,7 @@ from pathlib import Path
 
 from kvtrim.errors import CorruptResultsError, KVTrimError
 from kvtrim.eval.plan import REFERENCE
+from kvtrim.files import read_text, write_atomic
 
 START = "<!-- kvtrim-report:start -->"
 END = "<!-- kvtrim-report:end -->"
@@ -68,7 +70,7 @@ def summarize(lines: Iterable[dict]) -> dict:
         if task == "labelfree":
             refs = [r for r in rows if r.get("ref_nll_sum") is not None and r.get("ref_tokens")]
             if refs:
-                cell["ref_ppl"] = math.exp(sum(r["ref_nll_sum"] for r in refs) / sum(r["ref_tokens"] for r in refs))
+                cell["ref_ppl"] = _exp(sum(r["ref_nll_sum"] for r in refs) / sum(r["ref_tokens"] for r in refs))
         cell["kv_bytes"] = statistics.fmean(r["kv_bytes"] for r in rows)
         cell["prefill_s"] = statistics.median(r["prefill_seconds"] for r in rows)
         # per-token decode time from lines decoded alone; a batch row's decode_seconds is its share of
@@ -84,9 +86,14 @@ def summarize(lines: Iterable[dict]) -> dict:
     return {"cells": cells, "n_lines": len(lines)}
 
 
+def _exp(x: float) -> float:
+    """``exp(x)``, infinite past the largest float (a perplexity beyond it is reported as inf)."""
+    return math.exp(x) if x < 709.0 else math.inf
+
+
 def _score(task: str, rows: list[dict]) -> float:
     if task == "ppl":
-        return math.exp(sum(r["nll_sum"] for r in rows) / sum(r["n_target"] for r in rows))
+        return _exp(sum(r["nll_sum"] for r in rows) / sum(r["n_target"] for r in rows))
     return statistics.fmean(float(r["score"]) for r in rows)
 
 
@@ -227,7 +234,7 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
         fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8)
         fig.suptitle(f"score vs KV budget, {n} tokens", fontsize=10)
         p = out_dir / f"score_vs_keep_{n}.png"
-        fig.savefig(p, dpi=110)
+        write_atomic(p, functools.partial(fig.savefig, format="png", dpi=110))
         plt.close(fig)
         paths.append(p)
     # KV bytes vs budget, and time vs length
@@ -275,23 +282,28 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
     axes[1].legend(fontsize=7)
     axes[2].legend(fontsize=7)
     p = out_dir / "kv_and_time.png"
-    fig.savefig(p, dpi=110)
+    write_atomic(p, functools.partial(fig.savefig, format="png", dpi=110))
     plt.close(fig)
     paths.append(p)
     return paths
 
 
 # ----------------------------------------------------------------------------- report
-def load_dirs(dirs: list[str], strict: bool = True) -> list[dict]:
+def load_dirs(dirs: list[str], strict: bool = True, *, pool: bool = False) -> list[dict]:
     """The result lines of the eval directories ``dirs`` (``DIR/runs/*.jsonl``, else ``DIR/*.jsonl``).
 
     A corrupted line (see :func:`kvtrim.eval.store.scan_lines`) is never used silently: with
     ``strict`` (what ``kvtrim report`` does) the lines are refused with a
     :class:`kvtrim.errors.CorruptResultsError` naming each ``file:line`` (its ``bad`` lists them all) (a report from partial data would look complete); without, each one is logged as
-    a warning with its ``file:line`` and left out."""
-    from kvtrim.eval.store import describe_bad, read_lines, result_files, scan_lines
+    a warning with its ``file:line`` and left out.
 
-    lines: list[dict] = []
+    Several directories are pooled only where that is right (:func:`kvtrim.eval.store.check_pool`):
+    one directory named twice, two directories that fill the same cell with another model or task
+    configuration, or with the same samples, are refused unless ``pool`` (``--pool``), which pools
+    them anyway with a warning each."""
+    from kvtrim.eval.store import check_pool, describe_bad, read_lines, result_files, scan_lines
+
+    per_dir: list[list[dict]] = []
     bad: list = []
     for d in dirs:
         p = Path(d)
@@ -302,10 +314,10 @@ def load_dirs(dirs: list[str], strict: bool = True) -> list[dict]:
             raise KVTrimError(f"{d!r} holds no result lines (runs/*.jsonl); run `kvtrim eval ... --out {d}` first")
         if strict:
             rows, problems = scan_lines(files)
-            lines += rows
+            per_dir.append(rows)
             bad += problems
         else:
-            lines += read_lines(files)
+            per_dir.append(read_lines(files))
     if bad:
         raise CorruptResultsError(
             f"{len(bad)} corrupted result line{'s' if len(bad) > 1 else ''}: {describe_bad(bad)}; nothing reported. "
@@ -313,9 +325,19 @@ def load_dirs(dirs: list[str], strict: bool = True) -> list[dict]:
             f"FILE.corrupt and recomputes them) or remove {'them' if len(bad) > 1 else 'it'} by hand",
             [(str(p), no, problem) for p, no, problem, _ in bad],
         )
+    lines = [r for rows in per_dir for r in rows]
     if not lines:
         raise KVTrimError(f"no result lines in {', '.join(dirs)}")
+    if len(dirs) > 1:
+        check_pool(dirs, per_dir, allow=pool)
     return lines
+
+
+def pooled_label(dirs: list[str]) -> str:
+    """What a report pools, for its header: each directory with its model and task configuration."""
+    from kvtrim.eval.store import describe_identity, dir_identity
+
+    return "; ".join(f"{d} ({describe_identity(dir_identity(d))})" for d in dirs)
 
 
 def render(summary: dict, image_dir: str | None = None) -> str:
@@ -335,11 +357,13 @@ def render(summary: dict, image_dir: str | None = None) -> str:
 
 
 def write_report(dirs: list[str], out_dir: str | None = None, readme: str | None = None, plots: bool = True,
-                 image_prefix: str | None = None, source_label: str | None = None) -> dict:
+                 image_prefix: str | None = None, source_label: str | None = None, pool: bool = False) -> dict:
     """Summarize ``dirs``, write ``report.md`` (+ PNGs) into ``out_dir`` (default: the first dir); optionally
     replace the report block of ``readme`` (its image links start with ``image_prefix``; report.md's point
-    at the PNGs beside it). ``source_label`` names the sources in report.md (default: ``dirs``). Returns the summary."""
-    lines = load_dirs(dirs)
+    at the PNGs beside it). ``source_label`` names the sources in report.md (default: each directory
+    with its model and task configuration, :func:`pooled_label`); ``pool`` as in :func:`load_dirs`.
+    Returns the summary."""
+    lines = load_dirs(dirs, pool=pool)
     summary = summarize(lines)
     target = Path(out_dir or dirs[0])
     try:
@@ -349,21 +373,23 @@ def write_report(dirs: list[str], out_dir: str | None = None, readme: str | None
     if plots:
         plot(summary["cells"], target)
     md = render(summary, "." if plots else None)
-    (target / "report.md").write_text(f"# kvtrim eval report\n\nFrom {summary['n_lines']} result lines in "
-                                      f"{source_label or ', '.join(dirs)}.\n\n" + md)
+    write_atomic(target / "report.md", f"# kvtrim eval report\n\nFrom {summary['n_lines']} result lines in "
+                                       f"{source_label or pooled_label(dirs)}.\n\n" + md)
     if readme is not None:
         replace_block(Path(readme), render(summary, image_prefix if plots else None))
     return summary
 
 
 def replace_block(path: Path, body: str) -> None:
-    text = path.read_text()
+    """Replace the report block of the markdown file ``path`` with ``body`` (read and written through
+    :mod:`kvtrim.files`: a regular file, replaced atomically, never through a symbolic link)."""
+    text = read_text(path, "--readme")
     if START not in text or END not in text:
         raise KVTrimError(f"{path} has no {START} ... {END} block to fill")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    path.write_text(head + START + "\n" + body + END + tail)
+    write_atomic(path, head + START + "\n" + body + END + tail)
 
 
-def summary_json(dirs: list[str]) -> str:
-    return json.dumps(summarize(load_dirs(dirs)), indent=1)
+def summary_json(dirs: list[str], pool: bool = False) -> str:
+    return json.dumps(summarize(load_dirs(dirs, pool=pool)), indent=1)

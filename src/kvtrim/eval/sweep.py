@@ -4,12 +4,16 @@ The plan is checked by :mod:`kvtrim.eval.plan`, results go to the directory layo
 :mod:`kvtrim.eval.store`, and each configuration runs as a program of :mod:`kvtrim.eval.programs`.
 
 Resumption: a line is written (one ``os.write`` on an ``O_APPEND`` descriptor) as soon as its
-sample is scored; on a rerun every (task, length, sample, method, keep, prefill) already present
-is skipped, and a sample whose configurations are all present is not even generated. A line cut
-short by an interruption, or otherwise corrupted, is moved into ``<file>.corrupt`` (with its line
-number) and recomputed when the sweep starts again (``kvtrim.eval.store.read_lines``; with
-``--shard`` it is only reported and skipped, since other processes may be writing). ``--shard I/N`` lets N processes
-share one directory (sample units are dealt round-robin).
+sample is scored; on a rerun every line already present with the same key
+(:func:`kvtrim.eval.store.line_key`: task, length, sample and its seed, haystack, samples per cell,
+weight digest, method, keep and every other policy parameter, prefill) is skipped, and a sample
+whose configurations are all present is not even generated. A line cut short by an interruption,
+or otherwise corrupted, is moved into ``<file>.corrupt`` (with its line number) and recomputed
+when the sweep starts again (``kvtrim.eval.store.read_lines``; with ``--shard`` it is only
+reported and skipped, since other processes may be writing). A rerun with another model, weights,
+dtype, prompt format, ``--seed``, ``--haystack`` or ``--samples`` is refused before anything runs,
+naming the difference (``config.json``: :func:`kvtrim.eval.store.check_out_dir`). ``--shard I/N``
+lets N processes share one directory (sample units are dealt round-robin).
 
 How one sample unit runs (all configurations of one generated sample):
 
@@ -46,8 +50,21 @@ import os
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.plan import MAX_NEW_TOKENS, REFERENCE, EvalPlan, build_sample, check_lengths
 from kvtrim.eval.programs import config_program, prompt_ids
-from kvtrim.eval.store import append_line, check_out_dir, line_key, machine, read_lines, result_files, runs_file
+from kvtrim.eval.store import (
+    append_line,
+    check_out_dir,
+    config_params,
+    haystack_name,
+    line_key,
+    machine,
+    read_lines,
+    result_files,
+    runs_file,
+)
+from kvtrim.eval.tasks import sample_seed
+from kvtrim.files import write_atomic
 from kvtrim.machine import release_memory
+from kvtrim.session_file import weights_digest
 
 
 def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, int] = (0, 1), progress: bool = True,
@@ -68,18 +85,27 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     from kvtrim.registry import get_policy_class
 
     check_lengths(plan, lm.tokenizer, lm.max_context)  # before config.json is written: a refused plan leaves nothing
-    dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
-    out_path = check_out_dir(out, lm.source, plain=plan.plain, dtype=dtype)
     idx, n_shards = shard
     if not (0 <= idx < n_shards):
         raise KVTrimError(f"--shard must be I/N with 0 <= I < N; got {idx}/{n_shards}")
+    dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
+    # what every line of this sweep depends on besides its own key: recorded in config.json and on each line
+    sweep = {"weights": weights_digest(lm.model), "sweep_seed": plan.seed, "haystack": haystack_name(plan.haystack),
+             "samples": plan.samples}
+    out_path = check_out_dir(out, lm.source, plain=plan.plain, dtype=dtype, sweep=sweep)
+    params = {(m, k): config_params(m, k) for m, k in plan.configs}
     # move corrupted lines (cut short by an interruption, overwritten) into FILE.corrupt, then see what is done
     done = {line_key(r) for r in read_lines(result_files(out_path), repair=(n_shards == 1))}
+
+    def key_of(task, length, i, m, k):
+        """The line key the configuration (m, k) of sample i will have (:func:`kvtrim.eval.store.line_key`)."""
+        return line_key({"task": task, "length": length, "sample": i, "seed": sample_seed(plan.seed, i),
+                         "method": m, "keep": k, "prefill": plan.prefill, "params": params[(m, k)]} | sweep)
+
     units = [u for j, u in enumerate(plan.units()) if j % n_shards == idx]
     todo = []
     for task, length, i in units:
-        need = [(m, k) for m, k in plan.configs
-                if (task, length, i, m, None if k is None else round(k, 6), plan.prefill) not in done]
+        need = [(m, k) for m, k in plan.configs if key_of(task, length, i, m, k) not in done]
         if need:
             todo.append((task, length, i, need))
     n_cfg = sum(len(n) for *_, n in todo)
@@ -105,8 +131,8 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
         reference = None
         if task == "labelfree":
             # the full cache's answer is the reference: from the file if full already ran, else from its run here
-            prev = [r for r in read_lines([runs_file(out_path, task, length)])
-                    if r["sample"] == i and r["method"] == REFERENCE and r.get("prefill", "dense") == plan.prefill]
+            full_key = key_of(task, length, i, REFERENCE, None)
+            prev = [r for r in read_lines([runs_file(out_path, task, length)]) if line_key(r) == full_key]
             if prev:
                 reference = prev[-1]["answer_ids"]
             need = sorted(need, key=lambda c: c[0] != REFERENCE)
@@ -119,7 +145,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
             method, keep = key
             line = {"task": task, "length": length, "sample": i, "seed": sample.seed, "depth": sample.depth,
                     "method": method, "keep": keep, "prefill": plan.prefill, "prompt_tokens": len(ids),
-                    "max_new_tokens": MAX_NEW_TOKENS[task], **row}
+                    "max_new_tokens": MAX_NEW_TOKENS[task], **row, **sweep, "params": params[key]}
             if recording.prefill_stats is not None:
                 line["prefill_stats"] = {k: v for k, v in recording.prefill_stats.items() if isinstance(v, (int, float, str)) or v is None}
             append_line(runs_file(out_path, task, length), line)
@@ -134,5 +160,5 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     summary = summarize(read_lines(result_files(out_path)))
     summary["machine"] = machine()
     summary["dtype"] = dtype
-    (out_path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_atomic(out_path / "summary.json", json.dumps(summary, indent=1) + "\n")
     return summary

@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import importlib.util
 import io
-import json
 import math
 import re
 import shlex
@@ -36,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtrim.errors import KVTrimError
+from kvtrim.files import read_json, read_text, write_atomic
 
 BLOCK = re.compile(r"<!-- generated: (?P<cmd>.+?) -->\n(?P<body>.*?)<!-- end generated -->", re.S)
 SELF = "kvtrim.tools.docs_tables"
@@ -137,7 +137,7 @@ def regenerate(root: Path, text: str) -> str:
 
 # ----------------------------------------------------------------------------- computed blocks
 def _load(root: Path, rel: str):
-    return json.loads((root / rel).read_text())
+    return read_json(root / rel, "result file", kind="results")
 
 
 def _eval_cells(root: Path, rel: str = EVAL_DIR) -> list[dict]:
@@ -290,7 +290,7 @@ def eval_qwen(root: Path) -> str:
 
     parts = []
     for rel in _qwen_dirs(root):
-        dtype = json.loads((root / rel / "config.json").read_text()).get("dtype", "float32")
+        dtype = read_json(root / rel / "config.json", "eval config").get("dtype", "float32")
         cells = _eval_cells(root, rel)
         for n in sorted({c["length"] for c in cells if c["prefill"] == "dense"}):
             parts.append(f"#### Qwen2.5-Coder-0.5B-Instruct, {n} tokens, {dtype} (`{rel}`)\n\n" + score_table(cells, n))
@@ -320,7 +320,7 @@ def headline(root: Path) -> str:
     out = []
     rels: dict[tuple[int, str], dict[str, dict[float, float]]] = {}
     for rel_dir in EVAL_QWEN_DIRS:
-        dtype = json.loads((root / rel_dir / "config.json").read_text()).get("dtype", "float32")
+        dtype = read_json(root / rel_dir / "config.json", "eval config").get("dtype", "float32")
         cells = _eval_cells(root, rel_dir)
         n = max(c["length"] for c in cells if c["prefill"] == "dense")
         methods = sorted({c["method"] for c in cells if c["method"] != "full"})
@@ -409,19 +409,19 @@ def stale(root: Path) -> list[str]:
 
     out = []
     for p in doc_files(root):
-        text = p.read_text()
+        text = read_text(p, "doc")
         for m in BLOCK.finditer(text):
             if produce(root, m.group("cmd")).rstrip("\n") != m.group("body").rstrip("\n"):
                 out.append(f"{p.relative_to(root)}: {m.group('cmd')}")
     results = root / RESULTS
-    text = results.read_text() if results.is_file() else ""
+    text = read_text(results, "doc") if results.is_file() else ""
     if START not in text or END not in text:
         out.append(f"{RESULTS}: no {START} ... {END} block (kvtrim report {EVAL_DIR})")
     elif text.split(START, 1)[1].split(END, 1)[0].strip() != eval_report_expected(root).strip():
         out.append(f"{RESULTS}: kvtrim report {EVAL_DIR}")
     qwen_report = root / "docs" / "eval_qwen" / "report.md"
     if _qwen_dirs(root) and (not qwen_report.is_file()
-                             or qwen_report.read_text().split(".\n\n", 1)[-1] != eval_qwen_report_expected(root)):
+                             or read_text(qwen_report, "doc").split(".\n\n", 1)[-1] != eval_qwen_report_expected(root)):
         out.append(f"docs/eval_qwen/report.md: kvtrim report {' '.join(EVAL_QWEN_DIRS)}")
     return out
 
@@ -442,10 +442,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stale: {b}")
         return 1 if bad else 0
     for p in doc_files(root):
-        text = p.read_text()
+        text = read_text(p, "doc")
         new = regenerate(root, text)
         if new != text:
-            p.write_text(new)
+            write_atomic(p, new)
             print(f"rewrote {p.relative_to(root)}")
     write_eval_report(root)
     print(f"rewrote the eval block of {RESULTS} and docs/eval/ (report.md, plots)")

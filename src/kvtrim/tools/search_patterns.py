@@ -30,9 +30,12 @@ prompt), generated offline by :mod:`kvtrim.eval.tasks`.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 from kvtrim.attention.cpu import sparse_attention_cpu
 from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash
 from kvtrim.errors import KVTrimError
+from kvtrim.files import write_atomic
 from kvtrim.integrations.prefill import PatternConfig, model_identity
 
 A_SHAPE_SINKS = (64, 256)
@@ -245,3 +249,9 @@ def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT
         "model_tags": list(model_tags or []),
     }
     return PatternConfig(model=ident, layers=[r for r in hook.rows if r is not None], search=search)  # every row is set (checked above)
+
+
+def save_config(cfg: PatternConfig, path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Write a searched pattern config as JSON, atomically and never through a symbolic link
+    (:func:`kvtrim.files.write_atomic`); an existing file is refused unless ``force``."""
+    return write_atomic(path, json.dumps(cfg.to_json(), indent=1) + "\n", force=force)
