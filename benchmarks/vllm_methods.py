@@ -182,6 +182,14 @@ def table(result: dict) -> str:
         lines.append(f"| {r['method']} | {r['prefill']} | {r['tp']} | {r['equal']}/{r['n']} | {r['agreement']:.3f} | "
                      f"{first} | {kept} | {r['blocks_freed']:.1f} | {r['needles_vllm']}/{r['n']} | "
                      f"{r['needles_ref']}/{r['n']} | {'-' if r.get('decode_ms') is None else format(r['decode_ms'], '.1f')} |")
+    lines += ["",
+              "Prompts equal: requests whose greedy tokens are the same in both engines; agreement: the share of "
+              "tokens before the first difference. Kept sets equal: the share of (layer, KV head) pairs whose kept "
+              "positions at the end are the same in both engines (`-`: nothing is evicted). Blocks freed: vLLM blocks "
+              "the scheduler returned per request. A needle counts when the answer appears within the "
+              f"{result['new']} new tokens, so it measures the budget of new tokens as much as the cache: a model that "
+              "first restates the question has no room left for the answer. Decode ms/step: the median engine step "
+              "after the first (`-`: the run predates its recording)."]
     return "\n".join(lines)
 
 
