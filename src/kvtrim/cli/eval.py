@@ -24,7 +24,7 @@ def _shard(text: str | None) -> tuple[int, int]:
 
 def cmd_eval(args) -> int:
     from kvtrim.eval.plan import make_plan
-    from kvtrim.eval.store import check_out_dir
+    from kvtrim.eval.store import SweepMismatch, check_out_dir
     from kvtrim.eval.sweep import run_eval
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
@@ -34,13 +34,21 @@ def cmd_eval(args) -> int:
         from kvtrim.eval.common import haystack_text
 
         haystack_text(args.haystack)  # an unknown haystack is refused before the model loads
-    check_out_dir(args.out)  # fail on an unwritable directory before the model loads
+    try:
+        check_out_dir(args.out)  # fail on an unwritable directory or a damaged config.json before the model loads
+    except SweepMismatch as e:
+        if not args.force:  # with --force, run_eval picks a new directory once the model's weight digest is known
+            raise KVTrimError(f"{e}; or pass --force to write to a new directory beside it") from None
     check_model_options(args)
     lm = load_from_args(args)
-    summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet, batch=not args.unbatched)
-    cells = summary["cells"]
-    print(f"kvtrim eval: {summary['n_lines']} result lines, {len(cells)} cells in {args.out} "
-          f"(summary.json; `kvtrim report {args.out}` for tables and plots)", file=sys.stderr)
+    try:
+        summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet, batch=not args.unbatched,
+                           force=args.force)
+    except SweepMismatch as e:  # only without --force
+        raise KVTrimError(f"{e}; or pass --force to write to a new directory beside it") from None
+    cells, out = summary["cells"], summary["out"]
+    print(f"kvtrim eval: {summary['n_lines']} result lines, {len(cells)} cells in {out} "
+          f"(summary.json; `kvtrim report {out}` for tables and plots)", file=sys.stderr)
     return 0
 
 
@@ -196,6 +204,10 @@ def add_eval_commands(sub) -> None:
                         "decode together, one batch row each, see docs/eval.md)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument("--out", required=True, metavar="DIR", help="output directory (created; a rerun resumes)")
+    r.add_argument("--force", action="store_true",
+                   help="if --out holds a sweep made otherwise (model, weights, dtype, prompt format, --seed, "
+                        "--haystack, --samples), write to a new directory beside it (DIR-2, ...; a line says which) "
+                        "instead of refusing; DIR is left as it is")
     e.set_defaults(func=cmd_eval)
 
     r = sub.add_parser("report", help="markdown tables and PNG plots from kvtrim eval result directories")
