@@ -170,7 +170,7 @@ def _check_one_dir(path: Path, model_source: str | None, plain: bool, dtype: str
     if held is not None:
         if held["model"] != model_source:
             raise SweepMismatch(f"{str(path)!r} holds a sweep of model {held['model']!r}, not {model_source!r}",
-                                f"use another --out directory")
+                                "use another --out directory")
         held_plain = bool(held.get("plain_prompt", False))
         if held_plain != plain:
             raise SweepMismatch(
@@ -205,7 +205,7 @@ def _check_sweep(path: Path, held: dict, sweep: dict) -> None:
             if key == "weights":
                 raise SweepMismatch(f"{str(path)!r} holds a sweep of other weights of {held['model']!r} (weight digest "
                                     f"{str(held.get(key))[:12]}, this model {str(now)[:12]}: another checkpoint, "
-                                    "fine-tune or quantization)", f"use another --out directory")
+                                    "fine-tune or quantization)", "use another --out directory")
             flag = _FLAGS.get(key, key)
             raise SweepMismatch(f"{str(path)!r} holds a sweep with {flag} {held.get(key)!r}; this run has {flag} {now!r}",
                                 f"resuming would mix results of both, so use another --out directory (or {flag} "
