@@ -140,9 +140,10 @@ CLI_ROWS = [
     ("gen_image_missing", "generate --image {nofile} --question hi", "does not exist or is not a file"),
     # --- generate: sparse prefill and pattern configs
     ("pf_unknown", "generate --prefill sparse9 --question hi", "unknown --prefill 'sparse9'"),
-    ("pf_size_abc", "generate --prefill a_shape --prefill-size k_b=abc --question hi", "k_b must be an integer"),
-    ("pf_size_noeq", "generate --prefill a_shape --prefill-size k_b --question hi", "takes KEY=VALUE"),
-    ("pf_size_neg", "generate --prefill a_shape --prefill-size n_init=-5 --question hi", "n_init must be a positive"),
+    ("pf_size_abc", "generate --prefill a_shape --prefill-size k_b=abc --question hi", "--prefill-size must be KEY=VALUE with an integer VALUE, got 'k_b=abc'"),
+    ("pf_size_noeq", "generate --prefill a_shape --prefill-size k_b --question hi", "--prefill-size must be KEY=VALUE (e.g. k_b=32), got 'k_b'"),
+    ("pf_size_neg", "generate --prefill a_shape --prefill-size n_init=-5 --question hi", "--prefill-size must be KEY=VALUE with 1 <= VALUE < 2^31, got 'n_init=-5'"),
+    ("pf_size_huge", "generate --prefill a_shape --prefill-size n_init=2147483648 --question hi", "1 <= VALUE < 2^31"),
     ("pf_size_key", "generate --prefill a_shape --prefill-size zz=5 --question hi", "does not take ['zz']"),
     ("pf_size_minference", "generate --prefill minference --prefill-size k_b=8 --question hi", "single-pattern modes"),
     ("pf_minlen0", "generate --prefill a_shape --prefill-min-length 0 --question hi",

@@ -120,6 +120,24 @@ def shard_arg(text: str) -> tuple[int, int]:
 shard_arg.allowed = "0 <= I < N < 2^31"  # type: ignore[attr-defined]  # read by HelpFormatter
 
 
+def size_arg(text: str) -> str:
+    """``--prefill-size KEY=VALUE``: the text, once VALUE is an integer in ``[1, 2^31)``; checked when the
+    command line is parsed (which KEY a pattern takes is checked with the mode, before the model loads)."""
+    key, sep, val = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE (e.g. k_b=32), got {text!r}")
+    try:
+        v = int(val)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE with an integer VALUE, got {text!r}") from None
+    if not 1 <= v <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE with 1 <= VALUE < 2^31, got {text!r}")
+    return text
+
+
+size_arg.allowed = "KEY=VALUE, 1 <= VALUE < 2^31"  # type: ignore[attr-defined]  # read by HelpFormatter
+
+
 def float_arg(minimum: float, *, min_open: bool = False):
     """A finite number above ``minimum`` (or at it, unless ``min_open``)."""
     return _checked("a number", float, lambda v: number(v, "", minimum=minimum, min_open=min_open),
