@@ -315,7 +315,8 @@ def shipped() -> dict[str, Calibration]:
     if root.is_dir():
         for f in sorted(root.iterdir(), key=lambda f: f.name):
             if f.name.endswith(".json"):
-                cal = Calibration.from_dict(json.loads(f.read_text(encoding="utf-8")), f"shipped calibration {f.name}")
+                d = parse_json(f.read_bytes(), "shipped calibration", f.name)  # package data: a Traversable
+                cal = Calibration.from_dict(d, f"shipped calibration {f.name}")
                 cal.path = f.name
                 out[cal.model["key"]] = cal
     return out

@@ -64,13 +64,10 @@ def _check_report_paths(args) -> None:
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             raise KVTrimError(f"--out {args.out!r}: cannot create a directory under {str(existing)!r}")
     if args.readme is not None:
+        from kvtrim.files import read_text
+
         readme = Path(args.readme)
-        if not readme.is_file():
-            raise KVTrimError(f"--readme {args.readme!r} does not exist or is not a file")
-        try:
-            text = readme.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise KVTrimError(f"--readme {args.readme!r} cannot be read as UTF-8 text: {e}") from None
+        text = read_text(readme, "--readme")  # a regular UTF-8 file within the text size limit; one line if not
         if START not in text or END not in text:
             raise KVTrimError(f"--readme {args.readme!r} has no {START} ... {END} block to fill")
         if not os.access(readme, os.W_OK):
