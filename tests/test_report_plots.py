@@ -11,10 +11,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import pytest
 
-from kvtrim.eval.report import kv_time_figure, line_styles, score_figure  # noqa: E402
+from kvtrim.eval.report import kv_time_figure, line_styles, score_figure
 
 METHODS = ["elastic", "h2o", "snapkv", "streaming_llm"]
 
