@@ -143,7 +143,7 @@ def worker_main(args) -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     os.environ["MKL_NUM_THREADS"] = str(args.threads)
     # A one-step prefill of a long prompt on 2 cores can take longer than vLLM's default 300 s for one
-    # model step (Qwen2.5-0.5B at 32k in bfloat16 without AMX did), after which vLLM kills its engine.
+    # model step (Qwen2.5-Coder-0.5B-Instruct at 32k in bfloat16 without AMX did), after which vLLM kills its engine.
     os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(EXECUTE_MODEL_TIMEOUT_S))
     import torch
     import transformers

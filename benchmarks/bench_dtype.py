@@ -5,7 +5,7 @@
    (``--warmup`` rounds, then ``--reps`` rounds, the order alternating); dense SDPA attention,
    only the last position's logits computed.
 2. Kernel: kvtrim's native CPU sparse kernel on random ``[1, 14, T, 64]`` queries and
-   ``[1, 2, T, 64]`` keys/values (Qwen2.5-0.5B's heads) with one vertical-slash layout, in
+   ``[1, 2, T, 64]`` keys/values (Qwen2.5-Coder-0.5B-Instruct's heads) with one vertical-slash layout, in
    float32, in bfloat16 as the kernel now reads it (in place, float32 tiles inside), and in
    bfloat16 the way it ran before (whole q/k/v converted to float32 copies, the output converted
    back); dense causal SDPA in both dtypes beside them. All interleaved.

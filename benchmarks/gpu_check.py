@@ -19,7 +19,7 @@ it measured):
    through kvtrim's prefill hook (``SparsePrefill``, backend ``triton``: estimation, per-head kernels,
    dense heads by SDPA) for every one of its 30 layers on random q/k/v of its shape (9 query heads,
    3 KV heads, head_dim 64), against SDPA flash for the same layers, at 32k/64k/128k.
-3. ``decode`` -- a causal LM with random weights built from Qwen2.5-0.5B's config and from
+3. ``decode`` -- a causal LM with random weights built from Qwen2.5-Coder-0.5B-Instruct's config and from
    Qwen2.5-7B's (values in :data:`MODELS`; ``max_position_embeddings`` raised to 131,072 + margin so
    128k prompts fit), bfloat16: one prefill of 32k / 128k random tokens, then ``--steps`` greedy
    decode steps (after 4 warm-up steps) through kvtrim's stepper, for ``full``, ``snapkv`` keep 0.1,

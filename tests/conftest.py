@@ -99,3 +99,12 @@ def cli_status(argv: list[str]) -> int:
         return main(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that takes the real embedded model (the ``real`` fixture) is in the ``model`` tier whether
+    or not it says so, so the fast tier (``-m "not model and not slow and not qwen"``, README) leaves
+    out every test that loads it through the fixture."""
+    for item in items:
+        if "real" in getattr(item, "fixturenames", ()) and item.get_closest_marker("model") is None:
+            item.add_marker(pytest.mark.model)

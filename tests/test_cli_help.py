@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import cli_status
 
 from kvtrim.cli import build_parser, main
 from kvtrim.cli.common import HelpFormatter
@@ -57,8 +58,9 @@ def test_the_numeric_options_show_their_range_and_default():
     p = COMMANDS["generate"]
     texts = {a.dest: _help_of(p, a) for a in _options(p)}
     assert "[0 < R <= 1]" in texts["keep"]
-    assert texts["max_new_tokens"].endswith("[N >= 0] [default: 64]")
-    assert texts["top_k"].endswith("[K >= 0] [default: 0]") and texts["seed"].endswith("[S >= 0] [default: 0]")
+    assert texts["max_new_tokens"].endswith("[0 <= N < 2^31] [default: 64]")
+    assert texts["top_k"].endswith("[0 <= K < 2^31] [default: 0]") and texts["seed"].endswith("[0 <= S < 2^64] [default: 0]")
+    assert "[1 <= N <= 4096]" in texts["threads"]
     assert "[default: full, no compression]" in texts["method"] and "snapkv" in texts["method"]
 
 
@@ -112,23 +114,19 @@ def test_threads_sets_torchs_threads():
         torch.set_num_threads(before)
 
 
-def test_threads_torch_cannot_take_is_one_line(capsys):
-    """Found by the CLI fuzzer: --threads past a C int was a ValueError traceback from torch."""
-    import torch
-
-    before = torch.get_num_threads()
-    try:
-        assert main(["generate", "--question", "q", "--threads", str(2**31)]) == 2
-    finally:
-        torch.set_num_threads(before)
+def test_threads_torch_cannot_take_is_one_line_as_the_command_line_is_parsed(capsys):
+    """Found by the CLI fuzzer: --threads past a C int was a ValueError traceback from torch; now
+    more threads than any machine has cores is refused before anything runs."""
+    assert cli_status(["generate", "--question", "q", "--threads", str(2**31)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvtrim: error: --threads 2147483648 is more than torch can set") and err.count("\n") == 1
+    assert err.startswith("kvtrim: error: --threads must be an integer in [1, 4096], got 2147483648")
+    assert err.count("\n") == 1
 
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--question", "q", "--top-p", "0"], "--top-p must be a fraction in (0, 1], got 0.0"),
     (["generate", "--question", "q", "--top-k", "-1"], "--top-k must be a non-negative integer, got -1"),
-    (["generate", "--question", "q", "--threads", "0"], "--threads must be a positive integer, got 0"),
+    (["generate", "--question", "q", "--threads", "0"], "--threads must be an integer in [1, 4096], got 0"),
     (["generate", "--question", "q", "--seed", "-2"], "--seed must be a non-negative integer, got -2"),
     (["generate", "--question", "q", "--prefill-chunk", "1"], "--prefill-chunk must be an integer >= 2, got 1"),
     (["generate", "--question", "q", "--max-rows", "0"], "--max-rows must be a positive integer, got 0"),
@@ -136,13 +134,23 @@ def test_threads_torch_cannot_take_is_one_line(capsys):
     (["generate", "--question", "q", "--temperature", "inf"], "--temperature must be a finite number > 0, got inf"),
     (["chat", "--top-k", "x"], "--top-k must be an integer, got 'x'"),
     (["chat", "--keep", "0"], "--keep must be a fraction in (0, 1], got 0.0"),
-    (["stream", "--file", "f.txt", "--threads", "-1"], "--threads must be a positive integer, got -1"),
+    (["stream", "--file", "f.txt", "--threads", "-1"], "--threads must be an integer in [1, 4096], got -1"),
     (["eval", "passkey", "--out", "o", "--keep", "0.1,nan"], "--keep must be comma-separated numbers in (0, 1)"),
     (["calibrate", "--out", "c.json", "--length", "2048,64"], "--length must be comma-separated integers >= 128"),
     (["bench", "--reps", "0"], "--reps must be a positive integer, got 0"),
     (["bench", "--new-tokens", "1"], "--new-tokens must be an integer >= 2, got 1"),
     (["search-patterns", "--out", "p.json", "--seed", "-1"], "--seed must be a non-negative integer, got -1"),
     (["demo", "--keep", "1.5"], "--keep must be a fraction in (0, 1], got 1.5"),
+    (["generate", "--question", "q", "--seed", str(2**64)],
+     f"--seed must be below 2^64 (an unsigned 64-bit integer), got {2**64}"),
+    (["eval", "passkey", "--out", "o", "--seed", str(2**64)], "--seed must be below 2^64"),
+    (["demo", "--seed", str(2**70)], "--seed must be below 2^64"),
+    (["generate", "--question", "q", "--max-new-tokens", str(2**31)],
+     "--max-new-tokens must be below 2^31 (a signed 32-bit integer), got 2147483648"),
+    (["eval", "passkey", "--out", "o", "--length", f"2048,{2**31}"], "--length must be comma-separated integers >= 128 and < 2^31"),
+    (["eval", "passkey", "--out", "o", "--shard", f"0/{2**31}"], "--shard must be I/N with 0 <= I < N < 2^31"),
+    (["eval", "passkey", "--out", "o", "--shard", "2/2"], "--shard must be I/N with 0 <= I < N < 2^31, got '2/2'"),
+    (["serve", "--port", "65536"], "--port must be an integer in [1, 65535], got 65536"),
 ])
 def test_numbers_are_range_checked_as_the_command_line_is_parsed(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -150,6 +158,27 @@ def test_numbers_are_range_checked_as_the_command_line_is_parsed(argv, message, 
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("kvtrim: error: ") and err.count("\n") == 1 and message in err, err
+
+
+HUGE = ("9" * 30, str(2**64), "1e999", "-" + "9" * 30)
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_numeric_option_has_an_upper_and_lower_bound(name):
+    """Every option that takes a number refuses one past the range it can hold as it is parsed: an
+    integer beyond its bound (2^31 for counts, 2^64 for seeds), an infinite or hugely negative one."""
+    for a in _options(COMMANDS[name]):
+        if a.type is None or a.choices is not None or not hasattr(a.type, "allowed"):
+            continue
+        for text in HUGE:
+            try:
+                value = a.type(text)
+            except argparse.ArgumentTypeError:
+                continue
+            # only a finite, positive float may be accepted beyond 2^64 (a temperature, an error bound)
+            assert isinstance(value, float) and 0 < value < float("inf") and "." not in a.type.allowed.split()[-1], (
+                f"kvtrim {name} {a.option_strings[0]} accepts {text[:12]}...: {value!r}")
+        assert any(ch.isdigit() for ch in a.type.allowed), (name, a.dest, a.type.allowed)
 
 
 def test_models_json_gives_each_models_converted_path(capsys):

@@ -105,8 +105,9 @@ def test_the_reference_model_is_named_as_it_is():
     """Code-made labels and the README call it Qwen2.5-Coder-0.5B-Instruct (its short name qwen2.5-0.5b stays)."""
     from kvtrim.tools import docs_tables
 
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").glob("*.md"))]
     for text in (docs_tables.headline(ROOT), docs_tables.guide(ROOT), docs_tables.eval_qwen(ROOT),
-                 (ROOT / "README.md").read_text()):
+                 *(p.read_text() for p in pages)):
         assert "Qwen2.5-0.5B" not in text
     assert "Qwen2.5-Coder-0.5B-Instruct" in docs_tables.headline(ROOT)
 

@@ -190,6 +190,68 @@ def test_a_sweep_records_its_keys_and_refuses_a_resume_with_another_seed(tmp_pat
     assert read_lines(result_files(out)) == lines
 
 
+def test_force_on_a_resume_that_differs_starts_a_new_directory_and_says_so(tmp_path, caplog):
+    from kvtrim.eval.store import SweepMismatch
+
+    out = check_out_dir(tmp_path / "e", "m", sweep=SWEEP)
+    before = (out / "config.json").read_bytes()
+    with pytest.raises(SweepMismatch, match="--seed 0; this run has --seed 1"):
+        check_out_dir(tmp_path / "e", "m", sweep=SWEEP | {"sweep_seed": 1})
+    with caplog.at_level("WARNING"):
+        new = check_out_dir(tmp_path / "e", "m", sweep=SWEEP | {"sweep_seed": 1}, force=True)
+    assert new == tmp_path / "e-2" and (out / "config.json").read_bytes() == before  # the old sweep untouched
+    assert json.loads((new / "config.json").read_text())["sweep_seed"] == 1
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "\n" not in said[0], said
+    assert "holds a sweep with --seed 0; this run has --seed 1; --force: writing to the new directory" in said[0]
+    assert repr(str(new)) in said[0] and "is left as it is" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # again with --force: the new directory holds this sweep, so it resumes there
+        assert check_out_dir(tmp_path / "e", "m", sweep=SWEEP | {"sweep_seed": 1}, force=True) == new
+    assert "resuming in the new directory" in caplog.text
+    # a third setting: neither e nor e-2 holds it, and a file named e-3 is passed over
+    (tmp_path / "e-3").write_text("not a directory")
+    third = check_out_dir(tmp_path / "e", "m", sweep=SWEEP | {"samples": 9}, force=True)
+    assert third == tmp_path / "e-4" and (tmp_path / "e-3").read_text() == "not a directory"
+    # the same settings as the directory: --force changes nothing
+    assert check_out_dir(tmp_path / "e", "m", sweep=SWEEP, force=True) == out
+
+
+def test_force_on_a_damaged_config_leaves_it_and_starts_a_new_directory(tmp_path):
+    d = tmp_path / "e"
+    (d / "runs").mkdir(parents=True)
+    (d / "config.json").write_bytes(b"[1, 2]")
+    assert check_out_dir(d, "m", sweep=SWEEP, force=True) == tmp_path / "e-2"
+    assert (d / "config.json").read_bytes() == b"[1, 2]"
+
+
+def test_cli_eval_force_writes_a_new_directory_in_one_line(tiny_dir, tmp_path, capsys, caplog):
+    from conftest import cli_status
+
+    from kvtrim.eval.store import read_lines, result_files
+
+    out = tmp_path / "e"
+    argv = ["eval", "passkey", "--model", tiny_dir, "--length", "256", "--samples", "1", "--methods", "snapkv",
+            "--keep", "0.5", "--haystack", "pydoc", "--quiet", "--out", str(out)]
+    assert cli_status(argv) == 0
+    first = read_lines(result_files(out))
+    capsys.readouterr()
+    assert cli_status(argv + ["--seed", "5"]) == 2  # a resume with another seed: refused, naming it
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvtrim: error: ") and "--seed 0; this run has --seed 5" in err[0]
+    assert "pass --force to write to a new directory beside it" in err[0]
+    with caplog.at_level("WARNING"):  # the notice is a warning of kvtrim's log (stderr, one line, under the CLI)
+        assert cli_status(argv + ["--seed", "5", "--force"]) == 0
+    err = capsys.readouterr().err
+    new = tmp_path / "e-2"
+    notice = [r.getMessage() for r in caplog.records if "--force" in r.getMessage()]
+    assert len(notice) == 1 and f"writing to the new directory {str(new)!r}" in notice[0], caplog.text
+    assert f"cells in {new} " in err
+    assert read_lines(result_files(out)) == first  # the old sweep is as it was
+    assert {r["seed"] for r in read_lines(result_files(new))} != {r["seed"] for r in first}
+    assert json.loads((new / "config.json").read_text())["sweep_seed"] == 5
+
+
 @pytest.mark.parametrize("extra, problem", [
     ({"decode_steps": 3}, "decode_steps is 3 without decode_seconds"),
     ({"decode_steps": 3, "decode_seconds": None}, "decode_steps is 3 without decode_seconds"),

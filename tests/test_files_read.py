@@ -278,3 +278,68 @@ def test_a_session_target_that_cannot_be_made_is_refused_before_anything_runs(tm
         check_save_target(f / "sess")  # the probe's /save model.txt/sess: was a NotADirectoryError at the end
     check_save_target(tmp_path / "new" / "deeper" / "sess")  # folders are made as needed
     assert not (tmp_path / "new").exists()
+
+
+def test_a_pattern_config_is_read_and_written_through_the_helpers(tmp_path):
+    """PatternConfig.load: a FIFO is one line without blocking, a file past the JSON limit is refused
+    before it is read; PatternConfig.save never writes through a link and refuses an existing file
+    when asked (search-patterns without --force)."""
+    from kvtrim.integrations.prefill import FORMAT, PatternConfig
+
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(KVTrimError, match=r"pattern config .*cfg.fifo' is a FIFO"):
+        _returns_within(lambda: PatternConfig.load(fifo))
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(files.READ_LIMITS["json"] + 1)  # sparse: nothing is written, nothing may be read
+    with pytest.raises(KVTrimError, match=r"pattern config .*big.json' has \d+ bytes, more than the 64 MiB"):
+        PatternConfig.load(big)
+    (tmp_path / "bad.json").write_bytes(b'{"format": "x\xff"}')
+    with pytest.raises(KVTrimError, match=r"pattern config .*bad.json' is not valid JSON \(not UTF-8: byte 0xff"):
+        PatternConfig.load(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text('{"format": "other"}')
+    with pytest.raises(KVTrimError, match=f"is not a {FORMAT} file"):
+        PatternConfig.load(tmp_path / "other.json")
+
+    cfg = PatternConfig(model={"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1,
+                               "head_dim": 4}, layers=[[{"pattern": "block_sparse", "k_b": 2}]])
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours")
+    (tmp_path / "link.json").symlink_to(victim)
+    with pytest.raises(FileWriteError, match="symbolic link"):
+        cfg.save(tmp_path / "link.json")
+    assert victim.read_text() == "not yours"
+    out = cfg.save(tmp_path / "sub" / "p.json")
+    assert PatternConfig.load(out).layers == cfg.layers
+    with pytest.raises(FileWriteError, match="it exists; refusing to replace it"):
+        cfg.save(out, force=False)
+
+
+def test_a_directory_is_published_whole_and_an_old_one_put_back_on_failure(tmp_path, monkeypatch):
+    target = tmp_path / "d"
+    tmp = files.temporary_directory(target)
+    assert tmp.parent == tmp_path and tmp.name.startswith(".d.tmp-") and (tmp.stat().st_mode & 0o777) == 0o700
+    (tmp / "a").write_text("1")
+    files.publish_directory(tmp, target)
+    assert (target / "a").read_text() == "1" and not tmp.exists()
+    again = files.temporary_directory(target)
+    with pytest.raises(FileExistsError):  # without replace an existing directory (even an empty one) stays
+        files.publish_directory(again, target)
+    (again / "a").write_text("2")
+    real_rename = os.rename
+
+    def failing(src, dst):
+        if Path(src) == again:
+            raise OSError(5, "Input/output error")
+        real_rename(src, dst)
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(OSError, match="Input/output"):
+        files.publish_directory(again, target, replace=True)
+    monkeypatch.undo()
+    assert (target / "a").read_text() == "1"  # the old directory is back
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".d.tmp-" + again.name[7:], "d"])
+    files.publish_directory(again, target, replace=True)
+    assert (target / "a").read_text() == "2" and sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    files.remove_directory(target)
+    assert list(tmp_path.iterdir()) == []

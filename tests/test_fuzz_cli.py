@@ -126,6 +126,8 @@ def _outputs(args: list[str], cwd: Path) -> list[str]:
         outs.append(args[1])
     if args[0] == "calibrate":  # its sweep's default directory: OUT without the suffix, + "-runs"
         outs += [str(Path(v).with_suffix("")) + "-runs" for a, v in named if a == "--out" and Path(v).name]
+    if args[0] == "eval" and "--force" in args:  # a sweep that differs goes to OUT-2, OUT-3, ... beside OUT
+        outs += [f"{v.rstrip('/')}-{n}" for a, v in named if a == "--out" for n in range(2, 10)]
     return [os.path.join(cwd, o) for o in outs if o]
 
 

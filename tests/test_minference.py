@@ -233,8 +233,8 @@ def test_search_picks_the_lowest_error_candidate(model, long_prompt):
     "argv, message",
     [
         (["generate", "--prefill", "sparse", "--question", "q"], "unknown --prefill 'sparse'"),
-        (["generate", "--prefill", "block_sparse", "--prefill-size", "k_b=0", "--question", "q"], "k_b must be a positive integer"),
-        (["generate", "--prefill", "block_sparse", "--prefill-size", "k_b", "--question", "q"], "takes KEY=VALUE"),
+        (["generate", "--prefill", "block_sparse", "--prefill-size", "k_b=0", "--question", "q"], "--prefill-size must be KEY=VALUE with 1 <= VALUE < 2^31"),
+        (["generate", "--prefill", "block_sparse", "--prefill-size", "k_b", "--question", "q"], "must be KEY=VALUE (e.g. k_b=32)"),
         (["generate", "--prefill", "a_shape", "--prefill-size", "k_b=3", "--question", "q"], "does not take ['k_b']"),
         (["generate", "--prefill", "block_sparse", "--pattern-config", "/nonexistent.json", "--question", "q"], "does not exist"),
         (["search-patterns", "--density", "1.5", "--out", "/tmp/x.json"], "--density must be comma-separated numbers in (0, 1)"),

@@ -1,5 +1,5 @@
 """Reference models by short name: lookup, assembling a multi-part GGUF (size and SHA-256 checked),
-clear errors when a part is missing, and the ``qwen`` tier on the real Qwen2.5-0.5B when installed."""
+clear errors when a part is missing, and the ``qwen`` tier on the real Qwen2.5-Coder-0.5B-Instruct when installed."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_models_command_lists_both(capsys):
 
 # ----------------------------------------------------------------------------- the qwen tier
 qwen_installed = rm.is_installed(rm.QWEN)
-needs_qwen = pytest.mark.skipif(not qwen_installed, reason="Qwen2.5-0.5B not installed: kvtrim models install qwen2.5-0.5b")
+needs_qwen = pytest.mark.skipif(not qwen_installed, reason="Qwen2.5-Coder-0.5B-Instruct not installed: kvtrim models install qwen2.5-0.5b")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The vLLM tier: kvtrim's plugin inside a real vLLM engine (CPU build), SmolLM2-135M and Qwen2.5-0.5B.
+"""The vLLM tier: kvtrim's plugin inside a real vLLM engine (CPU build), SmolLM2-135M and Qwen2.5-Coder-0.5B-Instruct.
 
 Runs in vLLM's own venv (``scripts/setup_vllm.sh``); skipped where vLLM is not importable::
 
@@ -58,7 +58,7 @@ def _qwen_dir() -> str:
     from kvtrim.models import resolve_model
 
     if not reference_models.is_installed(reference_models.QWEN):
-        pytest.skip("the reference model Qwen2.5-0.5B is not installed (kvtrim models install qwen2.5-0.5b)")
+        pytest.skip("the reference model Qwen2.5-Coder-0.5B-Instruct is not installed (kvtrim models install qwen2.5-0.5b)")
     return str(resolve_model(reference_models.QWEN.key)[0])
 
 
@@ -193,7 +193,7 @@ def test_tensor_parallel_equals_one_rank():
     assert three["blocks_in_use"] == one["blocks_in_use"]  # every rank frees the same blocks
 
 
-# Qwen2.5-0.5B with its shipped per-head pattern config (minference; min_length 64 so the tier's short
+# Qwen2.5-Coder-0.5B-Instruct with its shipped per-head pattern config (minference; min_length 64 so the tier's short
 # prompts prefill sparse: its block_sparse / vertical_slash / a_shape heads are sparse at 300-700 tokens)
 QWEN_PREFILL = {"prefill": "minference", "min_length": 64}
 QWEN_CONFIGS = {"keep 1": cfg(method="snapkv", keep=1.0, **QWEN_PREFILL),

@@ -17,7 +17,7 @@ A calibration point (method, prompt length, keep) holds the mean agreement per t
 mean over tasks (each task weighs the same). The picking rule credits a point with its **worst
 task's** agreement (``Point.credit``; the mean where a point has no per-task values): a budget is
 picked only where every calibrated task kept the target. Crediting the mean over tasks fell short
-on tasks the calibration had not seen (on Qwen2.5-0.5B at 6 of 7 compressed picks, docs/autobudget.md);
+on tasks the calibration had not seen (on Qwen2.5-Coder-0.5B-Instruct at 6 of 7 compressed picks, docs/autobudget.md);
 the worst task met the target on them at every pick, at the cost of the full cache in a few cells
 where a compressed budget would have done.
 
@@ -315,7 +315,8 @@ def shipped() -> dict[str, Calibration]:
     if root.is_dir():
         for f in sorted(root.iterdir(), key=lambda f: f.name):
             if f.name.endswith(".json"):
-                cal = Calibration.from_dict(json.loads(f.read_text(encoding="utf-8")), f"shipped calibration {f.name}")
+                d = parse_json(f.read_bytes(), "shipped calibration", f.name)  # package data: a Traversable
+                cal = Calibration.from_dict(d, f"shipped calibration {f.name}")
                 cal.path = f.name
                 out[cal.model["key"]] = cal
     return out

@@ -31,7 +31,11 @@ def essays_text() -> str | None:
     files = sorted(folder.glob("*.txt"))
     if not files:
         return None
-    return "\n\n".join(f.read_text(encoding="utf-8", errors="replace").strip() for f in files)
+    from kvtrim.files import read_bytes
+
+    # a regular file within the text limit each (kvtrim.files); a stray byte is replaced, not refused
+    return "\n\n".join(read_bytes(f, "haystack essay", kind="text").decode("utf-8", errors="replace").strip()
+                       for f in files)
 
 
 def prose_haystack() -> str:

@@ -9,7 +9,10 @@ either, and a failure at any point leaves the old file as it was. The destinatio
 through a symbolic link. A full disk, a read-only filesystem or a folder without write permission
 is one :class:`~kvtrim.errors.FileWriteError` line naming the path. :func:`append` adds a line to a
 log-like file (eval results) in one ``write`` on an ``O_APPEND`` descriptor, under the same rules;
-:func:`check_output` refuses an output path before any work starts (a model load above all).
+:func:`check_output` refuses an output path before any work starts (a model load above all). A
+directory of files (a saved session, a converted model) is filled in :func:`temporary_directory`
+and put in place by :func:`publish_directory` (one rename; an old one renamed aside and put back if
+that fails), and removed by :func:`remove_directory` (renamed aside first).
 
 :func:`read_bytes` (and :func:`read_text`, :func:`read_json`) is the one way kvtrim reads a file a
 user names or a directory holds (session files, calibrations, eval directories, context files,
@@ -29,7 +32,9 @@ import errno
 import json
 import logging
 import os
+import shutil
 import stat
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -233,6 +238,59 @@ def _write_content(f: BinaryIO, data: bytes | str | Callable[[Any], Any], encodi
         data(f)
     else:
         raise TypeError(f"data must be bytes, str or a function that writes the file, got {type(data).__name__}")
+
+
+# ----------------------------------------------------------------------------- directories
+
+
+def temporary_directory(target: str | os.PathLike, *, prefix: str | None = None, suffix: str = "") -> Path:
+    """A new, empty, private (0700) directory beside ``target``: ``<prefix><random><suffix>`` in
+    ``target``'s folder (default prefix ``.<name>.tmp-``), to fill and then publish with
+    :func:`publish_directory`."""
+    target = Path(target)
+    return Path(tempfile.mkdtemp(prefix=prefix or f".{target.name}.tmp-", suffix=suffix, dir=target.parent))
+
+
+def publish_directory(tmp: str | os.PathLike, target: str | os.PathLike, *, replace: bool = False) -> None:
+    """Put the finished directory ``tmp`` (beside ``target``: :func:`temporary_directory`) in place as
+    ``target`` in one rename, then fsync the folder, so a reader sees no directory or the whole one.
+
+    Without ``replace``, ``target`` must not exist (an empty directory there would otherwise be
+    replaced silently). With ``replace`` an existing ``target`` is first renamed aside
+    (``.<name>.old-<random>``), put back if the second rename fails, and removed once the new one is
+    in place; a process killed between the two renames leaves it under that name. Raises the
+    ``OSError`` of a rename; ``tmp`` is left for the caller to remove."""
+    tmp, target = Path(tmp), Path(target)
+    old: Path | None = None
+    if os.path.lexists(target):
+        if not replace:
+            raise FileExistsError(errno.EEXIST, "it exists; refusing to replace it", str(target))
+        old = temporary_directory(target, prefix=f".{target.name}.old-")
+        try:
+            os.rename(target, old / target.name)
+        except BaseException:
+            shutil.rmtree(old, ignore_errors=True)
+            raise
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        if old is not None:
+            if not os.path.lexists(target):
+                os.rename(old / target.name, target)  # put the previous directory back
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    fsync_dir(target.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_directory(path: str | os.PathLike) -> None:
+    """Remove the directory ``path`` so that no reader sees a part of it: renamed aside in one rename
+    (into ``.<name>.<random>.tmp``, which a crash may leave behind), then deleted."""
+    path = Path(path)
+    trash = temporary_directory(path, prefix=f".{path.name}.", suffix=".tmp")
+    os.replace(path, trash / "old")
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- appending and outputs

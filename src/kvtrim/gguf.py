@@ -35,13 +35,21 @@ import os
 import shutil
 import stat
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from kvtrim.errors import ModelLoadError, model_load_errors, one_line
-from kvtrim.files import cache_dir, check_regular, exclusive_lock, fsync_dir, read_json, write_atomic
+from kvtrim.files import (
+    cache_dir,
+    check_regular,
+    exclusive_lock,
+    publish_directory,
+    read_json,
+    remove_directory,
+    temporary_directory,
+    write_atomic,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -268,9 +276,7 @@ def _remove_leftovers(root: Path, out: Path, damaged: bool = False) -> None:
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
     if out.exists() and (damaged or not is_converted(out)):
-        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
-        os.replace(out, trash / "old")
-        shutil.rmtree(trash, ignore_errors=True)
+        remove_directory(out)  # renamed into .<name>.<random>.tmp first: no reader sees a part of it
 
 
 def converted_path(gguf: str | os.PathLike, name: str | None = None) -> Path:
@@ -311,15 +317,14 @@ def converted_dir(gguf: str | os.PathLike, name: str | None = None) -> Path:
                 logger.warning("the converted model %s is damaged (%s); converting %s again", out, problem, gguf)
             _remove_leftovers(root, out, damaged)
             _check_gguf_complete(gguf)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=root))
+            tmp = temporary_directory(out, prefix=f".{out.name}.", suffix=".tmp")
             try:
                 with model_load_errors("convert the GGUF file", str(gguf)):
                     convert_gguf(gguf, tmp)
-                os.rename(tmp, out)  # atomic; ``out`` does not exist (checked under the lock)
+                publish_directory(tmp, out)  # one rename; ``out`` does not exist (checked under the lock)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
-            fsync_dir(root)
     except OSError as e:  # the cache itself: not writable, full, ...
         raise ModelLoadError(
             f"cannot write the conversion cache {str(root)!r} ({one_line(e)}); set KVTRIM_CACHE_DIR to a writable directory"

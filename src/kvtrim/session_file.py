@@ -26,7 +26,6 @@ import logging
 import os
 import shutil
 import stat
-import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 from kvtrim.errors import SessionError
-from kvtrim.files import fsync_dir, parse_json, read_bytes, write_atomic
+from kvtrim.files import parse_json, publish_directory, read_bytes, temporary_directory, write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -318,35 +317,21 @@ def _write_session_dir(target: Path, files: dict[str, bytes]) -> None:
     under that name.
     """
     exists = _replaceable(target)
-    parent = target.parent
     try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=parent))  # mode 0700
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temporary_directory(target)  # .<name>.tmp-*, mode 0700
     except OSError as e:
         raise SessionError(f"cannot save the session to {str(target)!r}: {e.strerror or e}") from None
-    old: Path | None = None
     try:
         for name, data in files.items():
             write_atomic(tmp / name, data, force=False, mode=0o600)
-        if exists:
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=parent))
-            os.rename(target, old / "session")
-        os.rename(tmp, target)
-        fsync_dir(parent)
+        publish_directory(tmp, target, replace=exists)  # the old session put back if this fails
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "session").exists() and not target.exists():
-            os.rename(old / "session", target)  # put the previous session back
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
         raise SessionError(f"cannot save the session to {str(target)!r}: {e.strerror or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and (old / "session").exists() and not target.exists():
-            os.rename(old / "session", target)
         raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _read_session_dir(d: Path) -> dict[str, bytes]:

@@ -67,12 +67,75 @@ def _checked(kind: str, convert, check, allowed: str):
     return parse
 
 
-def int_arg(minimum: int | None = None, maximum: int | None = None, *, unit: str | None = None):
+#: the largest count an option takes (tokens, samples, rows, repetitions, threads): a signed 32-bit
+#: integer, what torch's kernels and kvtrim's index tensors count in; a larger value is refused as
+#: the command line is parsed, never found out inside torch
+MAX_COUNT = 2**31 - 1
+#: the largest seed: ``torch.Generator.manual_seed`` takes an unsigned 64-bit integer
+MAX_SEED = 2**64 - 1
+_POWERS = {MAX_COUNT: "2^31", MAX_SEED: "2^64"}
+#: the most torch threads an option sets: more than any machine kvtrim runs on has cores (torch
+#: itself takes up to a C int, and would try to start every one of them)
+MAX_THREADS = 4096
+
+
+def int_arg(minimum: int | None = None, maximum: int | None = MAX_COUNT, *, unit: str | None = None):
     """An integer option in ``[minimum, maximum]`` (``unit`` names what it counts in the message),
-    checked when the command line is parsed."""
-    allowed = (f"{minimum} <= {{}} <= {maximum}" if minimum is not None and maximum is not None
-               else f"{{}} >= {minimum}" if minimum is not None else f"{{}} <= {maximum}")
-    return _checked("an integer", int, lambda v: integer(v, "", minimum=minimum, maximum=maximum, unit=unit), allowed)
+    checked when the command line is parsed. Every integer option has an upper bound: by default
+    :data:`MAX_COUNT`."""
+    upper = None if maximum is None else f"< {_POWERS[maximum]}" if maximum in _POWERS else f"<= {maximum}"
+    allowed = (f"{minimum} <= {{}} {upper}" if minimum is not None and upper is not None
+               else f"{{}} >= {minimum}" if minimum is not None else f"{{}} {upper}")
+    if maximum not in _POWERS:
+        return _checked("an integer", int, lambda v: integer(v, "", minimum=minimum, maximum=maximum, unit=unit),
+                        allowed)
+
+    def check(v: int) -> int:
+        integer(v, "", minimum=minimum, unit=unit)  # "must be a positive number of tokens, got 0"
+        if v > maximum:  # "must be below 2^31 (a signed 32-bit integer), got ..."
+            bits = "a signed 32-bit" if maximum == MAX_COUNT else "an unsigned 64-bit"
+            raise KVTrimError(f"must be below {_POWERS[maximum]} ({bits} integer), got {v}")
+        return v
+
+    return _checked("an integer", int, check, allowed)
+
+
+def seed_arg():
+    """A seed: an integer in ``[0, 2^64)`` (:data:`MAX_SEED`), checked when the command line is parsed."""
+    return int_arg(0, MAX_SEED)
+
+
+def shard_arg(text: str) -> tuple[int, int]:
+    """``--shard I/N``: ``(I, N)`` with ``0 <= I < N <= MAX_COUNT``, checked when the command line is parsed."""
+    i, sep, n = text.partition("/")
+    try:
+        shard = (int(i), int(n))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be I/N (e.g. 0/2), got {text!r}") from None
+    if not sep or not 0 <= shard[0] < shard[1] <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be I/N with 0 <= I < N < 2^31, got {text!r}")
+    return shard
+
+
+shard_arg.allowed = "0 <= I < N < 2^31"  # type: ignore[attr-defined]  # read by HelpFormatter
+
+
+def size_arg(text: str) -> str:
+    """``--prefill-size KEY=VALUE``: the text, once VALUE is an integer in ``[1, 2^31)``; checked when the
+    command line is parsed (which KEY a pattern takes is checked with the mode, before the model loads)."""
+    key, sep, val = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE (e.g. k_b=32), got {text!r}")
+    try:
+        v = int(val)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE with an integer VALUE, got {text!r}") from None
+    if not 1 <= v <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE with 1 <= VALUE < 2^31, got {text!r}")
+    return text
+
+
+size_arg.allowed = "KEY=VALUE, 1 <= VALUE < 2^31"  # type: ignore[attr-defined]  # read by HelpFormatter
 
 
 def float_arg(minimum: float, *, min_open: bool = False):
@@ -93,7 +156,11 @@ def list_arg(kind: type, minimum: float, maximum: float | None = None, *, open_e
     as before. ``hint`` is added to the message (what to do instead)."""
     lo, hi = ("(", ")") if open_ends else ("[", "]")
     kinds = "integers" if kind is int else "numbers"
-    if maximum is None:
+    if kind is int and maximum is None:  # every integer option has an upper bound (MAX_COUNT)
+        maximum = MAX_COUNT
+        what = f"comma-separated {kinds} {'>' if open_ends else '>='} {minimum:g} and < 2^31"
+        allowed = f"each {'>' if open_ends else '>='} {minimum:g}, < 2^31"
+    elif maximum is None:
         what = f"comma-separated {kinds} {'>' if open_ends else '>='} {minimum:g}"
         allowed = f"each {'>' if open_ends else '>='} {minimum:g}"
     else:
@@ -129,7 +196,7 @@ def model_options(sp, *, threads: bool = True):
                         "the CPU has it; kvtrim's scores stay float32)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     if threads:
-        g.add_argument("--threads", type=int_arg(1), metavar="N",
+        g.add_argument("--threads", type=int_arg(1, MAX_THREADS), metavar="N",
                        help="torch threads for the model's work [default: torch's, one per core]")
     return g
 
@@ -143,7 +210,7 @@ def sampling_options(g, *, temperature: float) -> None:
                    help="with --sample: draw from the smallest set of likeliest tokens whose probability reaches P (1: all)")
     g.add_argument("--top-k", type=int_arg(0), default=0, metavar="K",
                    help="with --sample: draw from the K likeliest tokens only (0: all)")
-    g.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="random seed of the sampling")
+    g.add_argument("--seed", type=seed_arg(), default=0, metavar="S", help="random seed of the sampling")
 
 
 def check_model_options(args) -> None:

@@ -5,42 +5,47 @@ from __future__ import annotations
 import json
 import sys
 
-from kvtrim.cli.common import check_model_options, fraction_arg, int_arg, list_arg, load_from_args, model_options
+from kvtrim.cli.common import (
+    MAX_THREADS,
+    check_model_options,
+    fraction_arg,
+    int_arg,
+    list_arg,
+    load_from_args,
+    model_options,
+    seed_arg,
+    shard_arg,
+)
 from kvtrim.errors import KVTrimError
-
-
-def _shard(text: str | None) -> tuple[int, int]:
-    if not text:
-        return 0, 1
-    i, sep, n = text.partition("/")
-    try:
-        shard = (int(i), int(n))
-    except ValueError:
-        raise KVTrimError(f"--shard takes I/N (e.g. 0/2); got {text!r}") from None
-    if not sep or shard[1] < 1 or not 0 <= shard[0] < shard[1]:
-        raise KVTrimError(f"--shard takes I/N with 0 <= I < N; got {text!r}")
-    return shard
 
 
 def cmd_eval(args) -> int:
     from kvtrim.eval.plan import make_plan
-    from kvtrim.eval.store import check_out_dir
+    from kvtrim.eval.store import SweepMismatch, check_out_dir
     from kvtrim.eval.sweep import run_eval
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
                      prefill=args.prefill, haystack=args.haystack, plain=args.plain_prompt)
-    shard = _shard(args.shard)
+    shard = args.shard or (0, 1)  # I/N, checked as the command line is parsed
     if args.haystack is not None:
         from kvtrim.eval.common import haystack_text
 
         haystack_text(args.haystack)  # an unknown haystack is refused before the model loads
-    check_out_dir(args.out)  # fail on an unwritable directory before the model loads
+    try:
+        check_out_dir(args.out)  # fail on an unwritable directory or a damaged config.json before the model loads
+    except SweepMismatch as e:
+        if not args.force:  # with --force, run_eval picks a new directory once the model's weight digest is known
+            raise KVTrimError(f"{e}; or pass --force to write to a new directory beside it") from None
     check_model_options(args)
     lm = load_from_args(args)
-    summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet, batch=not args.unbatched)
-    cells = summary["cells"]
-    print(f"kvtrim eval: {summary['n_lines']} result lines, {len(cells)} cells in {args.out} "
-          f"(summary.json; `kvtrim report {args.out}` for tables and plots)", file=sys.stderr)
+    try:
+        summary = run_eval(lm, plan, args.out, shard=shard, progress=not args.quiet, batch=not args.unbatched,
+                           force=args.force)
+    except SweepMismatch as e:  # only without --force
+        raise KVTrimError(f"{e}; or pass --force to write to a new directory beside it") from None
+    cells, out = summary["cells"], summary["out"]
+    print(f"kvtrim eval: {summary['n_lines']} result lines, {len(cells)} cells in {out} "
+          f"(summary.json; `kvtrim report {out}` for tables and plots)", file=sys.stderr)
     return 0
 
 
@@ -59,13 +64,10 @@ def _check_report_paths(args) -> None:
         if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
             raise KVTrimError(f"--out {args.out!r}: cannot create a directory under {str(existing)!r}")
     if args.readme is not None:
+        from kvtrim.files import read_text
+
         readme = Path(args.readme)
-        if not readme.is_file():
-            raise KVTrimError(f"--readme {args.readme!r} does not exist or is not a file")
-        try:
-            text = readme.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise KVTrimError(f"--readme {args.readme!r} cannot be read as UTF-8 text: {e}") from None
+        text = read_text(readme, "--readme")  # a regular UTF-8 file within the text size limit; one line if not
         if START not in text or END not in text:
             raise KVTrimError(f"--readme {args.readme!r} has no {START} ... {END} block to fill")
         if not os.access(readme, os.W_OK):
@@ -183,19 +185,23 @@ def add_eval_commands(sub) -> None:
     t = e.add_argument_group("samples")
     t.add_argument("--length", type=lengths, default="2048", metavar="N1,N2", help="prompt lengths in tokens")
     t.add_argument("--samples", type=int_arg(1), default=20, metavar="N", help="samples per cell, depths spread evenly")
-    t.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="seed of the samples")
+    t.add_argument("--seed", type=seed_arg(), default=0, metavar="S", help="seed of the samples")
     t.add_argument("--haystack", metavar="NAME",
                    help="haystack for the needle tasks: prose, essays, pydoc or filler [default: prose]")
     t.add_argument("--plain-prompt", action="store_true",
                    help="kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat template "
                         "(used anyway for a model without one)")
     r = e.add_argument_group("run and output")
-    r.add_argument("--shard", metavar="I/N", help="run every N-th sample unit starting at I (N processes can share --out)")
+    r.add_argument("--shard", type=shard_arg, metavar="I/N", help="run every N-th sample unit starting at I (N processes can share --out)")
     r.add_argument("--unbatched", action="store_true",
                    help="decode the configurations of a sample one at a time at batch 1 (slower; by default they "
                         "decode together, one batch row each, see docs/eval.md)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.add_argument("--out", required=True, metavar="DIR", help="output directory (created; a rerun resumes)")
+    r.add_argument("--force", action="store_true",
+                   help="if --out holds a sweep made otherwise (model, weights, dtype, prompt format, --seed, "
+                        "--haystack, --samples), write to a new directory beside it (DIR-2, ...; a line says which) "
+                        "instead of refusing; DIR is left as it is")
     e.set_defaults(func=cmd_eval)
 
     r = sub.add_parser("report", help="markdown tables and PNG plots from kvtrim eval result directories")
@@ -226,7 +232,7 @@ def add_eval_commands(sub) -> None:
     t = c.add_argument_group("samples")
     t.add_argument("--length", type=lengths, default="2048", metavar="N1,N2", help="prompt lengths in tokens")
     t.add_argument("--samples", type=int_arg(1), default=6, metavar="N", help="samples per task and length")
-    t.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="seed of the samples")
+    t.add_argument("--seed", type=seed_arg(), default=0, metavar="S", help="seed of the samples")
     t.add_argument("--plain-prompt", action="store_true", help="kvtrim's plain prompt format (as in kvtrim eval)")
     o = c.add_argument_group("runs and output")
     o.add_argument("--runs", metavar="DIR", help="the kvtrim eval directory the sweep writes (resumable) "
@@ -241,7 +247,7 @@ def add_eval_commands(sub) -> None:
 
     b = sub.add_parser("bench", help="speed and memory: prefill vs length, decode per token, resident KV bytes, peak RSS")
     g = model_options(b, threads=False)
-    g.add_argument("--threads", type=int_arg(1), metavar="N", help="torch threads, recorded with the result [default: torch's, one per core]")
+    g.add_argument("--threads", type=int_arg(1, MAX_THREADS), metavar="N", help="torch threads, recorded with the result [default: torch's, one per core]")
     m = b.add_argument_group("methods and budget")
     m.add_argument("--methods", default="full,snapkv,streaming_llm", metavar="A,B", help="comma-separated methods")
     m.add_argument("--keep", type=fraction_arg(), default=0.25, metavar="R", help="budget of the compressing methods")

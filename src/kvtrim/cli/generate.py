@@ -22,6 +22,7 @@ from kvtrim.cli.common import (
     quality_choice,
     read_context,
     sampling_options,
+    size_arg,
 )
 from kvtrim.errors import KVTrimError
 from kvtrim.validate import integer, number
@@ -172,7 +173,7 @@ def prefill_options(sp):
                         "the others: one pattern for every head; docs/minference.md)")
     g.add_argument("--pattern-config", metavar="FILE",
                    help="per-head pattern config for --prefill minference [default: the one shipped for the model]")
-    g.add_argument("--prefill-size", action="append", metavar="KEY=VALUE",
+    g.add_argument("--prefill-size", action="append", type=size_arg, metavar="KEY=VALUE",
                    help="pattern size for a single-pattern mode, e.g. k_b=32 (repeatable)")
     g.add_argument("--prefill-min-length", type=int_arg(1, unit="tokens"), default=DEFAULT_MIN_LENGTH, metavar="N",
                    help="prompts shorter than this prefill densely (docs/minference.md says why at this length)")

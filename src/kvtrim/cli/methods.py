@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kvtrim.cli.common import check_model_options, fraction_arg, int_arg, load_from_args, model_options, quality_choice
+from kvtrim.cli.common import check_model_options, fraction_arg, int_arg, load_from_args, model_options, quality_choice, seed_arg
 
 
 def cmd_methods(args) -> int:
@@ -106,7 +106,7 @@ def add_demo_command(sub) -> None:
     t.add_argument("--length", type=int_arg(MIN_LENGTH, unit="tokens"), default=3000, metavar="N", help="context length in tokens")
     t.add_argument("--depth", type=fraction_arg(allow_zero=True), default=0.5, metavar="D",
                    help="where the pass key sits (0: start, 1: end)")
-    t.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="seed of the context and the pass key")
+    t.add_argument("--seed", type=seed_arg(), default=0, metavar="S", help="seed of the context and the pass key")
     t.add_argument("--plain-prompt", action="store_true",
                    help="kvtrim's plain prompt format (User: ... / Assistant:) even if the model has a chat template")
     d.set_defaults(func=cmd_demo)

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvtrim.cli.common import check_model_options, float_arg, int_arg, list_arg, load_from_args, model_options
+from kvtrim.cli.common import check_model_options, float_arg, int_arg, list_arg, load_from_args, model_options, seed_arg
 from kvtrim.errors import KVTrimError
 
 
@@ -62,7 +62,7 @@ def add_search_patterns_command(sub) -> None:
     g.add_argument("--max-error", type=float_arg(0, min_open=True), default=0.05, metavar="E",
                    help="a head takes the cheapest level whose best pattern's relative output error is at most E, "
                         "else stays dense")
-    g.add_argument("--seed", type=int_arg(0), default=0, metavar="S", help="seed of the calibration prompt")
+    g.add_argument("--seed", type=seed_arg(), default=0, metavar="S", help="seed of the calibration prompt")
     o = s.add_argument_group("output")
     o.add_argument("--tag", help="model name substring the shipped config matches (packaging only)")
     o.add_argument("--out", required=True, metavar="FILE", help="output JSON file")

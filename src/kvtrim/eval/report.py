@@ -28,6 +28,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from kvtrim.errors import CorruptResultsError, KVTrimError
 from kvtrim.eval.plan import REFERENCE
@@ -194,79 +195,124 @@ def cost_table(cells: list[dict], prefill: str = "dense") -> str:
 
 
 # ----------------------------------------------------------------------------- plots
-def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]:
-    """score_vs_keep_<length>.png per length and kv_and_time.png; the keep axis always spans 0-1 and 0-1 scores
-    keep their 0-1 axis, so one budget or many read the same (a single budget is not zoomed into a sliver)."""
-    import matplotlib
+#: a marker shape per method, in the order the methods are drawn
+MARKERS = ("s", "^", "D", "v", "P", "X", "<", ">", "h", "p")  # "o" is the full cache's
 
-    matplotlib.use("Agg")
+
+def line_styles(methods: list[str]) -> dict[str, dict]:
+    """Matplotlib line properties per method, so that no method's line can hide another's: each has
+    its colour and marker shape, markers are hollow, and each method drawn later is thinner and has
+    smaller markers than the one before (and lies above it). Where two methods score the same, the
+    later one's line runs inside the earlier one's and its marker sits inside the earlier ring:
+    both stay visible. The reference (``full``) is a thin dashed black line on top of them all."""
+    k = len(methods)
+    return {m: {"color": f"C{i % 10}", "marker": MARKERS[i % len(MARKERS)], "markerfacecolor": "none",
+                "markeredgewidth": 1.3, "markersize": 4.5 + 1.7 * (k - 1 - i), "linewidth": 1.5 + 0.6 * (k - 1 - i),
+                "zorder": 2 + i, "label": m}
+            for i, m in enumerate(methods)}
+
+
+REFERENCE_STYLE: dict[str, Any] = {"color": "black", "linestyle": "--", "linewidth": 1.0, "markersize": 3.5, "zorder": 50}
+
+
+def score_figure(cells: list[dict], length: int, tasks: list[str], methods: list[str]):
+    """The score-vs-keep figure of one prompt length: one panel per task, one line per method (see
+    :func:`line_styles`), the full cache's score as a dashed line, one legend below."""
     import matplotlib.pyplot as plt
 
-    sel = [c for c in cells if c["prefill"] == prefill]
-    paths = []
-    lengths = sorted({c["length"] for c in sel})
-    tasks = list(dict.fromkeys(c["task"] for c in sel))
-    methods = [m for m in dict.fromkeys(c["method"] for c in sel) if m != REFERENCE]
-    colors = {m: f"C{i}" for i, m in enumerate(methods)}
-    for n in lengths:
-        cols = min(4, len(tasks))
-        rows = math.ceil(len(tasks) / cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 2.7 * rows + 0.8), squeeze=False, layout="constrained")
-        for ax, t in zip(axes.flat, tasks):
-            cs = [c for c in sel if c["length"] == n and c["task"] == t]
-            for m in methods:
-                pts = sorted((c["keep"], c["score"]) for c in cs if c["method"] == m and c["keep"] is not None)
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", color=colors[m], label=m)
-            full = [c["score"] for c in cs if c["method"] == REFERENCE]
-            if full:
-                ax.axhline(full[0], color="black", linestyle="--", linewidth=1, label=REFERENCE)
-            ax.set_xlim(0, 1.05)
-            if t not in LOWER_IS_BETTER:
-                ax.set_ylim(-0.03, 1.05)
-            ax.set_title(t, fontsize=9)
-            ax.set_xlabel("keep", fontsize=8)
-            ax.set_ylabel("perplexity (lower is better)" if t == "ppl" else "score", fontsize=8)
-            ax.tick_params(labelsize=7)
-        for ax in list(axes.flat)[len(tasks):]:
-            ax.axis("off")
-        handles, labels = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8)
-        fig.suptitle(f"score vs KV budget, {n} tokens", fontsize=10)
-        p = out_dir / f"score_vs_keep_{n}.png"
-        write_atomic(p, functools.partial(fig.savefig, format="png", dpi=110))
-        plt.close(fig)
-        paths.append(p)
-    # KV bytes vs budget, and time vs length
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
-    keeps = sorted({c["keep"] for c in sel if c["keep"] is not None})
-    pick = keeps[len(keeps) // 2] if keeps else None
-    alone = any(c.get("decode_ms") is not None for c in sel)
-    dkey = "decode_ms" if alone else "decode_ms_any"
-    for m in [REFERENCE, *methods]:
-        for n in lengths:
-            cs = [c for c in sel if c["method"] == m and c["length"] == n]
-            by_keep = defaultdict(list)
-            for c in cs:
-                by_keep[c["keep"] if c["keep"] is not None else 1.0].append(c["kv_bytes"] / 2**20)
-            pts = sorted((k, statistics.fmean(v)) for k, v in by_keep.items())
+    styles = line_styles(methods)
+    cols = min(4, len(tasks))
+    rows = math.ceil(len(tasks) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.3 * cols, 2.7 * rows + 0.8), squeeze=False, layout="constrained")
+    for ax, t in zip(axes.flat, tasks):
+        cs = [c for c in cells if c["length"] == length and c["task"] == t]
+        for m in methods:
+            pts = sorted((c["keep"], c["score"]) for c in cs if c["method"] == m and c["keep"] is not None)
             if pts:
-                axes[0].plot(*zip(*pts), marker="o", color=colors.get(m, "black"),
-                             linestyle="-" if n == lengths[-1] else ":", label=f"{m} {n}")
-        for ax, key in ((axes[1], "prefill_s"), (axes[2], dkey)):
+                ax.plot(*zip(*pts), **styles[m])
+        full = [c["score"] for c in cs if c["method"] == REFERENCE]
+        if full:
+            ax.axhline(full[0], label=REFERENCE, **REFERENCE_STYLE)
+        ax.set_xlim(0, 1.05)
+        if t not in LOWER_IS_BETTER:
+            ax.set_ylim(-0.05, 1.08)  # room for the widest marker at 0 and 1
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("keep", fontsize=8)
+        ax.set_ylabel("perplexity (lower is better)" if t == "ppl" else "score", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    # one legend for every panel: every method, whichever panels it has points in
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], **styles[m]) for m in methods]
+    if any(c["method"] == REFERENCE and c["length"] == length for c in cells):
+        handles.append(Line2D([], [], label=REFERENCE, **REFERENCE_STYLE))
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(f"score vs KV budget, {length} tokens", fontsize=10)
+    return fig
+
+
+def _merged(series: dict[str, list[tuple[float, float]]], rel: float = 0.01) -> dict[str, list[tuple[float, float]]]:
+    """Series whose points lie within ``rel`` of each other (same budgets, values within 1%) drawn
+    once, labelled with every name that has them ("h2o, snapkv"): methods that hold the same bytes
+    at each budget would otherwise be one line hidden under another. The first series of a group is
+    the one drawn."""
+    groups: list[tuple[list[tuple[float, float]], list[str]]] = []
+    for name, pts in series.items():
+        for first, names in groups:
+            if [x for x, _ in first] == [x for x, _ in pts] and all(
+                    abs(a - b) <= rel * max(abs(a), abs(b)) for (_, a), (_, b) in zip(first, pts)):
+                names.append(name)
+                break
+        else:
+            groups.append((pts, [name]))
+    return {", ".join(names): pts for pts, names in groups}
+
+
+def kv_time_figure(cells: list[dict], lengths: list[int], methods: list[str]):
+    """Resident KV vs budget, prefill time and decode time vs length (see :func:`plot`)."""
+    import matplotlib.pyplot as plt
+
+    styles = line_styles(methods)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
+    keeps = sorted({c["keep"] for c in cells if c["keep"] is not None})
+    pick = keeps[len(keeps) // 2] if keeps else None
+    alone = any(c.get("decode_ms") is not None for c in cells)
+    dkey = "decode_ms" if alone else "decode_ms_any"
+    for n in lengths:  # resident KV: series within 1% (the same bytes at each budget) merged into one line
+        series: dict[str, list[tuple[float, float]]] = {}
+        for m in [REFERENCE, *methods]:
+            by_keep = defaultdict(list)
+            for c in cells:
+                if c["method"] == m and c["length"] == n:
+                    by_keep[c["keep"] if c["keep"] is not None else 1.0].append(c["kv_bytes"] / 2**20)
+            if by_keep:
+                series[m] = sorted((k, statistics.fmean(v)) for k, v in by_keep.items())
+        for label, pts in _merged(series).items():
+            names = label.split(", ")
+            # a group takes its first method's style: groups close to each other still nest (line_styles)
+            style = (dict(REFERENCE_STYLE, linestyle="none", marker="o", markersize=6) if names == [REFERENCE]
+                     else styles[names[0]])
+            style = {**style, "label": f"{label} {n}",
+                     "linestyle": style.get("linestyle", "-") if n == lengths[-1] else ":"}
+            axes[0].plot(*zip(*pts), **style)
+    for ax, key in ((axes[1], "prefill_s"), (axes[2], dkey)):
+        for m in [REFERENCE, *methods]:
             pts = []
             for n in lengths:
-                ys = [c[key] for c in sel if c["method"] == m and c["length"] == n and c.get(key) is not None
+                ys = [c[key] for c in cells if c["method"] == m and c["length"] == n and c.get(key) is not None
                       and (m == REFERENCE or c["keep"] == pick)]
                 if ys:
                     pts.append((n, statistics.median(ys)))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=colors.get(m, "black"), label=m if m == REFERENCE else f"{m} @{pick:g}")
+            if pts:  # measured times are never merged: close ones show as nested lines and rings
+                style = dict(REFERENCE_STYLE, marker="o") if m == REFERENCE else styles[m]
+                ax.plot(*zip(*pts), **{**style, "label": m if m == REFERENCE else f"{m} @{pick:g}"})
     axes[0].set_xlim(0, 1.05)
     axes[0].set_ylim(bottom=0)
     axes[0].set(xlabel="keep (full cache at 1)", ylabel="KV MiB", title="resident KV vs budget")
     axes[1].set(xlabel="prompt tokens", ylabel="s", title="prefill time (median)")
-    missing = [n for n in lengths if not any(c.get(dkey) is not None for c in sel if c["length"] == n)]
+    missing = [n for n in lengths if not any(c.get(dkey) is not None for c in cells if c["length"] == n)]
     axes[2].set(xlabel="prompt tokens", ylabel="ms / token",
                 title=("decode ms/token (median, decoded alone)" if alone else "decode ms/token (batch rows' share)")
                 + (f"\nnone decoded alone at {', '.join(map(str, missing))}" if missing else ""))
@@ -278,9 +324,34 @@ def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]
         for ax in axes[1:]:
             ax.set_xlim(lo - 0.25 * max(hi - lo, lo), hi + 0.25 * max(hi - lo, lo))
             ax.set_ylim(bottom=0)
-    axes[0].legend(fontsize=6, ncol=2)
-    axes[1].legend(fontsize=7)
-    axes[2].legend(fontsize=7)
+    # legends where they cover no line: matplotlib's "best" place, inside the axes
+    axes[0].legend(fontsize=6, loc="best")
+    axes[1].legend(fontsize=7, loc="best")
+    axes[2].legend(fontsize=7, loc="best")
+    return fig
+
+
+def plot(cells: list[dict], out_dir: Path, prefill: str = "dense") -> list[Path]:
+    """score_vs_keep_<length>.png per length and kv_and_time.png; the keep axis always spans 0-1 and 0-1 scores
+    keep their 0-1 axis, so one budget or many read the same (a single budget is not zoomed into a sliver).
+    No method's line can hide another's (:func:`line_styles`; identical KV series are one line)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sel = [c for c in cells if c["prefill"] == prefill]
+    paths = []
+    lengths = sorted({c["length"] for c in sel})
+    tasks = list(dict.fromkeys(c["task"] for c in sel))
+    methods = [m for m in dict.fromkeys(c["method"] for c in sel) if m != REFERENCE]
+    for n in lengths:
+        fig = score_figure(sel, n, tasks, methods)
+        p = out_dir / f"score_vs_keep_{n}.png"
+        write_atomic(p, functools.partial(fig.savefig, format="png", dpi=110))
+        plt.close(fig)
+        paths.append(p)
+    fig = kv_time_figure(sel, lengths, methods)
     p = out_dir / "kv_and_time.png"
     write_atomic(p, functools.partial(fig.savefig, format="png", dpi=110))
     plt.close(fig)

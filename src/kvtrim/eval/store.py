@@ -93,6 +93,16 @@ def haystack_name(haystack: str | None) -> str:
     return f"custom:{hashlib.sha256(text.encode()).hexdigest()[:16]}" if name == "custom" else name
 
 
+class SweepMismatch(KVTrimError):
+    """An output directory that holds another sweep (another model, weights, dtype, prompt format,
+    seed, haystack or samples per cell, a damaged ``config.json``, or lines that predate the keys):
+    resuming into it would mix results. ``reason`` is the difference alone (the message adds what to do)."""
+
+    def __init__(self, reason: str, advice: str):
+        super().__init__(f"{reason}; {advice}")
+        self.reason = reason
+
+
 def _read_config(path: Path) -> dict | None:
     """The directory's config.json (None when there is none); a damaged one is refused: nothing else
     says which model and settings the directory's lines belong to."""
@@ -102,23 +112,53 @@ def _read_config(path: Path) -> dict | None:
     try:
         d = read_json(cfg, "eval config")
     except KVTrimError as e:
-        raise KVTrimError(f"{e}; it says which model and settings the results in {str(path)!r} belong to: restore it, "
-                          "or use another directory") from None
+        raise SweepMismatch(f"{e}", f"it says which model and settings the results in {str(path)!r} belong to: "
+                                    "restore it, or use another directory") from None
     if not isinstance(d, dict) or not isinstance(d.get("model"), str):
-        raise KVTrimError(f"eval config {str(cfg)!r} is damaged (not an object naming the model); it says which model "
-                          f"and settings the results in {str(path)!r} belong to: restore it, or use another directory")
+        raise SweepMismatch(f"eval config {str(cfg)!r} is damaged (not an object naming the model)",
+                            f"it says which model and settings the results in {str(path)!r} belong to: restore it, "
+                            "or use another directory")
     return d
 
 
 def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, plain: bool = False,
-                  dtype: str = "float32", sweep: dict | None = None) -> Path:
+                  dtype: str = "float32", sweep: dict | None = None, force: bool = False) -> Path:
     """Create ``out`` (and ``out/runs``), check it is writable and belongs to this model, weight dtype and
     prompt format (``plain``: ``--plain-prompt``; a directory holds one format and one dtype;
     ``config.json`` names a dtype other than float32), and, with ``sweep`` (:data:`SWEEP_KEYS` ->
     value), to this weight digest, seed, haystack and samples per cell. A difference is one
-    ``KVTrimError`` line naming it; so is a damaged ``config.json``, and resuming into a directory
-    whose config predates :data:`SWEEP_KEYS` while it holds result lines."""
+    :class:`SweepMismatch` line naming it; so is a damaged ``config.json``, and resuming into a
+    directory whose config predates :data:`SWEEP_KEYS` while it holds result lines.
+
+    With ``force`` such a directory is left as it is and the sweep goes to a new one beside it: the
+    first of ``OUT-2``, ``OUT-3``, ... that does not exist or holds this very sweep (so a rerun with
+    ``force``, or the other shards of the run, resume there), said in one warning line. Returns the
+    directory the results go to."""
     path = Path(out)
+    try:
+        return _check_one_dir(path, model_source, plain, dtype, sweep)
+    except SweepMismatch as e:
+        if not force:
+            raise
+        reason = e.reason
+    base = path if path.name else Path(os.path.abspath(path))
+    n = 2
+    while True:
+        new = base.with_name(f"{base.name}-{n}")
+        n += 1
+        if os.path.lexists(new) and (os.path.islink(new) or not new.is_dir()):
+            continue  # a file or a link there: never written into
+        resumed = (new / "config.json").exists()
+        try:
+            _check_one_dir(new, model_source, plain, dtype, sweep)
+        except SweepMismatch:
+            continue  # another sweep again (an earlier --force run with other settings)
+        logger.warning("%s; --force: %s the new directory %r instead (%r is left as it is)", reason,
+                       "resuming in" if resumed else "writing to", str(new), str(path))
+        return new
+
+
+def _check_one_dir(path: Path, model_source: str | None, plain: bool, dtype: str, sweep: dict | None) -> Path:
     try:
         (path / "runs").mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -129,19 +169,18 @@ def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, pl
         return path
     if held is not None:
         if held["model"] != model_source:
-            raise KVTrimError(
-                f"{str(path)!r} holds a sweep of model {held['model']!r}, not {model_source!r}; use another --out directory"
-            )
+            raise SweepMismatch(f"{str(path)!r} holds a sweep of model {held['model']!r}, not {model_source!r}",
+                                "use another --out directory")
         held_plain = bool(held.get("plain_prompt", False))
         if held_plain != plain:
-            raise KVTrimError(
-                f"{str(path)!r} holds a sweep {'with' if held_plain else 'without'} --plain-prompt; its prompts "
-                "differ, so use another --out directory (or " + ("add" if held_plain else "drop") + " --plain-prompt)"
-            )
+            raise SweepMismatch(
+                f"{str(path)!r} holds a sweep {'with' if held_plain else 'without'} --plain-prompt",
+                "its prompts differ, so use another --out directory (or " + ("add" if held_plain else "drop")
+                + " --plain-prompt)")
         held_dtype = str(held.get("dtype", "float32"))
         if held_dtype != dtype:
-            raise KVTrimError(f"{str(path)!r} holds a sweep of the model in {held_dtype}, not {dtype}; use another "
-                              f"--out directory (or --dtype {held_dtype})")
+            raise SweepMismatch(f"{str(path)!r} holds a sweep of the model in {held_dtype}, not {dtype}",
+                                f"use another --out directory (or --dtype {held_dtype})")
         if sweep is not None:
             _check_sweep(path, held, sweep)
     config = ({"model": model_source, "format": 1 if sweep is None else CONFIG_FORMAT}
@@ -155,22 +194,22 @@ def check_out_dir(out: str | os.PathLike, model_source: str | None = None, *, pl
 def _check_sweep(path: Path, held: dict, sweep: dict) -> None:
     if held.get("format", 1) < CONFIG_FORMAT:
         if result_files(path) and any(p.stat().st_size for p in result_files(path)):
-            raise KVTrimError(
+            raise SweepMismatch(
                 f"{str(path)!r} was written by an earlier kvtrim (config.json format {held.get('format', 1)}): its "
-                "result lines do not record the weight digest, seed, haystack, samples or method parameters, so a "
-                "resume cannot tell whether they match this run; use another --out directory (kvtrim report reads "
-                "this one as before)")
+                "result lines do not record the weight digest, seed, haystack, samples or method parameters",
+                "so a resume cannot tell whether they match this run; use another --out directory (kvtrim report "
+                "reads this one as before)")
         return
     for key, now in sweep.items():
         if held.get(key) != now:
             if key == "weights":
-                raise KVTrimError(f"{str(path)!r} holds a sweep of other weights of {held['model']!r} (weight digest "
-                                  f"{str(held.get(key))[:12]}, this model {str(now)[:12]}: another checkpoint, "
-                                  "fine-tune or quantization); use another --out directory")
+                raise SweepMismatch(f"{str(path)!r} holds a sweep of other weights of {held['model']!r} (weight digest "
+                                    f"{str(held.get(key))[:12]}, this model {str(now)[:12]}: another checkpoint, "
+                                    "fine-tune or quantization)", "use another --out directory")
             flag = _FLAGS.get(key, key)
-            raise KVTrimError(f"{str(path)!r} holds a sweep with {flag} {held.get(key)!r}; this run has {flag} {now!r}: "
-                              f"resuming would mix results of both, so use another --out directory (or {flag} "
-                              f"{held.get(key)})")
+            raise SweepMismatch(f"{str(path)!r} holds a sweep with {flag} {held.get(key)!r}; this run has {flag} {now!r}",
+                                f"resuming would mix results of both, so use another --out directory (or {flag} "
+                                f"{held.get(key)})")
 
 
 def dir_identity(path: str | os.PathLike) -> dict:

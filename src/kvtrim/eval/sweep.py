@@ -12,7 +12,8 @@ or otherwise corrupted, is moved into ``<file>.corrupt`` (with its line number) 
 when the sweep starts again (``kvtrim.eval.store.read_lines``; with ``--shard`` it is only
 reported and skipped, since other processes may be writing). A rerun with another model, weights,
 dtype, prompt format, ``--seed``, ``--haystack`` or ``--samples`` is refused before anything runs,
-naming the difference (``config.json``: :func:`kvtrim.eval.store.check_out_dir`). ``--shard I/N``
+naming the difference (``config.json``: :func:`kvtrim.eval.store.check_out_dir`); with ``--force`` the
+sweep goes to a new directory beside it instead (``DIR-2``, ...; one line says which). ``--shard I/N``
 lets N processes share one directory (sample units are dealt round-robin).
 
 How one sample unit runs (all configurations of one generated sample):
@@ -68,13 +69,15 @@ from kvtrim.session_file import weights_digest
 
 
 def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, int] = (0, 1), progress: bool = True,
-             stop_after: int | None = None, batch: bool = True) -> dict:
+             stop_after: int | None = None, batch: bool = True, force: bool = False) -> dict:
     """Run (or resume) ``plan`` on the loaded model ``lm`` (``kvtrim.models.LoadedModel``), writing into ``out``.
 
     The configurations of a sample decode together, one batch row each (``kvtrim.integrations.batched``);
     ``batch=False`` decodes them one after another at batch 1 (slower; per-line decode times are
     then those of a lone generation). ``stop_after`` stops after that many sample units (for tests
-    of resumption). Returns the summary.
+    of resumption). ``force``: when ``out`` holds another sweep, write to a new directory beside it
+    instead of refusing (:func:`kvtrim.eval.store.check_out_dir`). Returns the summary, with ``out``:
+    the directory the results are in.
     """
     from tqdm import tqdm
 
@@ -92,7 +95,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     # what every line of this sweep depends on besides its own key: recorded in config.json and on each line
     sweep = {"weights": weights_digest(lm.model), "sweep_seed": plan.seed, "haystack": haystack_name(plan.haystack),
              "samples": plan.samples}
-    out_path = check_out_dir(out, lm.source, plain=plan.plain, dtype=dtype, sweep=sweep)
+    out_path = check_out_dir(out, lm.source, plain=plan.plain, dtype=dtype, sweep=sweep, force=force)
     params = {(m, k): config_params(m, k) for m, k in plan.configs}
     # move corrupted lines (cut short by an interruption, overwritten) into FILE.corrupt, then see what is done
     done = {line_key(r) for r in read_lines(result_files(out_path), repair=(n_shards == 1))}
@@ -161,4 +164,4 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     summary["machine"] = machine()
     summary["dtype"] = dtype
     write_atomic(out_path / "summary.json", json.dumps(summary, indent=1) + "\n")
-    return summary
+    return summary | {"out": str(out_path)}

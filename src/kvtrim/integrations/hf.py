@@ -166,7 +166,7 @@ def _attend(base, att: Attachment | None, module, binding, query, key, value, at
 
 
 #: whether float32 CPU decode steps take kvtrim's decode attention too (not by default: measured
-#: slower than SDPA below 32k keys on SmolLM2, faster on Qwen2.5-0.5B; bench_decode_attention.py)
+#: slower than SDPA below 32k keys on SmolLM2, faster on Qwen2.5-Coder-0.5B-Instruct; bench_decode_attention.py)
 CPU_DECODE_FP32 = False
 #: the fewest stored keys at which it does (below, SDPA is faster: results/decode_attention/epyc_short.json)
 CPU_DECODE_MIN_KEYS = 256

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from kvtrim.attention.cpu import sparse_attention_cpu, sparse_attention_heads
 from kvtrim.attention.native import cpu_kernel, kernel_for
 from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash, vertical_slash_layout
 from kvtrim.errors import KVTrimError
+from kvtrim.files import parse_json, read_json, write_atomic
 
 FORMAT = "kvtrim-pattern-config/1"
 PREFILL_MODES = ("dense", "minference", "a_shape", "vertical_slash", "block_sparse")
@@ -168,30 +170,34 @@ class PatternConfig:
     def to_json(self) -> dict:
         return {"format": FORMAT, "model": self.model, "search": self.search, "layers": self.layers}
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | os.PathLike, *, force: bool = True) -> Path:
+        """Write the config as JSON, atomically and never through a symbolic link
+        (:func:`kvtrim.files.write_atomic`; its folder is made); ``force=False`` refuses an existing file."""
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return write_atomic(p, json.dumps(self.to_json(), indent=1) + "\n", force=force)
 
     @classmethod
-    def load(cls, path: str | Path) -> "PatternConfig":
-        p = Path(path)
-        if not p.is_file():
-            raise KVTrimError(f"pattern config {str(path)!r} does not exist or is not a file")
-        try:
-            d = json.loads(p.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise KVTrimError(f"pattern config {str(path)!r} is not valid JSON: {e}") from None
+    def load(cls, path: str | os.PathLike) -> "PatternConfig":
+        """Read a config written by :meth:`save` (``kvtrim search-patterns``): a regular file within
+        the size limit of a JSON file (:func:`kvtrim.files.read_json`: a FIFO, a device or a huge
+        file is one line, nothing blocks), checked entry by entry."""
+        d = read_json(path, "pattern config")
+        return cls.from_json(d, f"pattern config {str(path)!r}")
+
+    @classmethod
+    def from_json(cls, d, where: str = "pattern config") -> "PatternConfig":
+        """A config from its JSON document (``where`` names it in errors: ``"pattern config 'x.json'"``)."""
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise KVTrimError(f"pattern config {str(path)!r} is not a {FORMAT} file")
+            raise KVTrimError(f"{where} is not a {FORMAT} file")
         missing = [k for k in ("model", "layers") if k not in d]
         if missing:
-            raise KVTrimError(f"pattern config {str(path)!r} has no {' or '.join(map(repr, missing))}; a {FORMAT} file "
+            raise KVTrimError(f"{where} has no {' or '.join(map(repr, missing))}; a {FORMAT} file "
                               "holds 'model' (layer and head counts) and 'layers' (a pattern per head)")
         try:
             return cls(model=d["model"], layers=d["layers"], search=d.get("search", {}))
         except KVTrimError as e:  # name the file: "pattern config 'x.json', layer 0 head 3: ..."
-            raise KVTrimError(str(e).replace("pattern config", f"pattern config {str(path)!r}", 1)) from None
+            raise KVTrimError(str(e).replace("pattern config", where, 1)) from None
 
 
 def shipped_config(model) -> PatternConfig | None:
@@ -203,7 +209,7 @@ def shipped_config(model) -> PatternConfig | None:
     for f in sorted(root.iterdir(), key=lambda f: f.name):
         if not f.name.endswith(".json"):
             continue
-        d = json.loads(f.read_text())
+        d = parse_json(f.read_bytes(), "shipped pattern config", f.name)  # package data: a Traversable, maybe in a zip
         m = d.get("model", {})
         same_shape = all(m.get(k) == ident[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"))
         if same_shape and any(tag in ident["name"] for tag in d.get("search", {}).get("model_tags", [])):

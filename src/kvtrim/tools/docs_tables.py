@@ -55,7 +55,7 @@ def _sibling_imports(script: Path) -> list[str]:
     import ast
 
     names = []
-    for node in ast.walk(ast.parse(script.read_text(), str(script))):
+    for node in ast.walk(ast.parse(read_text(script, "benchmark script"), str(script))):
         if isinstance(node, ast.Import):
             names += [a.name.split(".")[0] for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

@@ -30,7 +30,6 @@ prompt), generated offline by :mod:`kvtrim.eval.tasks`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -43,7 +42,6 @@ import torch.nn.functional as F
 from kvtrim.attention.cpu import sparse_attention_cpu
 from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash
 from kvtrim.errors import KVTrimError
-from kvtrim.files import write_atomic
 from kvtrim.integrations.prefill import PatternConfig, model_identity
 
 A_SHAPE_SINKS = (64, 256)
@@ -254,4 +252,4 @@ def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT
 def save_config(cfg: PatternConfig, path: str | os.PathLike, *, force: bool = False) -> Path:
     """Write a searched pattern config as JSON, atomically and never through a symbolic link
     (:func:`kvtrim.files.write_atomic`); an existing file is refused unless ``force``."""
-    return write_atomic(path, json.dumps(cfg.to_json(), indent=1) + "\n", force=force)
+    return cfg.save(path, force=force)
