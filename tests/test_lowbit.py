@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import cli_status
 
 import kvtrim
 from kvtrim import decoding
@@ -314,3 +315,44 @@ def test_session_refuses_another_bit_width(model, tmp_path):
 def test_python_refuses_bad_kv_bits(model, bad):
     with pytest.raises(KVTrimError, match="kv_bits must be one of 16, 8, 4, 2"):
         KVTrimCache(model, "full", kv_bits=bad)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--kv-bits", "3", "--prompt", "x"],
+    ["generate", "--kv-bits", "four", "--prompt", "x"],
+    ["chat", "--kv-bits", "1"],
+    ["stream", "--kv-bits", "32", "--file", "x.txt"],
+])
+def test_cli_refuses_bad_kv_bits(argv, capsys):
+    assert cli_status(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvtrim: error:") and "--kv-bits" in err[0], err
+
+
+def test_cli_generate_takes_kv_bits(tiny_dir, capsys):
+    from kvtrim.cli import main
+
+    kib = {}
+    for bits in ("16", "4"):
+        assert main(["generate", "--model", tiny_dir, "--prompt", "one two three " * 40, "--max-new-tokens", "3",
+                     "--method", "snapkv", "--keep", "0.5", "--kv-bits", bits, "--json"]) == 0
+        kib[bits] = json.loads(capsys.readouterr().out)["kv_bytes"]
+    assert kib["4"] < kib["16"]
+
+
+def test_cli_chat_saves_and_loads_at_its_bit_width(tiny_dir, tmp_path, capsys, monkeypatch):
+    import io
+
+    from kvtrim.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("tell me a story about a cat and a dog\n"))
+    assert main(["chat", "--model", tiny_dir, "--max-tokens", "64", "--max-new-tokens", "4", "--kv-bits", "2",
+                 "--save", str(tmp_path / "s")]) == 0
+    assert json.loads((tmp_path / "s" / "session.json").read_text())["kv_bits"] == 2
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("/stats\n"))
+    assert main(["chat", "--model", tiny_dir, "--load", str(tmp_path / "s"), "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    assert cli_status(["chat", "--model", tiny_dir, "--load", str(tmp_path / "s"), "--kv-bits", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvtrim: error:") and "kv_bits=2" in err[0], err
