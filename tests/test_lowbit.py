@@ -3,6 +3,7 @@ against its reference, every method on the quantized storage, real bytes, sessio
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -83,6 +84,40 @@ def test_blockwise_decode_attention_matches_the_reference(bits, s, d, groups, dt
     assert err <= 2 * err_plain + 1e-7  # the floor: float32 accumulation where the output dtype is float32
     assert probs.shape == (1, hkv, groups, 1, s)
     torch.testing.assert_close(probs.double(), p64.double(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("s, d, groups, dtype", [(63, 64, 3, torch.float16), (500, 128, 4, torch.float32),
+                                                 (200, 64, 4, torch.bfloat16)])
+def test_triton_decode_attention_matches_the_reference(bits, s, d, groups, dtype):
+    """The Triton twin (Triton's interpreter on CPU) under the same rule as the blockwise torch path."""
+    from kvtrim.attention.triton import lowbit  # noqa: F401 - triton imported after TRITON_INTERPRET (conftest)
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    hkv = 2
+    kv, rk, rv = _random_lowbit(bits, hkv, s, d, seed=s)
+    kv = LowBitKV(kv.bits, **{f: getattr(kv, f).to(dev) for f in LowBitKV.FIELDS})
+    q = torch.randn(1, hkv * groups, 1, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+    rk, rv = rk.to(dtype), rv.to(dtype)
+    bias = torch.randn(1, hkv, s) * 0.5
+    scale = d ** -0.5
+    out, probs = lowbit_decode_attention(q.to(dev), kv, rk.to(dev), rv.to(dev), scale, bias=bias.to(dev),
+                                         backend="triton")
+    kv_cpu = LowBitKV(kv.bits, **{f: getattr(kv, f).cpu() for f in LowBitKV.FIELDS})
+    ref64, p64 = lowbit_decode_reference(q.double(), kv_cpu, rk, rv, scale, bias=bias)
+    plain, _ = lowbit_decode_reference(q, kv_cpu, rk, rv, scale, bias=bias)
+    err = (out.cpu().double() - ref64.double()).abs().max()
+    assert err <= 2 * (plain.double() - ref64.double()).abs().max() + 1e-7
+    torch.testing.assert_close(probs.cpu().double(), p64.double(), atol=1e-6, rtol=1e-5)
+
+
+def test_triton_refuses_what_it_does_not_compute():
+    kv, rk, rv = _random_lowbit(4, 2, 64, 64)
+    with pytest.raises(ValueError, match="re-rotate"):
+        lowbit_decode_attention(torch.randn(1, 4, 1, 64), kv, rk, rv, 0.1, rerotate=lambda k, a, b: k, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        lowbit_decode_attention(torch.randn(1, 4, 1, 64), kv, rk, rv, 0.1, backend="cuda")
 
 
 def test_blockwise_decode_attention_rerotates_keys_per_block():

@@ -236,10 +236,19 @@ class LowBitKV:
 DECODE_BLOCK = 512
 
 
+def _triton_applies(query: torch.Tensor, kv: LowBitKV, rerotate) -> bool:
+    import importlib.util
+
+    if not query.is_cuda or rerotate is not None or importlib.util.find_spec("triton") is None:
+        return False
+    d, dv = query.shape[-1], kv.value_codes.shape[-1] * 8 // kv.bits
+    return all(x >= 16 and not x & (x - 1) for x in (d, dv))
+
+
 def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tensor, values: torch.Tensor,
                             scaling: float, *, bias: torch.Tensor | None = None,
                             rerotate: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
-                            block: int = DECODE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                            block: int = DECODE_BLOCK, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """One decode query's attention over the quantized slots ``kv`` followed by ``keys``/``values``
     (``[B, Hkv, R, D]``, the newest tokens in the model's dtype), with its probabilities.
 
@@ -250,7 +259,17 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
     (max, sum and weighted values per query head); the logits are kept (``[B, Hq, S]`` float32, a few
     bytes per key) to return the probabilities. Returns ``(out [B, 1, Hq, Dv]`` in the query's dtype,
     ``probs [B, Hkv, G, 1, S]`` float32), as ``kvtrim.scores.decode_attention`` does for a plain cache.
+
+    ``backend``: ``"torch"`` (the loop above, any device), ``"triton"`` (the quantized slots in one
+    Triton kernel, ``kvtrim.attention.triton.lowbit``; no ``rerotate``; head dims powers of two >= 16)
+    or ``"auto"`` (default: Triton on a CUDA device where it applies, else torch).
     """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton'; got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if _triton_applies(query, kv, rerotate) else "torch"
+    if backend == "triton" and rerotate is not None:
+        raise ValueError("the Triton kernel does not re-rotate keys; use backend='torch'")
     b, hq, _, d = query.shape
     hkv = keys.shape[1]
     g = hq // hkv
@@ -278,8 +297,16 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
         acc = acc * keep + weigh(w)
         run_max = new_max
 
-    table = kv.key_table() if lq else None
-    for start in range(0, lq, block):
+    if backend == "triton" and lq:
+        from kvtrim.attention.triton.lowbit import lowbit_decode_triton
+
+        run_max, run_sum, acc = lowbit_decode_triton(query, kv, logits, scaling,
+                                                     None if bias is None else bias[..., :lq])
+        lq_loop = 0
+    else:
+        lq_loop = lq
+    table = kv.key_table() if lq_loop else None
+    for start in range(0, lq_loop, block):
         stop = min(lq, start + block)
         k = kv.keys(start, stop, table=table)
         if rerotate is not None:
