@@ -391,3 +391,27 @@ def test_cli_chat_saves_and_loads_at_its_bit_width(tiny_dir, tmp_path, capsys, m
     assert cli_status(["chat", "--model", tiny_dir, "--load", str(tmp_path / "s"), "--kv-bits", "8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("kvtrim: error:") and "kv_bits=2" in err[0], err
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def test_bench_kv_bits_records_bytes_by_the_formula(tiny_dir, tmp_path, capsys):
+    from conftest import load_benchmark
+
+    bench = load_benchmark("bench_kv_bits")
+    out = tmp_path / "r.json"
+    assert bench.main(["--model", tiny_dir, "--length", "150", "--new", "3", "--reps", "1", "--warmup", "0",
+                       "--bits", "16,4", "--methods", "full,snapkv", "--keep", "0.5", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    runs = {name: v[0] for name, v in r["runs"].items()}
+    assert all(x["kv_bytes"] == x["formula_bytes"] for x in runs.values())
+    assert runs["full@4"]["kv_bytes"] < runs["full@16"]["kv_bytes"]
+    assert runs["snapkv@4"]["stored"] == runs["snapkv@16"]["stored"] < runs["full@16"]["stored"]
+    capsys.readouterr()
+    assert bench.main(["--table", str(out)]) == 0
+    rows = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| full") or x.startswith("| snapkv")]
+    assert len(rows) == 4 and all("| yes |" in x for x in rows)
+
+
+def test_compress_passes_kv_bits_to_its_cache(model):
+    with kvtrim.compress(model, "snapkv", keep=0.5, kv_bits=8) as cache:
+        assert cache.kv_bits == 8 and all(isinstance(layer, LowBitLayer) for layer in cache.layers)
