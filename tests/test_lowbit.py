@@ -357,6 +357,8 @@ def test_python_refuses_bad_kv_bits(model, bad):
     ["generate", "--kv-bits", "four", "--prompt", "x"],
     ["chat", "--kv-bits", "1"],
     ["stream", "--kv-bits", "32", "--file", "x.txt"],
+    ["demo", "--kv-bits", "12"],
+    ["bench", "--kv-bits", "16.0"],
 ])
 def test_cli_refuses_bad_kv_bits(argv, capsys):
     assert cli_status(argv) == 2
@@ -415,3 +417,16 @@ def test_bench_kv_bits_records_bytes_by_the_formula(tiny_dir, tmp_path, capsys):
 def test_compress_passes_kv_bits_to_its_cache(model):
     with kvtrim.compress(model, "snapkv", keep=0.5, kv_bits=8) as cache:
         assert cache.kv_bits == 8 and all(isinstance(layer, LowBitLayer) for layer in cache.layers)
+
+
+def test_kvtrim_bench_takes_kv_bits(tiny_dir):
+    from kvtrim.eval.bench import make_bench_plan, run_bench, table
+
+    res = {}
+    for bits in (16, 4):
+        plan = make_bench_plan("full", 0.25, "256", reps=1, new_tokens=2, kv_bits=bits)
+        res[bits] = run_bench(tiny_dir, plan, rss=False, progress=False)
+    assert res[4]["rows"][0]["kv_bytes"] < res[16]["rows"][0]["kv_bytes"]
+    assert "kv_bits 4;" in table(res[4]) and "kv_bits" not in table(res[16])
+    with pytest.raises(KVTrimError, match="kv_bits must be one of"):
+        make_bench_plan("full", 0.25, "256", kv_bits=5)
