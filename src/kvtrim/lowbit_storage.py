@@ -90,6 +90,8 @@ class LowBitLayer(CompressedLayer):
         """Every stored key in the model's dtype, ``[B, H, stored, D]`` (dequantized: a copy)."""
         if self.lowbit is None or self._rk is None:
             return None
+        if not self.lowbit.length:  # a prompt before its decision: the residual itself, no copy
+            return self._rk[:, :, : self.n_res]
         return torch.cat([self.quantized_keys(self._rk.dtype), self._rk[:, :, : self.n_res]], dim=2)
 
     @keys.setter
@@ -102,6 +104,8 @@ class LowBitLayer(CompressedLayer):
         """Every stored value in the model's dtype, ``[B, H, stored, Dv]`` (dequantized: a copy)."""
         if self.lowbit is None or self._rv is None:
             return None
+        if not self.lowbit.length:
+            return self._rv[:, :, : self.n_res]
         return torch.cat([self.lowbit.values(dtype=self._rv.dtype), self._rv[:, :, : self.n_res]], dim=2)
 
     @values.setter
