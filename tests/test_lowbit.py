@@ -65,17 +65,22 @@ def _random_lowbit(bits, hkv, s, d, seed=0, residual=None):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("s, d, groups", [(63, 64, 3), (500, 128, 4), (4001, 64, 4), (500, 64, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_blockwise_decode_attention_matches_the_reference(bits, s, d, groups, dtype):
-    """docs/style.md's rule: the blockwise path's error against a float64 reference (over the same
-    dequantized keys and values) is at most twice the plain PyTorch reference's in the same dtype;
-    the probabilities agree to float32 rounding."""
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_blockwise_decode_attention_matches_the_reference(bits, s, d, groups, dtype, backend):
+    """docs/style.md's rule: the blockwise path's error (the torch loop, or kvtrim's C++ CPU kernel)
+    against a float64 reference (over the same dequantized keys and values) is at most twice the plain
+    PyTorch reference's in the same dtype; the probabilities agree to float32 rounding."""
+    from kvtrim.attention.native import kernel_for
+
+    if backend == "native" and kernel_for(torch.zeros(1)) != "native":
+        pytest.skip("kvtrim's native CPU kernel is not built here (KVTRIM_CPU_KERNEL=torch, or no compiler)")
     hkv = 2
     kv, rk, rv = _random_lowbit(bits, hkv, s, d, seed=s)
     q = torch.randn(1, hkv * groups, 1, d, generator=torch.Generator().manual_seed(7)).to(dtype)
     rk, rv = rk.to(dtype), rv.to(dtype)
     bias = torch.randn(1, hkv, s) * 0.5
     scale = d ** -0.5
-    out, probs = lowbit_decode_attention(q, kv, rk, rv, scale, bias=bias, block=128)
+    out, probs = lowbit_decode_attention(q, kv, rk, rv, scale, bias=bias, block=128, backend=backend)
     ref64, p64 = lowbit_decode_reference(q.double(), kv, rk, rv, scale, bias=bias)
     plain, _ = lowbit_decode_reference(q, kv, rk, rv, scale, bias=bias)
     assert out.shape == (1, 1, hkv * groups, d) and out.dtype == dtype
@@ -116,6 +121,8 @@ def test_triton_refuses_what_it_does_not_compute():
     kv, rk, rv = _random_lowbit(4, 2, 64, 64)
     with pytest.raises(ValueError, match="re-rotate"):
         lowbit_decode_attention(torch.randn(1, 4, 1, 64), kv, rk, rv, 0.1, rerotate=lambda k, a, b: k, backend="triton")
+    with pytest.raises(ValueError, match="re-rotate"):
+        lowbit_decode_attention(torch.randn(1, 4, 1, 64), kv, rk, rv, 0.1, rerotate=lambda k, a, b: k, backend="native")
     with pytest.raises(ValueError, match="backend"):
         lowbit_decode_attention(torch.randn(1, 4, 1, 64), kv, rk, rv, 0.1, backend="cuda")
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtrim.attention.native import kernel_for, native_lowbit_decode
+
 #: the bit widths a low-bit storage takes (16: the model's dtype, no quantization)
 BITS = (8, 4, 2)
 #: dtype of every scale and zero point
@@ -236,6 +238,10 @@ class LowBitKV:
 DECODE_BLOCK = 512
 
 
+def _native_applies(query: torch.Tensor, rerotate) -> bool:
+    return query.device.type == "cpu" and rerotate is None and kernel_for(query) == "native"
+
+
 def _triton_applies(query: torch.Tensor, kv: LowBitKV, rerotate) -> bool:
     import importlib.util
 
@@ -260,16 +266,20 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
     bytes per key) to return the probabilities. Returns ``(out [B, 1, Hq, Dv]`` in the query's dtype,
     ``probs [B, Hkv, G, 1, S]`` float32), as ``kvtrim.scores.decode_attention`` does for a plain cache.
 
-    ``backend``: ``"torch"`` (the loop above, any device), ``"triton"`` (the quantized slots in one
-    Triton kernel, ``kvtrim.attention.triton.lowbit``; no ``rerotate``; head dims powers of two >= 16)
-    or ``"auto"`` (default: Triton on a CUDA device where it applies, else torch).
+    ``backend``: ``"torch"`` (the loop above, any device), ``"native"`` (the quantized slots in
+    kvtrim's C++ CPU kernel, ``csrc/lowbit_decode.cpp``: two passes reading each code once, nothing
+    larger than one key in float32), ``"triton"`` (the quantized slots in one Triton kernel,
+    ``kvtrim.attention.triton.lowbit``; head dims powers of two >= 16) or ``"auto"`` (default: Triton
+    on a CUDA device where it applies, the native kernel on CPU where it is built, else torch). The
+    kernels take no ``rerotate``: a layer with re-rotated keys runs the torch loop.
     """
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'triton'; got {backend!r}")
+    if backend not in ("auto", "torch", "native", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch', 'native' or 'triton'; got {backend!r}")
     if backend == "auto":
-        backend = "triton" if _triton_applies(query, kv, rerotate) else "torch"
-    if backend == "triton" and rerotate is not None:
-        raise ValueError("the Triton kernel does not re-rotate keys; use backend='torch'")
+        backend = ("triton" if _triton_applies(query, kv, rerotate) else
+                   "native" if _native_applies(query, rerotate) else "torch")
+    if backend in ("native", "triton") and rerotate is not None:
+        raise ValueError(f"the {backend} kernel does not re-rotate keys; use backend='torch'")
     b, hq, _, d = query.shape
     hkv = keys.shape[1]
     g = hq // hkv
@@ -302,6 +312,9 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
 
         run_max, run_sum, acc = lowbit_decode_triton(query, kv, logits, scaling,
                                                      None if bias is None else bias[..., :lq])
+        lq_loop = 0
+    elif backend == "native" and lq:
+        run_max, run_sum, acc = native_lowbit_decode(query, kv, logits, scaling, None if bias is None else bias[..., :lq])
         lq_loop = 0
     else:
         lq_loop = lq
