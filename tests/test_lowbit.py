@@ -117,31 +117,56 @@ def test_triton_decode_attention_matches_the_reference(bits, s, d, groups, dtype
     torch.testing.assert_close(probs.cpu().double(), p64.double(), atol=1e-6, rtol=1e-5)
 
 
-def test_triton_refuses_what_it_does_not_compute():
+def _rotation(kv, seed=0, layout="half", turned=0.3):
+    from kvtrim.attention.lowbit import KeyRotation
+
+    g = torch.Generator().manual_seed(seed)
+    b, h, s = kv.key_group.shape
+    delta = torch.randint(-40, 40, (b, h, s), generator=g) * (torch.rand(b, h, s, generator=g) < turned)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, kv.key_scale.shape[-1] - 16, 2).float() / kv.key_scale.shape[-1]))
+    return KeyRotation.from_turns(delta, inv_freq, layout == "interleaved"), delta, inv_freq
+
+
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_key_rotation_turns_keys_as_rope_does(layout):
+    """A KeyRotation (a table of the distinct turns) turns keys as kvtrim.rope.rotate turns them by
+    the per-slot positions, partial rotary dims included (here 48 of 64 rotate)."""
+    from kvtrim.rope import rotate
+
+    kv, _, _ = _random_lowbit(4, 2, 100, 64)
+    rot, delta, inv_freq = _rotation(kv, layout=layout)
+    k = kv.keys()
+    torch.testing.assert_close(rot.apply(k, 0, 100), rotate(k, delta, inv_freq, layout), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rot.apply(k[:, :, 30:70], 30, 70), rotate(k, delta, inv_freq, layout)[:, :, 30:70],
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_decode_attention_with_turned_keys_matches_the_reference(backend, layout):
+    from kvtrim.attention.native import kernel_for
+
+    if backend == "native" and kernel_for(torch.zeros(1)) != "native":
+        pytest.skip("kvtrim's native CPU kernel is not built here (KVTRIM_CPU_KERNEL=torch, or no compiler)")
+    kv, rk, rv = _random_lowbit(4, 2, 500, 64)
+    rot, _, _ = _rotation(kv, seed=2, layout=layout)
+    q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(5))
+    out, probs = lowbit_decode_attention(q, kv, rk, rv, 0.125, rotation=rot, block=128, backend=backend)
+    ref64, p64 = lowbit_decode_reference(q.double(), kv, rk, rv, 0.125, rotation=rot)
+    plain, _ = lowbit_decode_reference(q, kv, rk, rv, 0.125, rotation=rot)
+    assert (out.double() - ref64).abs().max() <= 2 * (plain.double() - ref64).abs().max() + 1e-7
+    torch.testing.assert_close(probs.double(), p64.double(), atol=1e-6, rtol=1e-5)
+    unturned, _ = lowbit_decode_attention(q, kv, rk, rv, 0.125, backend=backend)
+    assert (unturned - out).abs().max() > 1e-3  # the turn matters: this test would see it missing
+
+
+def test_kernels_refuse_what_they_do_not_compute():
     kv, rk, rv = _random_lowbit(4, 2, 64, 64)
+    rot, _, _ = _rotation(kv)
     with pytest.raises(ValueError, match="re-rotate"):
-        lowbit_decode_attention(torch.randn(1, 4, 1, 64), kv, rk, rv, 0.1, rerotate=lambda k, a, b: k, backend="triton")
-    with pytest.raises(ValueError, match="re-rotate"):
-        lowbit_decode_attention(torch.randn(1, 4, 1, 64), kv, rk, rv, 0.1, rerotate=lambda k, a, b: k, backend="native")
+        lowbit_decode_attention(torch.randn(1, 4, 1, 64), kv, rk, rv, 0.1, rotation=rot, backend="triton")
     with pytest.raises(ValueError, match="backend"):
         lowbit_decode_attention(torch.randn(1, 4, 1, 64), kv, rk, rv, 0.1, backend="cuda")
-
-
-def test_blockwise_decode_attention_rerotates_keys_per_block():
-    """A ``rerotate`` turns each block's keys as the reference turns all of them at once."""
-    kv, rk, rv = _random_lowbit(4, 2, 200, 64)
-    q = torch.randn(1, 6, 1, 64)
-    calls = []
-
-    def rerotate(k, start, stop):
-        calls.append((start, stop))
-        return k * torch.arange(start, stop).view(1, 1, -1, 1).float().cos()
-
-    out, probs = lowbit_decode_attention(q, kv, rk, rv, 0.125, rerotate=rerotate, block=64)
-    ref, p_ref = lowbit_decode_reference(q, kv, rk, rv, 0.125, rerotate=rerotate)
-    assert calls[:-1] == [(0, 64), (64, 128), (128, 192)]
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(probs, p_ref, atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------- the storage in a model
@@ -472,6 +497,17 @@ def test_reassigned_keys_stay_within_8_bit_error_over_a_long_stream(one_layer, m
         assert b.n_quantized > 0
         rel = float((b.keys - a.keys).norm() / a.keys.norm())
         assert rel < 0.006, rel
+        # the decode step's attention turns its keys as the layer's keys are turned (kvtrim.rope through
+        # the model's rotary embedding): plain attention over them in float64 is its reference
+        q = torch.randn(1, model.config.num_attention_heads, 1, model.config.head_dim,
+                        generator=torch.Generator().manual_seed(4))
+        out, probs = b.decode_attention(q, 0.25)
+        hkv = b.keys.shape[1]
+        logits = torch.matmul(q.double().view(1, hkv, -1, q.shape[-1]), b.keys.double().transpose(-1, -2)) * 0.25
+        p = torch.softmax(logits, -1)
+        ref = torch.matmul(p, b.values.double()).reshape(1, -1, 1, q.shape[-1]).transpose(1, 2)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(probs.squeeze(3).double(), p, atol=2e-6, rtol=1e-4)
 
 
 def test_generate_batch_rows_equal_their_batch_1_runs_at_4_bits(model):

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtrim.attention.lowbit import BITS, LowBitKV, lowbit_decode_attention
+from kvtrim.attention.lowbit import BITS, KeyRotation, LowBitKV, lowbit_decode_attention
 from kvtrim.decisions import Decision, Keep, Merge, as_keep
 from kvtrim.errors import KVTrimError
 from kvtrim.rerotation import reassign_plan
@@ -344,8 +344,13 @@ class LowBitLayer(CompressedLayer):
         block (``lowbit_decode_attention``); returns ``(out [B, 1, Hq, Dv], probs [B, Hkv, G, 1, S])``."""
         assert self.lowbit is not None
         rk, rv = self.residual
-        rerotate = self.rerotate if self._qrot is not None else None
-        return lowbit_decode_attention(query, self.lowbit, rk, rv, scaling, bias=bias, rerotate=rerotate)
+        rotation = None
+        if self._qrot is not None and self._rot is not None and self.lowbit.length:
+            rotary = self.cache.rotary
+            assert rotary is not None  # found whenever keys are re-rotated (_rot exists)
+            rotation = KeyRotation.from_turns(self._rot[:, :, : self.lowbit.length] - self._qrot, rotary.inv_freq,
+                                              rotary.layout == "interleaved")
+        return lowbit_decode_attention(query, self.lowbit, rk, rv, scaling, bias=bias, rotation=rotation)
 
     # --- what persistence reads and restores -----------------------------------------------------------
     def lowbit_state(self) -> dict[str, torch.Tensor]:

@@ -27,7 +27,6 @@ softmax: no full-precision copy of the cache exists at any time. Its plain refer
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +40,7 @@ SCALE_DTYPE = torch.float16
 #: the largest magnitude a scale or zero point may take (float16's finite range)
 SCALE_MAX = float(torch.finfo(torch.float16).max)
 
-__all__ = ["BITS", "LowBitKV", "dequantize", "lowbit_decode_attention", "pack", "quantize", "unpack"]
+__all__ = ["BITS", "KeyRotation", "LowBitKV", "dequantize", "lowbit_decode_attention", "pack", "quantize", "unpack"]
 
 
 def _per_byte(bits: int) -> int:
@@ -238,14 +237,60 @@ class LowBitKV:
 DECODE_BLOCK = 512
 
 
-def _native_applies(query: torch.Tensor, rerotate) -> bool:
-    return query.device.type == "cpu" and rerotate is None and kernel_for(query) == "native"
+@dataclass(frozen=True)
+class KeyRotation:
+    """How far each quantized key has turned (RoPE) since it was packed, for a storage that re-rotates
+    kept keys without re-quantizing them.
+
+    ``index [B, H, S]`` int32: the row of ``table`` a slot's key turns by, or -1 (not turned);
+    ``table [U, F, 2]`` float32: ``(cos, sin)`` of each distinct turn for the ``F`` rotary frequencies;
+    ``interleaved``: the rotary pairs are ``(2i, 2i + 1)`` instead of ``(i, i + F)`` (the first ``2F``
+    dims rotate; partial rotary models keep the rest). A key ``x`` turns to ``x * cos + partner(x) * sin``
+    as ``kvtrim.rope.rotate`` turns it (its float64 angles rounded to float32 once)."""
+
+    index: torch.Tensor
+    table: torch.Tensor
+    interleaved: bool
+
+    @classmethod
+    def from_turns(cls, delta: torch.Tensor, inv_freq: torch.Tensor, interleaved: bool) -> "KeyRotation | None":
+        """The rotation for per-slot turns ``delta [B, H, S]`` (int64 positions) of a rotary embedding
+        with ``inv_freq [F]``; None when no key turned."""
+        turned = delta != 0
+        if not bool(turned.any()):
+            return None
+        uniq, inverse = torch.unique(delta[turned], return_inverse=True)
+        ang = uniq.to(torch.float64).unsqueeze(-1) * inv_freq.to(device=delta.device, dtype=torch.float64)
+        index = torch.full(delta.shape, -1, dtype=torch.int32, device=delta.device)
+        index[turned] = inverse.to(torch.int32)
+        return cls(index, torch.stack([ang.cos(), ang.sin()], dim=-1).float().contiguous(), interleaved)
+
+    def apply(self, k: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Keys ``k [B, H, n, D]`` (float32) of slots ``start:stop``, turned."""
+        idx = self.index[:, :, start:stop]
+        turned = idx >= 0
+        if not bool(turned.any()):
+            return k
+        f = self.table.shape[1]
+        cs = self.table.index_select(0, idx.clamp(min=0).reshape(-1).long()).view(*idx.shape, f, 2)
+        cos = torch.where(turned.unsqueeze(-1), cs[..., 0], 1.0)
+        sin = torch.where(turned.unsqueeze(-1), cs[..., 1], 0.0)
+        a, b = (slice(0, 2 * f, 2), slice(1, 2 * f, 2)) if self.interleaved else (slice(0, f), slice(f, 2 * f))
+        out = k.clone()
+        x1, x2 = k[..., a], k[..., b]
+        out[..., a] = x1 * cos - x2 * sin
+        out[..., b] = x2 * cos + x1 * sin
+        return out
 
 
-def _triton_applies(query: torch.Tensor, kv: LowBitKV, rerotate) -> bool:
+def _native_applies(query: torch.Tensor) -> bool:
+    return query.device.type == "cpu" and kernel_for(query) == "native"
+
+
+def _triton_applies(query: torch.Tensor, kv: LowBitKV, rotation) -> bool:
     import importlib.util
 
-    if not query.is_cuda or rerotate is not None or importlib.util.find_spec("triton") is None:
+    if not query.is_cuda or rotation is not None or importlib.util.find_spec("triton") is None:
         return False
     d, dv = query.shape[-1], kv.value_codes.shape[-1] * 8 // kv.bits
     return all(x >= 16 and not x & (x - 1) for x in (d, dv))
@@ -253,14 +298,14 @@ def _triton_applies(query: torch.Tensor, kv: LowBitKV, rerotate) -> bool:
 
 def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tensor, values: torch.Tensor,
                             scaling: float, *, bias: torch.Tensor | None = None,
-                            rerotate: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None,
+                            rotation: KeyRotation | None = None,
                             block: int = DECODE_BLOCK, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """One decode query's attention over the quantized slots ``kv`` followed by ``keys``/``values``
     (``[B, Hkv, R, D]``, the newest tokens in the model's dtype), with its probabilities.
 
     ``query [B, Hq, 1, D]``; ``bias [B, Hkv, S]`` (``S = kv.length + R``) is added to each key's logit;
-    ``rerotate(k, start, stop)`` turns the dequantized keys of slots ``start:stop`` (float32) into the
-    keys the query sees (a storage whose keys were re-rotated after they were quantized). The quantized
+    ``rotation`` turns the dequantized keys into the keys the query sees (a storage whose keys were
+    re-rotated after they were quantized, :class:`KeyRotation`). The quantized
     slots are read ``block`` at a time, dequantized to float32, and folded into a running softmax
     (max, sum and weighted values per query head); the logits are kept (``[B, Hq, S]`` float32, a few
     bytes per key) to return the probabilities. Returns ``(out [B, 1, Hq, Dv]`` in the query's dtype,
@@ -271,15 +316,15 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
     larger than one key in float32), ``"triton"`` (the quantized slots in one Triton kernel,
     ``kvtrim.attention.triton.lowbit``; head dims powers of two >= 16) or ``"auto"`` (default: Triton
     on a CUDA device where it applies, the native kernel on CPU where it is built, else torch). The
-    kernels take no ``rerotate``: a layer with re-rotated keys runs the torch loop.
+    Triton kernel takes no ``rotation``: a layer with re-rotated keys runs the torch loop on CUDA.
     """
     if backend not in ("auto", "torch", "native", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch', 'native' or 'triton'; got {backend!r}")
     if backend == "auto":
-        backend = ("triton" if _triton_applies(query, kv, rerotate) else
-                   "native" if _native_applies(query, rerotate) else "torch")
-    if backend in ("native", "triton") and rerotate is not None:
-        raise ValueError(f"the {backend} kernel does not re-rotate keys; use backend='torch'")
+        backend = ("triton" if _triton_applies(query, kv, rotation) else
+                   "native" if _native_applies(query) else "torch")
+    if backend == "triton" and rotation is not None:
+        raise ValueError("the Triton kernel does not re-rotate keys; use backend='torch' or 'native'")
     b, hq, _, d = query.shape
     hkv = keys.shape[1]
     g = hq // hkv
@@ -314,7 +359,8 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
                                                      None if bias is None else bias[..., :lq])
         lq_loop = 0
     elif backend == "native" and lq:
-        run_max, run_sum, acc = native_lowbit_decode(query, kv, logits, scaling, None if bias is None else bias[..., :lq])
+        run_max, run_sum, acc = native_lowbit_decode(query, kv, logits, scaling, None if bias is None else bias[..., :lq],
+                                                     rotation)
         lq_loop = 0
     else:
         lq_loop = lq
@@ -322,8 +368,8 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
     for start in range(0, lq_loop, block):
         stop = min(lq, start + block)
         k = kv.keys(start, stop, table=table)
-        if rerotate is not None:
-            k = rerotate(k, start, stop)
+        if rotation is not None:
+            k = rotation.apply(k, start, stop)
         codes = unpack(kv.value_codes[:, :, start:stop], kv.bits).float()
         v_scale = kv.value_scale[:, :, None, start:stop].float()
         v_zero = kv.value_zero[:, :, None, start:stop].float()

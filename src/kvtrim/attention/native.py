@@ -263,11 +263,12 @@ def native_causal_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 def native_lowbit_decode(query: torch.Tensor, kv, logits: torch.Tensor, scale: float,
-                         bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         bias: torch.Tensor | None = None, rotation=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The quantized slots' part of a decode step (``csrc/lowbit_decode.cpp``): ``query [B, Hq, 1, D]``,
     ``kv`` a ``kvtrim.attention.lowbit.LowBitKV`` of ``lq >= 1`` slots; writes ``logits[..., :lq]``
     (``[B, Hkv, G, S]`` float32, contiguous) and returns the softmax state ``(max [B, Hkv, G, 1],
-    sum [B, Hkv, G, 1], acc [B, Hkv, G, Dv])`` in float32, as the Triton twin does."""
+    sum [B, Hkv, G, 1], acc [B, Hkv, G, Dv])`` in float32, as the Triton twin does. ``rotation``: a
+    ``kvtrim.attention.lowbit.KeyRotation`` (the turn of each slot's key since it was packed), or None."""
     if not load_native():
         raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
     b, hq, _, d = query.shape
@@ -281,7 +282,12 @@ def native_lowbit_decode(query: torch.Tensor, kv, logits: torch.Tensor, scale: f
 
     q = query.reshape(b * hkv, g, d).float().contiguous()
     bias_t = flat(bias.float()) if bias is not None else torch.empty(0)
+    if rotation is not None:
+        rot_index, rot_table, interleaved = flat(rotation.index), rotation.table.contiguous(), rotation.interleaved
+    else:
+        rot_index, rot_table, interleaved = torch.empty(0, dtype=torch.int32), torch.empty(0), False
     m, lsum, acc = torch.ops.kvtrim_native.lowbit_decode(
         q, flat(kv.key_codes), flat(kv.key_group), kv.key_table().contiguous(), flat(kv.value_codes),
-        flat(kv.value_scale), flat(kv.value_zero), bias_t, int(kv.bits), float(scale), logits.view(b * hkv, g, -1))
+        flat(kv.value_scale), flat(kv.value_zero), bias_t, rot_index, rot_table, bool(interleaved), int(kv.bits),
+        float(scale), logits.view(b * hkv, g, -1))
     return m.view(b, hkv, g, 1), lsum.view(b, hkv, g, 1), acc.view(b, hkv, g, -1)

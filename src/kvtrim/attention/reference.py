@@ -110,14 +110,14 @@ def layout_to_mask(layout: SparseLayout) -> torch.Tensor:
 
 
 def lowbit_decode_reference(query: torch.Tensor, kv, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                            bias: torch.Tensor | None = None, rerotate=None) -> tuple[torch.Tensor, torch.Tensor]:
+                            bias: torch.Tensor | None = None, rotation=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle of ``kvtrim.attention.lowbit.lowbit_decode_attention``: dequantize every slot of
     ``kv`` (a ``LowBitKV``), append ``keys``/``values``, and take one softmax over all of it, in float32
     (float64 for a float64 query). Returns ``(out [B, 1, Hq, Dv], probs [B, Hkv, G, 1, S])``."""
     ct = _compute_dtype(query)
     k_q = kv.keys(dtype=torch.float32)
-    if rerotate is not None and kv.length:
-        k_q = rerotate(k_q, 0, kv.length)
+    if rotation is not None and kv.length:  # a KeyRotation: the turn of each key since it was packed
+        k_q = rotation.apply(k_q, 0, kv.length)
     k = torch.cat([k_q.to(ct), keys.to(ct)], dim=2)
     v = torch.cat([kv.values(dtype=ct), values.to(ct)], dim=2)
     b, hq, _, d = query.shape

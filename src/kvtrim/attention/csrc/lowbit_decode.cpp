@@ -13,7 +13,8 @@
 // p * scale and sums p * zero apart, so no value is ever dequantized as a vector. Nothing larger
 // than one key is ever held in float32. Returns each row's maximum, its sum of exp(logit - max) and
 // the unnormalised output, in float32, which the caller folds with the tokens still held in the
-// model's dtype.
+// model's dtype. A key whose rotation changed since it was packed (kvtrim's ``reassigned`` positions)
+// is turned as it is unpacked, by the (cos, sin) row its slot names in a table of the distinct turns.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -54,6 +55,7 @@ inline void flush(const std::vector<float>& part, const std::vector<float>& wpar
 template <int BITS>
 void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& kg, const at::Tensor& table,
                         const at::Tensor& vc, const at::Tensor& vs, const at::Tensor& vz, const at::Tensor& bias,
+                        const at::Tensor& rot_index, const at::Tensor& rot_table, bool interleaved,
                         double scale, at::Tensor& logits, at::Tensor& m_out, at::Tensor& l_out, at::Tensor& acc_out) {
   const int64_t bh = q.size(0), g = q.size(1), d = q.size(2);
   const int64_t s = kc.size(1), pk = kc.size(2), pv = vc.size(2);
@@ -68,6 +70,9 @@ void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   const at::Half* vsp = vs.data_ptr<at::Half>();
   const at::Half* vzp = vz.data_ptr<at::Half>();
   const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const int32_t* rip = rot_index.numel() ? rot_index.data_ptr<int32_t>() : nullptr;
+  const float* rtp = rot_table.numel() ? rot_table.data_ptr<float>() : nullptr;
+  const int64_t nf = rot_table.numel() ? rot_table.size(1) : 0;  // rotary frequencies (pairs)
   float* lp = logits.data_ptr<float>();
   float* mp = m_out.data_ptr<float>();
   float* sp = l_out.data_ptr<float>();
@@ -88,6 +93,15 @@ void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
         unpack_codes<BITS>(kcp + (r * s + t) * pk, static_cast<int>(d), key.data());
         const float* row = tab + static_cast<int64_t>(kgp[r * s + t]) * 2 * d;
         for (int64_t i = 0; i < d; ++i) key[i] = key[i] * row[i] + row[d + i];
+        if (rip && rip[r * s + t] >= 0) {  // a key re-rotated since it was packed: turn it (kvtrim.rope.rotate)
+          const float* cs = rtp + static_cast<int64_t>(rip[r * s + t]) * nf * 2;
+          for (int64_t i = 0; i < nf; ++i) {
+            const int64_t a = interleaved ? 2 * i : i, b2 = interleaved ? 2 * i + 1 : i + nf;
+            const float x1 = key[a], x2 = key[b2], c = cs[2 * i], sn = cs[2 * i + 1];
+            key[a] = x1 * c - x2 * sn;
+            key[b2] = x2 * c + x1 * sn;
+          }
+        }
         const float b = bp ? bp[r * s + t] : 0.0f;
         for (int64_t j = 0; j < g; ++j) {
           const float* qj = qr + j * d;
@@ -135,7 +149,8 @@ void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_decode(
     const at::Tensor& q, const at::Tensor& kc, const at::Tensor& kg, const at::Tensor& table, const at::Tensor& vc,
-    const at::Tensor& vs, const at::Tensor& vz, const at::Tensor& bias, int64_t bits, double scale, at::Tensor& logits) {
+    const at::Tensor& vs, const at::Tensor& vz, const at::Tensor& bias, const at::Tensor& rot_index,
+    const at::Tensor& rot_table, bool interleaved, int64_t bits, double scale, at::Tensor& logits) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [BH, G, D], contiguous");
   TORCH_CHECK(kc.dim() == 3 && kc.scalar_type() == at::kByte && kc.is_contiguous() && kc.size(0) == q.size(0),
               "key codes must be uint8 [BH, S, P], contiguous");
@@ -152,6 +167,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_decode(
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == kg.numel()),
               "bias must be empty or float32 [BH, S], contiguous");
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
+  TORCH_CHECK(rot_index.numel() == 0 || (rot_index.scalar_type() == at::kInt && rot_index.is_contiguous() &&
+                                         rot_index.numel() == kg.numel() && rot_table.dim() == 3 &&
+                                         rot_table.scalar_type() == at::kFloat && rot_table.is_contiguous() &&
+                                         rot_table.size(2) == 2 && 2 * rot_table.size(1) <= q.size(2)),
+              "rotations must be empty, or int32 [BH, S] indices into a float32 [U, F, 2] (cos, sin) table, 2F <= D");
   TORCH_CHECK(kc.size(2) * (8 / bits) == q.size(2), "key codes do not pack the query's head dim");
   TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
                   logits.size(0) == q.size(0) && logits.size(1) == q.size(1) && logits.size(2) >= kc.size(1),
@@ -161,11 +181,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_decode(
   auto l = at::empty({q.size(0), q.size(1)}, q.options());
   auto acc = at::empty({q.size(0), q.size(1), dv}, q.options());
   if (bits == 8) {
-    lowbit_decode_impl<8>(q, kc, kg, table, vc, vs, vz, bias, scale, logits, m, l, acc);
+    lowbit_decode_impl<8>(q, kc, kg, table, vc, vs, vz, bias, rot_index, rot_table, interleaved, scale, logits, m, l, acc);
   } else if (bits == 4) {
-    lowbit_decode_impl<4>(q, kc, kg, table, vc, vs, vz, bias, scale, logits, m, l, acc);
+    lowbit_decode_impl<4>(q, kc, kg, table, vc, vs, vz, bias, rot_index, rot_table, interleaved, scale, logits, m, l, acc);
   } else {
-    lowbit_decode_impl<2>(q, kc, kg, table, vc, vs, vz, bias, scale, logits, m, l, acc);
+    lowbit_decode_impl<2>(q, kc, kg, table, vc, vs, vz, bias, rot_index, rot_table, interleaved, scale, logits, m, l, acc);
   }
   return {m, l, acc};
 }
@@ -174,7 +194,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_decode(
 
 TORCH_LIBRARY_FRAGMENT(kvtrim_native, m) {
   m.def("lowbit_decode(Tensor q, Tensor key_codes, Tensor key_group, Tensor key_table, Tensor value_codes, "
-        "Tensor value_scale, Tensor value_zero, Tensor bias, int bits, float scale, Tensor(a!) logits) "
+        "Tensor value_scale, Tensor value_zero, Tensor bias, Tensor rot_index, Tensor rot_table, bool interleaved, "
+        "int bits, float scale, Tensor(a!) logits) "
         "-> (Tensor, Tensor, Tensor)");
   m.impl("lowbit_decode", c10::DispatchKey::CPU, &lowbit_decode);
 }
