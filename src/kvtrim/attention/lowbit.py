@@ -287,10 +287,10 @@ def _native_applies(query: torch.Tensor) -> bool:
     return query.device.type == "cpu" and kernel_for(query) == "native"
 
 
-def _triton_applies(query: torch.Tensor, kv: LowBitKV, rotation) -> bool:
+def _triton_applies(query: torch.Tensor, kv: LowBitKV) -> bool:
     import importlib.util
 
-    if not query.is_cuda or rotation is not None or importlib.util.find_spec("triton") is None:
+    if not query.is_cuda or importlib.util.find_spec("triton") is None:
         return False
     d, dv = query.shape[-1], kv.value_codes.shape[-1] * 8 // kv.bits
     return all(x >= 16 and not x & (x - 1) for x in (d, dv))
@@ -315,16 +315,12 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
     kvtrim's C++ CPU kernel, ``csrc/lowbit_decode.cpp``: two passes reading each code once, nothing
     larger than one key in float32), ``"triton"`` (the quantized slots in one Triton kernel,
     ``kvtrim.attention.triton.lowbit``; head dims powers of two >= 16) or ``"auto"`` (default: Triton
-    on a CUDA device where it applies, the native kernel on CPU where it is built, else torch). The
-    Triton kernel takes no ``rotation``: a layer with re-rotated keys runs the torch loop on CUDA.
+    on a CUDA device where it applies, the native kernel on CPU where it is built, else torch).
     """
     if backend not in ("auto", "torch", "native", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch', 'native' or 'triton'; got {backend!r}")
     if backend == "auto":
-        backend = ("triton" if _triton_applies(query, kv, rotation) else
-                   "native" if _native_applies(query) else "torch")
-    if backend == "triton" and rotation is not None:
-        raise ValueError("the Triton kernel does not re-rotate keys; use backend='torch' or 'native'")
+        backend = "triton" if _triton_applies(query, kv) else "native" if _native_applies(query) else "torch"
     b, hq, _, d = query.shape
     hkv = keys.shape[1]
     g = hq // hkv
@@ -356,7 +352,7 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
         from kvtrim.attention.triton.lowbit import lowbit_decode_triton
 
         run_max, run_sum, acc = lowbit_decode_triton(query, kv, logits, scaling,
-                                                     None if bias is None else bias[..., :lq])
+                                                     None if bias is None else bias[..., :lq], rotation)
         lq_loop = 0
     elif backend == "native" and lq:
         run_max, run_sum, acc = native_lowbit_decode(query, kv, logits, scaling, None if bias is None else bias[..., :lq],
