@@ -34,7 +34,7 @@ def test_pack_unpack_round_trip(bits):
 def test_quantization_error_is_at_most_half_a_step(bits):
     """Min/max quantization rounds to the nearest of 2**bits levels spanning the range: every element
     is within half a step (``scale / 2``) of its code's value, up to float32 rounding of the product."""
-    x = torch.randn(2, 3, 4, GROUP, 64) * torch.linspace(0.1, 30, 64)  # channels of very different ranges
+    x = torch.randn(2, 3, 4, GROUP, 64, generator=torch.Generator().manual_seed(bits)) * torch.linspace(0.1, 30, 64)  # channels of very different ranges
     x[..., 5] += 100.0  # an outlier channel
     codes, scale, zero = quantize(x, 3, bits)
     back = codes.float() * scale.float() + zero.float()
@@ -78,7 +78,7 @@ def test_blockwise_decode_attention_matches_the_reference(bits, s, d, groups, dt
     kv, rk, rv = _random_lowbit(bits, hkv, s, d, seed=s)
     q = torch.randn(1, hkv * groups, 1, d, generator=torch.Generator().manual_seed(7)).to(dtype)
     rk, rv = rk.to(dtype), rv.to(dtype)
-    bias = torch.randn(1, hkv, s) * 0.5
+    bias = torch.randn(1, hkv, s, generator=torch.Generator().manual_seed(11)) * 0.5
     scale = d ** -0.5
     out, probs = lowbit_decode_attention(q, kv, rk, rv, scale, bias=bias, block=128, backend=backend)
     ref64, p64 = lowbit_decode_reference(q.double(), kv, rk, rv, scale, bias=bias)
@@ -105,7 +105,7 @@ def test_triton_decode_attention_matches_the_reference(bits, s, d, groups, dtype
     kv = LowBitKV(kv.bits, **{f: getattr(kv, f).to(dev) for f in LowBitKV.FIELDS})
     q = torch.randn(1, hkv * groups, 1, d, generator=torch.Generator().manual_seed(3)).to(dtype)
     rk, rv = rk.to(dtype), rv.to(dtype)
-    bias = torch.randn(1, hkv, s) * 0.5
+    bias = torch.randn(1, hkv, s, generator=torch.Generator().manual_seed(11)) * 0.5
     scale = d ** -0.5
     out, probs = lowbit_decode_attention(q.to(dev), kv, rk.to(dev), rv.to(dev), scale, bias=bias.to(dev),
                                          backend="triton")

@@ -216,21 +216,24 @@ class LowBitKV:
     def keys(self, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.float32,
              table: torch.Tensor | None = None) -> torch.Tensor:
         """Dequantized keys of slots ``start:stop``, ``[B, H, n, D]`` in ``dtype`` (as quantized: the
-        rotation a storage may add is its own); ``table``: :meth:`key_table`, when at hand."""
+        rotation a storage may add is its own), computed in float32 (float64 for ``dtype`` float64: the
+        exact values the codes stand for); ``table``: :meth:`key_table`, when at hand."""
         codes = unpack(self.key_codes[:, :, start:stop], self.bits)
         b, h, n, d = codes.shape
         if table is None:
             table = self.key_table()
         ng = self.key_scale.shape[2]
         rows = self.key_group[:, :, start:stop].long() + (torch.arange(b * h, device=codes.device) * ng).view(b, h, 1)
-        sz = table.index_select(0, rows.reshape(-1)).view(b, h, n, 2 * d)
-        return torch.addcmul(sz[..., d:], codes.float(), sz[..., :d]).to(dtype)
+        ct = torch.float64 if dtype == torch.float64 else torch.float32
+        sz = table.index_select(0, rows.reshape(-1)).view(b, h, n, 2 * d).to(ct)
+        return torch.addcmul(sz[..., d:], codes.to(ct), sz[..., :d]).to(dtype)
 
     def values(self, start: int = 0, stop: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantized values of slots ``start:stop``, ``[B, H, n, Dv]`` in ``dtype``."""
+        """Dequantized values of slots ``start:stop``, ``[B, H, n, Dv]`` in ``dtype`` (computed as :meth:`keys`)."""
         codes = unpack(self.value_codes[:, :, start:stop], self.bits)
-        return torch.addcmul(self.value_zero[:, :, start:stop, None].float(), codes.float(),
-                             self.value_scale[:, :, start:stop, None].float()).to(dtype)
+        ct = torch.float64 if dtype == torch.float64 else torch.float32
+        return torch.addcmul(self.value_zero[:, :, start:stop, None].to(ct), codes.to(ct),
+                             self.value_scale[:, :, start:stop, None].to(ct)).to(dtype)
 
 
 #: slots dequantized at a time by :func:`lowbit_decode_attention`
@@ -366,13 +369,12 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
         k = kv.keys(start, stop, table=table)
         if rotation is not None:
             k = rotation.apply(k, start, stop)
-        codes = unpack(kv.value_codes[:, :, start:stop], kv.bits).float()
-        v_scale = kv.value_scale[:, :, None, start:stop].float()
-        v_zero = kv.value_zero[:, :, None, start:stop].float()
+        # the values dequantized (one rounding each): weighing the codes by p * scale and adding p . zero
+        # apart would cancel two large float32 sums against each other
+        v = kv.values(start, stop)
 
-        def weigh(w: torch.Tensor, codes=codes, v_scale=v_scale, v_zero=v_zero) -> torch.Tensor:
-            # sum_t w_t (c_t s_t + z_t) = (w * s) @ c + (w . z): the values are never dequantized
-            return torch.matmul(w * v_scale, codes) + (w * v_zero).sum(dim=-1, keepdim=True)
+        def weigh(w: torch.Tensor, v=v) -> torch.Tensor:
+            return torch.matmul(w, v)
 
         fold(k, start, stop, weigh)
     if r:

@@ -113,9 +113,9 @@ def lowbit_decode_reference(query: torch.Tensor, kv, keys: torch.Tensor, values:
                             bias: torch.Tensor | None = None, rotation=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle of ``kvtrim.attention.lowbit.lowbit_decode_attention``: dequantize every slot of
     ``kv`` (a ``LowBitKV``), append ``keys``/``values``, and take one softmax over all of it, in float32
-    (float64 for a float64 query). Returns ``(out [B, 1, Hq, Dv], probs [B, Hkv, G, 1, S])``."""
+    (float64 for a float64 query, the codes dequantized in float64 too). Returns ``(out [B, 1, Hq, Dv], probs [B, Hkv, G, 1, S])``."""
     ct = _compute_dtype(query)
-    k_q = kv.keys(dtype=torch.float32)
+    k_q = kv.keys(dtype=ct)  # float64: the exact values the codes stand for
     if rotation is not None and kv.length:  # a KeyRotation: the turn of each key since it was packed
         k_q = rotation.apply(k_q, 0, kv.length)
     k = torch.cat([k_q.to(ct), keys.to(ct)], dim=2)
