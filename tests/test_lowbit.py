@@ -44,6 +44,20 @@ def test_quantization_error_is_at_most_half_a_step(bits):
     assert int(codes.max()) <= (1 << bits) - 1
 
 
+def test_take_slots_equals_a_gather():
+    from kvtrim.attention.lowbit import take_slots
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(2, 3, 40, 5, generator=g)
+    idx = torch.sort(torch.randint(0, 25, (2, 3, 7), generator=g), dim=-1).values
+    shared = idx[:1, :1].expand(2, 3, 7)
+    for t in (buf, buf[:, :, :25], buf[..., 0], buf[:, :, :25, 0], buf.transpose(2, 3).transpose(2, 3).contiguous(),
+              buf.permute(0, 2, 1, 3).permute(0, 2, 1, 3), buf[..., 1:3]):
+        for ix in (idx, shared):
+            want = torch.gather(t, 2, ix if t.dim() == 3 else ix.unsqueeze(-1).expand(*ix.shape, t.shape[-1]))
+            assert torch.equal(take_slots(t, ix), want)
+
+
 def test_quantize_refuses_what_float16_cannot_hold():
     with pytest.raises(ValueError, match="float16"):
         quantize(torch.full((1, 1, 4, 8), 1e6), 2, 4)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtrim.attention.lowbit import BITS, KeyRotation, LowBitKV, lowbit_decode_attention
+from kvtrim.attention.lowbit import BITS, KeyRotation, LowBitKV, lowbit_decode_attention, take_slots
 from kvtrim.decisions import Decision, Keep, Merge, as_keep
 from kvtrim.errors import KVTrimError
 from kvtrim.rerotation import reassign_plan
@@ -49,12 +49,6 @@ from kvtrim.storage import CompressedLayer, Owner
 #: channel and group then cost 1 bit per key element, and at most 31 tokens wait in the model's
 #: dtype for their group.
 GROUP = 32
-
-
-def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``t [B, H, C, ...]`` at slots ``idx [B, H, K]``."""
-    ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
-    return torch.gather(t, 2, ix)
 
 
 class LowBitLayer(CompressedLayer):
@@ -266,14 +260,14 @@ class LowBitLayer(CompressedLayer):
         # the residual: kept residual tokens, and the quantized slots beyond the shortest head's, dequantized
         rk, rv = self.residual
         at = (r_idx - lq).clamp(min=0)
-        new_rk, new_rv = _gather(rk, at), _gather(rv, at)
+        new_rk, new_rv = take_slots(rk, at), take_slots(rv, at)
         from_q = r_idx < lq
         if lq and bool(from_q.any()):
             slots = r_idx.clamp(max=lq - 1)
             part = old_q.take(slots)
             dk = part.keys()
             if old_qrot is not None and old_rot is not None:
-                delta = _gather(old_rot, slots) - _gather(old_qrot, slots)
+                delta = take_slots(old_rot, slots) - take_slots(old_qrot, slots)
                 if bool(delta.any()):
                     assert self.cache.rotary is not None
                     dk = self.cache.rotary.rotate(dk, delta)
@@ -288,13 +282,13 @@ class LowBitLayer(CompressedLayer):
         self.lowbit = old_q.take(q_idx)
         self.lowbit.compact()
         if old_qrot is not None:
-            self._qrot = _gather(old_qrot, q_idx)
+            self._qrot = take_slots(old_qrot, q_idx)
         # per-slot bookkeeping, with the usual slack
         cap = k + self.slack(k)
 
         def take(t: torch.Tensor) -> torch.Tensor:
             new = t.new_empty(*t.shape[:2], cap)
-            new[:, :, :k] = _gather(t[:, :, : self.length], idx)
+            new[:, :, :k] = take_slots(t, idx)  # the whole buffer: its rows are read by index
             return new
 
         self._pos = take(self._pos)

@@ -40,13 +40,36 @@ SCALE_DTYPE = torch.float16
 #: the largest magnitude a scale or zero point may take (float16's finite range)
 SCALE_MAX = float(torch.finfo(torch.float16).max)
 
-__all__ = ["BITS", "KeyRotation", "LowBitKV", "dequantize", "lowbit_decode_attention", "pack", "quantize", "unpack"]
+__all__ = ["BITS", "KeyRotation", "LowBitKV", "dequantize", "lowbit_decode_attention", "pack", "quantize", "take_slots",
+           "unpack"]
 
 
 def _per_byte(bits: int) -> int:
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}; got {bits!r}")
     return 8 // bits
+
+
+def take_slots(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t [B, H, C, ...]`` at slots ``idx [B, H, K]`` (each ``< C``), as a new tensor. Where ``t`` is a
+    buffer with its slots as rows (the trailing dims contiguous, every head the same number of rows
+    apart: a contiguous tensor or a prefix of one along the slots), one ``index_select`` over those
+    rows (several times faster than a gather with an expanded index); else a gather."""
+    b, h, c = t.shape[:3]
+    rest = t.shape[3:]
+    width = 1
+    for n in rest:
+        width *= n
+    k = idx.shape[-1]
+    dense = t.dim() == 3 or (t.stride(-1) == 1 and all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1]
+                                                        for i in range(3, t.dim() - 1)))
+    if dense and t.stride(2) == width and t.stride(1) % width == 0 and t.stride(0) == h * t.stride(1) and b * h * c:
+        per = t.stride(1) // width
+        rows = t.as_strided(((b * h - 1) * per + c, width), (width, 1))
+        flat = (idx + (torch.arange(b * h, device=idx.device) * per).view(b, h, 1)).reshape(-1)
+        return rows.index_select(0, flat).view(b, h, k, *rest)
+    ix = idx if t.dim() == 3 else idx.view(b, h, k, *([1] * len(rest))).expand(b, h, k, *rest)
+    return torch.gather(t, 2, ix)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -180,12 +203,9 @@ class LowBitKV:
     def take(self, idx: torch.Tensor) -> "LowBitKV":
         """The slots ``idx`` (``[B, H, K]``, each ``< length``) in that order, as new tensors (the groups'
         scales are shared until :meth:`compact`)."""
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            ix = idx if t.dim() == 3 else idx.unsqueeze(-1).expand(*idx.shape, t.shape[-1])
-            return torch.gather(t, 2, ix)
-
-        return LowBitKV(self.bits, gather(self.key_codes), gather(self.key_group), self.key_scale, self.key_zero,
-                        gather(self.value_codes), gather(self.value_scale), gather(self.value_zero))
+        return LowBitKV(self.bits, take_slots(self.key_codes, idx), take_slots(self.key_group, idx), self.key_scale,
+                        self.key_zero, take_slots(self.value_codes, idx), take_slots(self.value_scale, idx),
+                        take_slots(self.value_zero, idx))
 
     def compact(self) -> None:
         """Drop the groups no slot uses any more (their scales and zero points), renumbering the rest
