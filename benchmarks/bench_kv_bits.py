@@ -23,19 +23,18 @@ import sys
 from kvtrim import harness
 
 
-def formula_bytes(cache) -> int:
-    """The bytes a cache's key/value storage holds by the storage's formula, from its layers' counts:
-    16 bits, the allocated slots times ``2 * head_dim`` elements; low-bit, per quantized slot and KV
-    head the packed codes, a 4-byte group id and a float16 value scale and zero, per key group and
-    KV head a float16 scale and zero per channel, and the residual's allocated slots."""
+def formula_bytes(cache) -> int | None:
+    """The bytes a low-bit cache's key/value storage holds by the storage's formula, from its layers'
+    counts: per quantized slot and KV head the packed codes, a 4-byte group id and a float16 value
+    scale and zero, per key group and KV head a float16 scale and zero per channel, and the residual's
+    allocated slots in the model's dtype. None for a 16-bit cache (its buffers' bytes are the count)."""
+    if cache.kv_bits == 16:
+        return None
     total = 0
     for layer in cache.compressed_layers:
         el = layer.element_size()
         b, h = layer.positions.shape[:2]
         d = cache.head_dim
-        if getattr(layer, "lowbit", None) is None:
-            total += b * h * layer.capacity * 2 * d * el
-            continue
         kv, bits = layer.lowbit, layer.bits
         res_slots = layer.residual[0].untyped_storage().nbytes() // (b * h * d * el)
         total += b * h * (kv.length * (2 * d * bits // 8 + 4 + 4) + kv.groups * d * 4 + res_slots * 2 * d * el)
@@ -47,7 +46,7 @@ def table(r: dict) -> str:
     lines = [f"{r['model']} ({r['dtype']}), prompt {r['prompt_tokens']} tokens, {r['new_tokens']} decoded, median of "
              f"{r['reps']} interleaved repetitions, {r['info'].get('torch_threads', '?')} torch thread(s) (load average "
              f"{r['info']['loadavg_start'][0]:.1f} at the start).", "",
-             "| method | kv_bits | stored tokens | resident KV MiB | of 16-bit | formula = reported | decode ms/step (median) | runs |",
+             "| method | kv_bits | stored tokens | resident KV MiB | of 16-bit | reported = formula | decode ms/step (median) | runs |",
              "|---|---:|---:|---:|---:|---|---:|---|"]
     for c in r["configs"]:
         runs = r["runs"].get(c["name"], [])
@@ -59,7 +58,8 @@ def table(r: dict) -> str:
         ratio = f"{first['kv_bytes'] / base_bytes:.3f}" if base_bytes else "-"
         med = statistics.median(x["ms_per_step"] for x in runs)
         ms = ", ".join(f"{x['ms_per_step']:.1f}" for x in runs)
-        same = "yes" if all(x["kv_bytes"] == x["formula_bytes"] for x in runs) else "no"
+        same = ("-" if c["bits"] == 16 else
+                "yes" if all(x["kv_bytes"] == x["formula_bytes"] for x in runs) else "no")
         lines.append(f"| {c['method']} | {c['bits']} | {first['stored']} | {first['kv_bytes'] / 2**20:.2f} | {ratio} | "
                      f"{same} | {med:.1f} | {ms} |")
     return "\n".join(lines)
