@@ -200,7 +200,8 @@ RANKS = [
     ("base helpers", ("kvtrim.scores", "kvtrim.rope", "kvtrim.spans", "kvtrim.decisions", "kvtrim.cpu_linear",
                       "kvtrim.files")),
     ("policies", ("kvtrim.policies", "kvtrim.registry")),
-    ("core", ("kvtrim.storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache", "kvtrim.decoding")),
+    ("core", ("kvtrim.storage", "kvtrim.lowbit_storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache",
+              "kvtrim.decoding")),
     ("integrations", ("kvtrim.integrations",)),
     ("models and the Python API", ()),  # every module not named elsewhere
     ("top", ("kvtrim.eval", "kvtrim.tools", "kvtrim.cli", "kvtrim.__main__")),
@@ -288,7 +289,7 @@ def test_no_import_cycle_between_modules():
 
 
 # -- engines apply decisions, whatever the method ---------------------------------------------------
-ENGINE_MODULES = ("kvtrim.storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache", "kvtrim.decoding",
+ENGINE_MODULES = ("kvtrim.storage", "kvtrim.lowbit_storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache", "kvtrim.decoding",
                   "kvtrim.integrations.hf", "kvtrim.integrations.batched", "kvtrim.integrations.pruning",
                   "kvtrim.integrations.vllm")
 

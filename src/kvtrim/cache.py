@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 from kvtrim import persistence, validate
 from kvtrim.decisions import Keep, as_list
 from kvtrim.errors import KVTrimError
+from kvtrim.lowbit_storage import LowBitLayer
 from kvtrim.registry import NO_COMPRESSION, create_policy, spans_error
 from kvtrim.rope import Rotary, find_rotary
 from kvtrim.storage import CompressedLayer
@@ -119,6 +120,17 @@ def _decoder_config(model):
     return text_cfg
 
 
+#: the bit widths ``kv_bits`` takes (16: the model's dtype)
+KV_BITS = (16, 8, 4, 2)
+
+
+def check_kv_bits(kv_bits) -> int:
+    """``kv_bits`` as an int in :data:`KV_BITS`, or ``KVTrimError`` saying what is allowed."""
+    if isinstance(kv_bits, bool) or not isinstance(kv_bits, int) or kv_bits not in KV_BITS:
+        raise KVTrimError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}; got {kv_bits!r}")
+    return kv_bits
+
+
 @functools.lru_cache(maxsize=1)
 def cache_keyword() -> str:
     """The keyword ``generate``/``forward`` take a cache under: ``cache`` from transformers 5.20, else ``past_key_values``."""
@@ -136,6 +148,11 @@ class KVTrimCache(Cache):
         model: the model (or its config) the cache is for; the model is needed for position
             re-assignment (its rotary frequencies).
         policy: a ``Policy`` instance or a registered method name (see ``kvtrim methods``).
+        kv_bits: bits per stored key and value element: 16 (default) keeps them in the model's dtype;
+            8, 4 or 2 quantize them (KIVI's scheme: keys per channel, values per token, the newest
+            tokens in the model's dtype until a group of 32 fills; ``kvtrim.lowbit_storage``), which
+            divides the resident bytes by about 2, 3.5 or 5.5 (16-bit model) at a small error in
+            every attention read (docs/quantization.md). Every method runs on either storage.
         block_size: round every eviction as a paged storage with blocks of this many tokens does
             (``kvtrim.decisions.paged_kept``: whole blocks freed, the first and last kept). With
             vLLM's block size the cache keeps what kvtrim's vLLM plugin keeps, for comparing the
@@ -160,12 +177,13 @@ class KVTrimCache(Cache):
     prefill_stats: Callable[[], dict]  # set by kvtrim.compress(prefill=...): the sparse prefill's counters
 
     def __init__(self, model, policy: "Policy | str" = NO_COMPRESSION, *, spans=None, block_size: int | None = None,
-                 **policy_kwargs):
+                 kv_bits: int = 16, **policy_kwargs):
         if isinstance(policy, str):
             policy = create_policy(policy, **policy_kwargs)
         elif policy_kwargs:
             raise KVTrimError("pass method parameters either in the Policy object or as keywords with a name, not both")
         self.block_size = None if block_size is None else validate.integer(block_size, "block_size", minimum=1)
+        self.kv_bits = check_kv_bits(kv_bits)
         text_cfg = _decoder_config(model)
         self.policy = policy
         self.position_policy = policy.position_policy
@@ -195,7 +213,7 @@ class KVTrimCache(Cache):
             if lt == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=int(text_cfg.sliding_window)))
             elif lt == "full_attention":
-                layers.append(CompressedLayer(self, i))
+                layers.append(CompressedLayer(self, i) if self.kv_bits == 16 else LowBitLayer(self, i, self.kv_bits))
             else:
                 raise KVTrimError(f"layer type {lt!r} (layer {i}) is not supported; kvtrim supports full and sliding attention layers")
         super().__init__(layers=layers)
@@ -295,6 +313,7 @@ class KVTrimCache(Cache):
                     raise KVTrimError(f"layer {decision.layer} is not a compressed layer")
                 target = other
             target.apply(decision)
+        layer.settle()
 
     # --- persistence (kvtrim.persistence) -------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -334,6 +353,9 @@ class KVTrimCache(Cache):
         per_tok = 2 * self.num_kv_heads * self.head_dim
         total = 0
         for layer, n in zip(self.layers, self.stored_tokens()):
+            if isinstance(layer, CompressedLayer):
+                total += layer.stored_nbytes()
+                continue
             el = layer.keys.element_size() if layer.keys is not None else 0
             total += n * per_tok * el
         return total
@@ -348,9 +370,14 @@ class KVTrimCache(Cache):
         per_tok = 2 * self.num_kv_heads * self.head_dim
         total = 0
         for layer in self.layers:
-            if layer.keys is None:
+            if isinstance(layer, CompressedLayer):
+                if not layer.is_initialized:
+                    continue
+                el = layer.element_size()
+            elif layer.keys is None:
                 continue
-            el = layer.keys.element_size()
+            else:
+                el = layer.keys.element_size()
             n = min(seen, layer.sliding_window - 1) if isinstance(layer, DynamicSlidingWindowLayer) else seen
             total += n * per_tok * el
         return total

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvtrim import decoding, validate
-from kvtrim.cache import KVTrimCache
+from kvtrim.cache import KVTrimCache, check_kv_bits
 from kvtrim.decoding import (
     Clock,
     Sampler,
@@ -113,6 +113,7 @@ def generate_ids(
     cache: KVTrimCache | None = None,
     prefill=None,
     model_inputs: dict | None = None,
+    kv_bits: int = 16,
 ) -> GenerationResult:
     """Prefill ``prompt_ids`` and decode up to ``max_new_tokens`` with ``policy``.
 
@@ -129,13 +130,16 @@ def generate_ids(
     ``image_grid_thw``, ``mm_token_type_ids``, ... from its processor; see ``kvtrim.vlm``).
     ``do_sample``, ``temperature``, ``top_p`` and ``top_k`` choose each token
     (:class:`kvtrim.decoding.Sampler`; greedy by default); ``seed`` seeds the sampling.
+    ``kv_bits`` stores the keys and values in 16 (default: the model's dtype), 8, 4 or 2 bits
+    (``KVTrimCache``; docs/quantization.md); a ``cache`` given keeps its own.
     """
     sampler = Sampler(do_sample, temperature, top_p, top_k)  # checked before any work
+    check_kv_bits(kv_bits)
     prefill_chunk = check_prefill_chunk(policy, prefill_chunk)
     if model_inputs and prefill_chunk:
         raise KVTrimError("image/video inputs need the prompt in one prefill; chunked prefill is not supported with them")
     row = _Row.make(model, tokenizer, prompt_ids, policy, max_new_tokens=max_new_tokens, seed=seed,
-                    stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk, cache=cache)
+                    stop_at_eos=stop_at_eos, prefill_chunk=prefill_chunk, cache=cache, kv_bits=kv_bits)
     with attach(model, prefill_attention=prefill):
         row.prefill(model, prefill, extra=model_inputs or None)
         t1 = time.perf_counter()
@@ -163,6 +167,7 @@ def generate_batch(
     max_rows: int = 64,
     progress: bool = False,
     prefill_chunk: int | None = None,
+    kv_bits: int = 16,
 ) -> list[GenerationResult]:
     """Generate for several prompts together (batch > 1); one :class:`GenerationResult` per prompt, in order.
 
@@ -180,7 +185,7 @@ def generate_batch(
     ``seed``, as its batch-1 run would have.
 
     ``max_new_tokens`` is one limit or one per prompt. ``prefill_chunk`` prefills every prompt in
-    chunks, as :func:`generate_ids` does. ``progress`` shows a progress bar (tqdm, on
+    chunks, as :func:`generate_ids` does; ``kv_bits`` is every row's cache's (:func:`generate_ids`). ``progress`` shows a progress bar (tqdm, on
     stderr) over the prefills and the generated tokens; it counts on every row's limit, and ends at
     100% when rows stop early.
 
@@ -195,6 +200,7 @@ def generate_batch(
     from kvtrim.integrations.batched import drive
 
     sampler = Sampler(do_sample, temperature, top_p, top_k)  # checked before any work
+    check_kv_bits(kv_bits)
     n = len(prompts)
     if n == 0:
         raise KVTrimError("no prompts given; generate_batch needs at least one prompt")
@@ -214,7 +220,8 @@ def generate_batch(
             raise KVTrimError(f"prompt {i}: expected a kvtrim Policy (kvtrim.create_policy), got {type(policy).__name__}")
         try:
             rows.append(_Row.make(model, tokenizer, list(ids), policy, max_new_tokens=limit, seed=seed,
-                                  stop_at_eos=stop_at_eos, prefill_chunk=check_prefill_chunk(policy, prefill_chunk)))
+                                  stop_at_eos=stop_at_eos, prefill_chunk=check_prefill_chunk(policy, prefill_chunk),
+                                  kv_bits=kv_bits))
         except KVTrimError as e:
             raise KVTrimError(f"prompt {i} (of {n}): {e}") from None
     alone = sorted({r.policy.name for r in rows if r.policy.rewrites_forward})
@@ -270,7 +277,7 @@ class _Row:
 
     @classmethod
     def make(cls, model, tokenizer, prompt_ids, policy: Policy, *, max_new_tokens: int, seed: int, stop_at_eos: bool,
-             prefill_chunk: int | None = None, cache: KVTrimCache | None = None) -> "_Row":
+             prefill_chunk: int | None = None, cache: KVTrimCache | None = None, kv_bits: int = 16) -> "_Row":
         """Check the prompt (length, context, token ids) and the seed, and set up its cache; raises ``KVTrimError``."""
         seed = check_seed(seed)
         max_ctx = max_context(model)
@@ -278,7 +285,7 @@ class _Row:
         ids = check_token_ids(model, prompt_ids)
         chunk = prefill_chunk or chunk_size(policy, held=0, seen=0, n=len(ids), extra=max_new_tokens, max_ctx=max_ctx)
         eos = getattr(tokenizer, "eos_token_id", None)
-        return cls(ids=ids, policy=policy, cache=cache if cache is not None else KVTrimCache(model, policy), chunk=chunk,
+        return cls(ids=ids, policy=policy, cache=cache if cache is not None else KVTrimCache(model, policy, kv_bits=kv_bits), chunk=chunk,
                    max_new_tokens=max_new_tokens, generator=torch.Generator(device="cpu").manual_seed(seed), eos=eos,
                    stop=(eos,) if stop_at_eos and eos is not None else (), stop_at_eos=stop_at_eos)
 

@@ -53,8 +53,21 @@ def reassign_kept(rotary: Rotary | None, keys: torch.Tensor, rot: torch.Tensor, 
     Elastic Cache: the tail after its fixed point), not every kept key. Each new query is rotated by
     ``o`` as well (:func:`rotate_incoming`).
     """
-    k = keys.shape[2]
-    slots = torch.arange(k, device=keys.device)
+    offset, first, stop, delta = reassign_plan(rot, decoding)
+    if stop > first:
+        assert rotary is not None  # a storage that re-rotates keys has found the model's rotary embedding
+        part = slice(first, stop)
+        keys[:, :, part] = rotary.rotate(keys[:, :, part], delta[:, :, part])
+        rot.copy_(torch.arange(rot.shape[2], device=rot.device) + offset)
+    return offset
+
+
+def reassign_plan(rot: torch.Tensor, decoding: bool) -> tuple[int, int, int, torch.Tensor]:
+    """What :func:`reassign_kept` does to ``K`` kept keys rotated at ``rot [B, H, K]``, without doing
+    it: ``(offset, first, stop, delta)``, the keys of slots ``first:stop`` turning by ``delta [B, H, K]``
+    (none when ``stop <= first``) so that slot ``i`` is rotated at ``offset + i``."""
+    k = rot.shape[2]
+    slots = torch.arange(k, device=rot.device)
 
     def span(offset: int) -> tuple[int, int, torch.Tensor]:
         """The slots whose rotation changes for this offset, as a range, and the deltas."""
@@ -71,9 +84,4 @@ def reassign_kept(rotary: Rotary | None, keys: torch.Tensor, rot: torch.Tensor, 
         alt = span(newest)
         if 4 * (alt[1] - alt[0]) <= stop - first:
             offset, (first, stop, delta) = newest, alt
-    if stop > first:
-        assert rotary is not None  # a storage that re-rotates keys has found the model's rotary embedding
-        part = slice(first, stop)
-        keys[:, :, part] = rotary.rotate(keys[:, :, part], delta[:, :, part])
-        rot.copy_(slots + offset)
-    return offset
+    return offset, first, stop, delta

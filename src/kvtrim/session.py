@@ -147,10 +147,13 @@ class Session:
             Default: the whole turn at once, unless it would not fit in the model's context, in
             which case streaming policies get pieces that do (as ``generate_ids`` does).
         seed: seed of the sampling generator (its state is saved with the session).
+        kv_bits: bits per stored key and value element (16, 8, 4 or 2; ``KVTrimCache``); a saved
+            session holds the quantized form and loads only with the same setting.
     """
 
     def __init__(self, model, tokenizer=None, policy: Policy | str = "inf_mllm", *, chat: bool | None = None,
-                 plain: bool = False, prefill_chunk: int | None = None, seed: int = 0, **policy_kwargs):
+                 plain: bool = False, prefill_chunk: int | None = None, seed: int = 0, kv_bits: int = 16,
+                 **policy_kwargs):
         from kvtrim.registry import create_policy
 
         if isinstance(policy, str):
@@ -163,7 +166,7 @@ class Session:
         self.model = model
         self.tokenizer = tokenizer
         self.policy = policy
-        self.cache = KVTrimCache(model, policy)
+        self.cache = KVTrimCache(model, policy, kv_bits=kv_bits)
         self.chat = tokenizer is not None if chat is None else bool(chat)
         if self.chat and tokenizer is None:
             raise KVTrimError("chat=True needs a tokenizer")
@@ -460,14 +463,14 @@ class Session:
         state = {
             "policy": {"name": self.policy.name, "params": self.policy.params()},
             "chat": self.chat, "plain": self.plain, "prefill_chunk": self.prefill_chunk,
-            "messages": self.messages, "turns": self.turns, "chunks_fed": self.chunks_fed,
+            "kv_bits": self.cache.kv_bits, "messages": self.messages, "turns": self.turns, "chunks_fed": self.chunks_fed,
             "pending_ids": self._pending_ids, "pending_text": self._pending_text,
             "layers": layers,
         }
         return write_session(directory, self.model, state, tensors, self._session_id)
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, model, tokenizer=None) -> "Session":
+    def load(cls, directory: str | os.PathLike, model, tokenizer=None, *, kv_bits: int | None = None) -> "Session":
         """Restore a session saved with :meth:`save` onto ``model`` (the same weights and dtype).
 
         Everything is verified before anything is used: the manifest's checksums of both files, the
@@ -476,11 +479,14 @@ class Session:
         and the pending token ids against the vocabulary. Any mismatch raises
         :class:`~kvtrim.errors.SessionError` naming what differs. Sessions of format v1 (no
         manifest) are loaded with a warning: their files cannot be verified (save them again).
+
+        ``kv_bits``: None (default) loads the session with the setting it was saved with; another
+        value than that is refused (the file holds the keys and values in the saved bit width).
         """
         saved = read_session(directory, model)
         where = saved.where
         try:
-            s = cls._restore(saved.info, saved.tensors, model, tokenizer)
+            s = cls._restore(saved.info, saved.tensors, model, tokenizer, kv_bits)
         except SessionError as e:
             raise SessionError(f"{where}: {e}") from None
         except KVTrimError as e:
@@ -491,12 +497,19 @@ class Session:
         return s
 
     @classmethod
-    def _restore(cls, info: dict, tensors: dict[str, torch.Tensor], model, tokenizer) -> "Session":
+    def _restore(cls, info: dict, tensors: dict[str, torch.Tensor], model, tokenizer,
+                 kv_bits: int | None = None) -> "Session":
+        from kvtrim.cache import check_kv_bits
         from kvtrim.registry import create_policy
 
+        saved_bits = check_kv_bits(info.get("kv_bits", 16))  # sessions saved before kv_bits hold 16 bits
+        if kv_bits is not None and check_kv_bits(kv_bits) != saved_bits:
+            raise SessionError(f"saved with kv_bits={saved_bits}, asked to load with kv_bits={kv_bits}: the file holds "
+                               f"the keys and values in {saved_bits} bits; load it with kv_bits={saved_bits} "
+                               f"(--kv-bits {saved_bits}) or start a new session")
         policy = create_policy(info["policy"]["name"], **info["policy"]["params"])
         s = cls(model, tokenizer, policy, chat=info["chat"], plain=bool(info.get("plain", False)),
-                prefill_chunk=info["prefill_chunk"])
+                prefill_chunk=info["prefill_chunk"], kv_bits=saved_bits)
         tensors, rng, logits = split_tensors(tensors, model)
         s.cache.load_state_dict({k: t.to(s.device) for k, t in tensors.items()}, info["layers"])
         seen = {m["seen"] for m in info["layers"] if m is not None}

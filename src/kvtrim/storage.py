@@ -169,7 +169,7 @@ class CompressedLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        assert self._k is not None and self._v is not None and self._pos is not None
+        assert self._pos is not None
         q = key_states.shape[-2]
         dev = key_states.device
         n_seen = q
@@ -196,8 +196,7 @@ class CompressedLayer(CacheLayerMixin):
             key_states, self.q_delta = rotate_incoming(self.cache.rotary, key_states, start, stream, applied)
         self._reserve(q)
         sl = slice(self.length, self.length + q)
-        self._k[:, :, sl] = key_states
-        self._v[:, :, sl] = value_states
+        self.write_new(sl, key_states, value_states)
         self._pos[:, :, sl] = stream
         if self._rot is not None:
             self._rot[:, :, sl] = start if q == 1 else torch.arange(start, start + q, device=dev)
@@ -208,7 +207,32 @@ class CompressedLayer(CacheLayerMixin):
         self.length += q
         self.seen += n_seen
         self.awaiting_attention = True
+        return self.attention_inputs()
+
+    def write_new(self, slots: slice, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store a forward's new keys and values at ``slots`` (room reserved)."""
+        assert self._k is not None and self._v is not None
+        self._k[:, :, slots] = key_states
+        self._v[:, :, slots] = value_states
+
+    def attention_inputs(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What ``update()`` hands the model's attention: every stored key and value."""
         return self.keys, self.values
+
+    def settle(self) -> None:
+        """Storage work once a forward's decisions for this layer are applied (a low-bit storage
+        packs its full groups, ``kvtrim.lowbit_storage``); nothing here."""
+
+    def element_size(self) -> int:
+        """Bytes of one key or value element in the model's dtype."""
+        return 0 if self._k is None else self._k.element_size()
+
+    def stored_nbytes(self) -> int:
+        """Bytes of the stored keys and values alone (no spare capacity)."""
+        if self._k is None or self._v is None:
+            return 0
+        b, h = self._k.shape[:2]
+        return b * h * self.length * (self._k.shape[-1] + self._v.shape[-1]) * self._k.element_size()
 
     def expect_positions(self, positions: torch.Tensor, seen: int) -> None:
         """The next ``update()`` carries the tokens at stream indices ``positions`` (``[n]``, ascending)

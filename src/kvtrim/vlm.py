@@ -297,7 +297,7 @@ def generate_with_images(args, policy, context: str = "") -> dict:
     v = load_vlm(args.model, dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
     text = f"{context}\n\n{args.question}" if context else args.question
     ids, extra = prepare(v.processor, text, imgs)
-    cache = KVTrimCache(v.model, policy)
+    cache = KVTrimCache(v.model, policy, kv_bits=getattr(args, "kv_bits", 16))
     res = generate_ids(
         v.model, v.tokenizer, ids, policy, max_new_tokens=args.max_new_tokens, do_sample=args.sample,
         temperature=args.temperature, top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0), seed=args.seed,

@@ -1,7 +1,8 @@
 """kvtrim's fused C++ CPU kernel for sparse prefill, built on first use.
 
 The sources are ``csrc/sparse_attention.cpp`` (sparse prefill), ``csrc/fused_scores.cpp`` (dense
-causal attention that also returns a KV method's scores) and ``csrc/common.h``, shipped in the package. It is compiled once per
+causal attention that also returns a KV method's scores), ``csrc/lowbit_decode.cpp`` (a decode
+step's attention over low-bit KV codes) and ``csrc/common.h``, shipped in the package. It is compiled once per
 machine and install (per CPU capability, since it is built with ``-march=native``, and per
 checkout and torch install, so that two of them never rebuild each other's) with
 :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``; 12-15 s on 2 cores)
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NATIVE_BLOCK", "NATIVE_DTYPES", "cpu_kernel", "kernel_for", "load_native", "native_causal_attention_scores", "native_sparse_attention",
+__all__ = ["NATIVE_BLOCK", "NATIVE_DTYPES", "cpu_kernel", "kernel_for", "load_native", "native_causal_attention_scores",
+           "native_lowbit_decode", "native_sparse_attention",
            "native_vertical_slash_layout",
            "native_vertical_slash_scores", "writable_in_place"]
 
@@ -38,7 +40,7 @@ NATIVE_BLOCK = 64  # the kernel's query/key block (kBlock in the source)
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "sparse_attention.cpp", _CSRC / "fused_scores.cpp"]  # + csrc/common.h
+_SOURCES = [_CSRC / "sparse_attention.cpp", _CSRC / "fused_scores.cpp", _CSRC / "lowbit_decode.cpp"]  # + csrc/common.h
 _CHOICES = ("auto", "native", "torch")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -258,3 +260,34 @@ def native_causal_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     col, win = torch.ops.kvtrim_native.causal_attention_scores_out(
         _rows(q, dt), _rows(k, dt), _rows(v, dt), head_kv, float(scale), bool(column_sums), int(min(window, tq)), out)
     return out, (col if column_sums else None), (win if window > 0 else None)
+
+
+def native_lowbit_decode(query: torch.Tensor, kv, logits: torch.Tensor, scale: float,
+                         bias: torch.Tensor | None = None, rotation=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quantized slots' part of a decode step (``csrc/lowbit_decode.cpp``): ``query [B, Hq, 1, D]``,
+    ``kv`` a ``kvtrim.attention.lowbit.LowBitKV`` of ``lq >= 1`` slots; writes ``logits[..., :lq]``
+    (``[B, Hkv, G, S]`` float32, contiguous) and returns the softmax state ``(max [B, Hkv, G, 1],
+    sum [B, Hkv, G, 1], acc [B, Hkv, G, Dv])`` in float32, as the Triton twin does. ``rotation``: a
+    ``kvtrim.attention.lowbit.KeyRotation`` (the turn of each slot's key since it was packed), or None."""
+    if not load_native():
+        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    b, hq, _, d = query.shape
+    hkv = kv.key_codes.shape[1]
+    g = hq // hkv
+    if not logits.is_contiguous():
+        raise ValueError("logits must be contiguous")
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(b * hkv, *t.shape[2:]).contiguous()
+
+    q = query.reshape(b * hkv, g, d).float().contiguous()
+    bias_t = flat(bias.float()) if bias is not None else torch.empty(0)
+    if rotation is not None:
+        rot_index, rot_table, interleaved = flat(rotation.index), rotation.table.contiguous(), rotation.interleaved
+    else:
+        rot_index, rot_table, interleaved = torch.empty(0, dtype=torch.int32), torch.empty(0), False
+    m, lsum, acc = torch.ops.kvtrim_native.lowbit_decode(
+        q, flat(kv.key_codes), flat(kv.key_group), kv.key_table().contiguous(), flat(kv.value_codes),
+        flat(kv.value_scale), flat(kv.value_zero), bias_t, rot_index, rot_table, bool(interleaved), int(kv.bits),
+        float(scale), logits.view(b * hkv, g, -1))
+    return m.view(b, hkv, g, 1), lsum.view(b, hkv, g, 1), acc.view(b, hkv, g, -1)

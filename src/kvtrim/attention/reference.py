@@ -107,3 +107,25 @@ def layout_to_mask(layout: SparseLayout) -> torch.Tensor:
     if layout.n_init is not None and layout.n_local is not None:
         allowed = allowed & ((i[None, :] < layout.n_init) | (i[:, None] - i[None, :] < layout.n_local))
     return dense & allowed
+
+
+def lowbit_decode_reference(query: torch.Tensor, kv, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                            bias: torch.Tensor | None = None, rotation=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle of ``kvtrim.attention.lowbit.lowbit_decode_attention``: dequantize every slot of
+    ``kv`` (a ``LowBitKV``), append ``keys``/``values``, and take one softmax over all of it, in float32
+    (float64 for a float64 query, the codes dequantized in float64 too). Returns ``(out [B, 1, Hq, Dv], probs [B, Hkv, G, 1, S])``."""
+    ct = _compute_dtype(query)
+    k_q = kv.keys(dtype=ct)  # float64: the exact values the codes stand for
+    if rotation is not None and kv.length:  # a KeyRotation: the turn of each key since it was packed
+        k_q = rotation.apply(k_q, 0, kv.length)
+    k = torch.cat([k_q.to(ct), keys.to(ct)], dim=2)
+    v = torch.cat([kv.values(dtype=ct), values.to(ct)], dim=2)
+    b, hq, _, d = query.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    logits = torch.matmul(query.to(ct).reshape(b, hkv, g, d), k.transpose(-1, -2)) * scaling
+    if bias is not None:
+        logits = logits + bias[:, :, None].to(ct)
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs, v).reshape(b, hq, 1, v.shape[-1]).transpose(1, 2).to(query.dtype)
+    return out, probs.unsqueeze(3).float()

@@ -167,7 +167,7 @@ def cmd_generate_batch(args) -> int:
     results = generate_batch(lm.model, lm.tokenizer, prompts, policies, max_new_tokens=limits, do_sample=args.sample,
                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                              prefill=prefill, max_rows=args.max_rows, progress=not args.no_progress,
-                             prefill_chunk=args.prefill_chunk)
+                             prefill_chunk=args.prefill_chunk, kv_bits=args.kv_bits)
     wall = time.perf_counter() - t0
     for p, res in zip(lines, results):
         d: dict = {"line": p.line}

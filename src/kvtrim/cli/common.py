@@ -201,6 +201,17 @@ def model_options(sp, *, threads: bool = True):
     return g
 
 
+def kv_bits_option(g, *, default: int | None = 16, extra: str = "") -> None:
+    """``--kv-bits``: the bits each stored key and value element takes (``KVTrimCache(kv_bits=)``),
+    checked when the command line is parsed."""
+    from kvtrim.cache import KV_BITS, check_kv_bits
+
+    allowed = ", ".join(map(str, KV_BITS))
+    g.add_argument("--kv-bits", type=_checked("an integer", int, check_kv_bits, f"{{}} in {allowed}"), default=default,
+                   metavar="BITS", help="bits per stored key and value element: 16 keeps the model's dtype; 8, 4 or 2 "
+                                        "quantize them (keys per channel, values per token; docs/quantization.md)" + extra)
+
+
 def sampling_options(g, *, temperature: float) -> None:
     """``--sample``, ``--temperature``, ``--top-p``, ``--top-k`` and ``--seed`` (:class:`kvtrim.decoding.Sampler`)."""
     g.add_argument("--sample", action="store_true", help="sample the next token instead of taking the most likely one")

@@ -10,6 +10,7 @@ from kvtrim.cli.common import (
     check_model_options,
     fraction_arg,
     int_arg,
+    kv_bits_option,
     list_arg,
     load_from_args,
     model_options,
@@ -101,7 +102,7 @@ def cmd_bench(args) -> int:
     from kvtrim.eval.bench import make_bench_plan, run_bench, table
 
     plan = make_bench_plan(args.methods, args.keep, args.lengths, args.reps, args.new_tokens, args.prefill, args.threads,
-                           dtype=args.dtype, device=args.device)
+                           dtype=args.dtype, device=args.device, kv_bits=args.kv_bits)
     out = harness.check_out(args.out, force=args.force) if args.out else None  # before any work: nothing measured is lost
     result = run_bench(args.model, plan, rss=not args.no_rss, progress=not args.quiet)
     if out is not None:
@@ -252,6 +253,7 @@ def add_eval_commands(sub) -> None:
     m.add_argument("--methods", default="full,snapkv,streaming_llm", metavar="A,B", help="comma-separated methods")
     m.add_argument("--keep", type=fraction_arg(), default=0.25, metavar="R", help="budget of the compressing methods")
     m.add_argument("--prefill", default="dense", metavar="MODE", help=f"prefill attention: {', '.join(PREFILL_MODES)}")
+    kv_bits_option(m)
     t = b.add_argument_group("measurement")
     t.add_argument("--lengths", type=list_arg(int, 128), default="1024,2048,4096", metavar="N1,N2", help="prompt lengths in tokens")
     t.add_argument("--reps", type=int_arg(1), default=3, metavar="N", help="timed repetitions after one warm-up")

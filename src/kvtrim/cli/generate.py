@@ -16,6 +16,7 @@ from kvtrim.cli.common import (
     check_quality_args,
     fraction_arg,
     int_arg,
+    kv_bits_option,
     load_from_args,
     model_options,
     prefill_from_args,
@@ -114,6 +115,7 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         prefill=prefill,
         prefill_chunk=chunk,
+        kv_bits=args.kv_bits,
     )
     stats = res.prefill or {"prefill": "dense", "density": 1.0, "fallback": None}
     if args.json:
@@ -210,6 +212,7 @@ def add_generate_command(sub) -> None:
     budget_args(m)
     m.add_argument("--position", metavar="POLICY",
                    help=f"positions of the kept tokens: {', '.join(POSITION_POLICIES)} [default: the method's]")
+    kv_bits_option(m)
     prefill_options(g)
     d = g.add_argument_group("generation")
     d.add_argument("--max-new-tokens", type=int_arg(0, unit="tokens"), default=64, metavar="N", help="tokens to generate at most")

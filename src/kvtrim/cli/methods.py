@@ -6,7 +6,16 @@ from __future__ import annotations
 import json
 import sys
 
-from kvtrim.cli.common import check_model_options, fraction_arg, int_arg, load_from_args, model_options, quality_choice, seed_arg
+from kvtrim.cli.common import (
+    check_model_options,
+    fraction_arg,
+    int_arg,
+    kv_bits_option,
+    load_from_args,
+    model_options,
+    quality_choice,
+    seed_arg,
+)
 
 
 def cmd_methods(args) -> int:
@@ -66,7 +75,7 @@ def cmd_demo(args) -> int:
     )
     rows = []
     for pol in tqdm(policies, desc="methods", unit="method", file=sys.stderr):
-        r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16)
+        r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16, kv_bits=args.kv_bits)
         rows.append((pol.name, key in r.answer, r))
     print()
     print(f"{'method':<15}{'correct':<9}{'KV MiB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")
@@ -102,6 +111,7 @@ def add_demo_command(sub) -> None:
                    help="instead of --keep: per method, the smallest budget calibrated to keep agreement with the full "
                         "cache at or above Q (docs/autobudget.md)")
     m.add_argument("--calibration", metavar="FILE", help="calibration JSON for --quality [default: the one shipped for the model]")
+    kv_bits_option(m)
     t = d.add_argument_group("task")
     t.add_argument("--length", type=int_arg(MIN_LENGTH, unit="tokens"), default=3000, metavar="N", help="context length in tokens")
     t.add_argument("--depth", type=fraction_arg(allow_zero=True), default=0.5, metavar="D",

@@ -21,6 +21,7 @@ from kvtrim.cli.common import (
     check_quality_args,
     fraction_arg,
     int_arg,
+    kv_bits_option,
     load_from_args,
     model_options,
     print_error,
@@ -109,9 +110,10 @@ def cmd_chat(args) -> int:
     check_model_options(args)
     lm = load_from_args(args)
     if policy is None:
-        s = Session.load(args.load, lm.model, lm.tokenizer)
+        s = Session.load(args.load, lm.model, lm.tokenizer, kv_bits=args.kv_bits)
     else:
-        s = Session(lm.model, lm.tokenizer, policy, seed=args.seed, plain=args.plain_prompt)
+        s = Session(lm.model, lm.tokenizer, policy, seed=args.seed, plain=args.plain_prompt,
+                    kv_bits=16 if args.kv_bits is None else args.kv_bits)
     interactive = sys.stdin.isatty()
     print(f"kvtrim chat: {lm.source}, method {describe_policy(s.policy)}; /save DIR, /stats, /quit", file=sys.stderr)
 
@@ -179,7 +181,7 @@ def cmd_stream(args) -> int:
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     if args.limit is not None:
         ids = ids[: args.limit]
-    s = Session(lm.model, lm.tokenizer, policy)
+    s = Session(lm.model, lm.tokenizer, policy, kv_bits=args.kv_bits)
     nll = scored = 0.0
     seconds = 0.0
     bar = tqdm(total=len(ids), unit="tok", unit_scale=True, file=sys.stderr, disable=args.no_progress)
@@ -229,6 +231,8 @@ def add_session_commands(sub) -> None:
     m.add_argument("--position", metavar="POLICY",
                    help=f"positions of the kept tokens: {', '.join(POSITION_POLICIES)} [default: reassigned for a "
                         "streaming method, else the method's]")
+    kv_bits_option(m, default=None, extra=" [default: 16; with --load, the saved session's, which is the only one "
+                                          "it loads with]")
     d = c.add_argument_group("generation")
     d.add_argument("--max-new-tokens", type=int_arg(1, unit="tokens"), default=256, metavar="N", help="longest reply in tokens")
     sampling_options(d, temperature=0.7)
@@ -252,6 +256,7 @@ def add_session_commands(sub) -> None:
                    help=f"tokens kept per layer and KV head [default: {DEFAULT_MAX_TOKENS}, the methods' default budget]")
     m.add_argument("--position", metavar="POLICY",
                    help=f"positions of the kept tokens: {', '.join(POSITION_POLICIES)} [default: reassigned]")
+    kv_bits_option(m)
     f = s.add_argument_group("feeding")
     f.add_argument("--chunk", type=int_arg(1, unit="tokens"), default=512, metavar="N", help="tokens per chunk")
     f.add_argument("--limit", type=int_arg(1, unit="tokens"), metavar="N",

@@ -39,10 +39,12 @@ class BenchPlan:
     threads: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    kv_bits: int = 16
 
 
 def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dense", threads=None, *,
-                    dtype="float32", device="cpu") -> BenchPlan:
+                    dtype="float32", device="cpu", kv_bits: int = 16) -> BenchPlan:
+    from kvtrim.cache import check_kv_bits
     from kvtrim.integrations.prefill import PREFILL_MODES
     from kvtrim.models import resolve_device, resolve_dtype
     from kvtrim.registry import check_text_prompt, get_policy_class
@@ -66,7 +68,8 @@ def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dens
         raise KVTrimError(f"unknown --prefill {prefill!r}; choose one of: {', '.join(PREFILL_MODES)}")
     dtype_name = str(resolve_dtype(dtype)).removeprefix("torch.")
     device_name = str(resolve_device(device))
-    return BenchPlan(list(dict.fromkeys(names)), float(keep), lens, reps, new_tokens, prefill, threads, dtype_name, device_name)
+    return BenchPlan(list(dict.fromkeys(names)), float(keep), lens, reps, new_tokens, prefill, threads, dtype_name, device_name,
+                     check_kv_bits(kv_bits))
 
 
 def _policy(method: str, keep: float):
@@ -86,7 +89,7 @@ def _one_run(lm, ids, method, plan: BenchPlan, prefill_hook) -> dict:
     from kvtrim.generation import generate_ids
 
     r = generate_ids(lm.model, lm.tokenizer, ids, _policy(method, plan.keep), max_new_tokens=plan.new_tokens,
-                     stop_at_eos=False, prefill=prefill_hook)
+                     stop_at_eos=False, prefill=prefill_hook, kv_bits=plan.kv_bits)
     return {"prefill_s": r.prefill_seconds, "decode_ms": 1000 * r.decode_seconds / max(1, r.decode_steps),
             "kv_bytes": r.kv_bytes, "kv_bytes_full": r.kv_bytes_full, "stored_tokens": r.stored_tokens}
 
@@ -167,7 +170,8 @@ def table(result: dict) -> str:
         out.append(f"| {r['length']} | {label} | {r['prefill_s']:.2f} | {r['decode_ms']:.1f} | {r['kv_bytes'] / 2**20:.1f} "
                    f"| {frac} | {rss} |")
     m = result["machine"]
-    out.append(f"\n{m['cores']} cores, {m['threads']} threads, torch {m['torch']}, {m['date']}; load "
+    bits = result["plan"].get("kv_bits", 16)
+    out.append(f"\n{f'kv_bits {bits}; ' if bits != 16 else ''}{m['cores']} cores, {m['threads']} threads, torch {m['torch']}, {m['date']}; load "
                f"{m['loadavg_before'][0]:.1f} before, {m['loadavg'][0]:.1f} after.")
     return "\n".join(out)
 

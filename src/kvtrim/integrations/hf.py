@@ -35,6 +35,7 @@ from kvtrim.attention.fused import causal_attention_scores, fused_backend
 from kvtrim.cache import ACTIVE, KVTrimCache
 from kvtrim.decisions import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
+from kvtrim.lowbit_storage import LowBitLayer
 from kvtrim.registry import DEFAULT_METHOD
 from kvtrim.scores import PromptScores, decode_attention
 
@@ -131,6 +132,18 @@ def _attend(base, att: Attachment | None, module, binding, query, key, value, at
     if prefill is not None and layer.phase == "prefill" and query.shape[-2] > 1:
         res = prefill(module, query, key, value, attention_mask, scale, **kwargs)  # None: run dense
     bias = layer.token_state.get(LOGIT_BIAS)
+    if isinstance(layer, LowBitLayer) and layer.phase == "decode" and layer.n_new == 1:
+        # a low-bit layer handed the model only its residual (LowBitLayer.attention_inputs): the step
+        # reads the quantized slots block by block, with the probabilities for the policy's hook; a
+        # call the blockwise attention does not compute (a mask, soft-capping, eager attention)
+        # gets every key and value dequantized
+        if (res is None and attention_mask is None and not dropout and base_name == "sdpa"
+                and not any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
+            out, probs = layer.decode_attention(query, scale, None if bias is None else bias[:, :, : layer.length])
+            res = (out, None)
+            layer.decode_probs = probs
+        else:
+            key, value = layer.keys, layer.values
     if (res is None and bias is None and attention_mask is None and query.shape[-2] == 1 and layer.phase == "decode"
             and not dropout and base_name == "sdpa"
             and not any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))

@@ -405,7 +405,10 @@ class Policy:
     @staticmethod
     def decode_probs(layer: LayerView, query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
         """This decode step's softmax row ``[B, Hkv, G, 1, S]``: the attention's own when it handed
-        them over (:meth:`wants_decode_probs`), else computed from ``query`` and ``key``."""
+        them over (:meth:`wants_decode_probs`; a low-bit storage always does), else computed from
+        ``query`` and ``key``. A decode hook reads the step's attention here, never from ``key``
+        directly: a low-bit storage's decode step hands the hook only its newest keys
+        (``kvtrim.lowbit_storage``)."""
         if layer.decode_probs is not None:
             return layer.decode_probs
         return window_probs(query, key, scaling, 1)

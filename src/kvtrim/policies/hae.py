@@ -158,7 +158,7 @@ class HAE(PrefillTokenPruning):
     def on_decode(self, layer, query, key, scaling):
         if not self.compresses:
             return None
-        a = group_reduce(window_probs(query, key, scaling, 1)[..., 0, :], "mean")  # [B, Hkv, S]
+        a = group_reduce(self.decode_probs(layer, query, key, scaling)[..., 0, :], "mean")  # [B, Hkv, S]
         hist = layer.state_view("hae_hist")
         hist.mul_(self.gamma).add_(a, alpha=1.0 - self.gamma)
         score = self.lam * a + (1.0 - self.lam) * hist

@@ -63,11 +63,11 @@ def retrieval_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, win
         can see it, then averaged over the query heads of its group.
     """
     w = min(window, query.shape[-2])
-    s = key.shape[-2]
     if probs is None:
         probs = window_probs(query, key, scaling, w)  # [B, Hkv, G, w, S]
+    s = probs.shape[-1]
     col = probs.sum(dim=-2)
-    seen_by = torch.clamp(s - torch.arange(s, device=key.device), max=w).to(col.dtype)
+    seen_by = torch.clamp(s - torch.arange(s, device=probs.device), max=w).to(col.dtype)
     return group_reduce(col / seen_by, "mean")
 
 

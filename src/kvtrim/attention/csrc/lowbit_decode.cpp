@@ -1,0 +1,201 @@
+// kvtrim: one decode query's attention over low-bit KV slots (CPU side of
+// kvtrim.attention.lowbit.lowbit_decode_attention).
+//
+// The codes are KIVI's (kvtrim/attention/lowbit.py): keys per channel with a scale and zero point per
+// channel and group (a slot names its group), values per token with one scale and zero point each,
+// `8 / bits` codes packed to a byte along the head dimension, code j of a byte at bits j * bits.
+//
+// One task = one (sequence, KV head); the G query heads sharing it are handled together, so every
+// slot's codes are read once for all of them. Two passes over the slots, each reading one kind of
+// code once: the first unpacks each key into a float32 buffer of D elements (code * scale + zero of
+// its group), forms the G logits and stores them (the probabilities a method reads are returned
+// from them); the second, with each row's maximum known, weighs every slot's value codes by
+// p * scale and sums p * zero apart, so no value is ever dequantized as a vector. Nothing larger
+// than one key is ever held in float32. Returns each row's maximum, its sum of exp(logit - max) and
+// the unnormalised output, in float32, which the caller folds with the tokens still held in the
+// model's dtype. A key whose rotation changed since it was packed (kvtrim's ``reassigned`` positions)
+// is turned as it is unpacked, by the (cos, sin) row its slot names in a table of the distinct turns.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+template <int BITS>
+inline void unpack_codes(const uint8_t* src, int d, float* out) {
+  constexpr int per = 8 / BITS;
+  constexpr int mask = (1 << BITS) - 1;
+  for (int i = 0; i < d / per; ++i) {
+    const int byte = src[i];
+    for (int j = 0; j < per; ++j) out[i * per + j] = static_cast<float>((byte >> (j * BITS)) & mask);
+  }
+}
+
+constexpr int64_t kChunk = 64;  // slots summed in float32 before the float64 totals take them
+
+inline void flush(const std::vector<float>& part, const std::vector<float>& wpart, const std::vector<float>& zpart,
+                  std::vector<double>& acc, std::vector<double>& wsum, std::vector<double>& zsum) {
+  for (size_t i = 0; i < part.size(); ++i) acc[i] += part[i];
+  for (size_t j = 0; j < wpart.size(); ++j) {
+    wsum[j] += wpart[j];
+    zsum[j] += zpart[j];
+  }
+}
+
+template <int BITS>
+void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& kg, const at::Tensor& table,
+                        const at::Tensor& vc, const at::Tensor& vs, const at::Tensor& vz, const at::Tensor& bias,
+                        const at::Tensor& rot_index, const at::Tensor& rot_table, bool interleaved,
+                        double scale, at::Tensor& logits, at::Tensor& m_out, at::Tensor& l_out, at::Tensor& acc_out) {
+  const int64_t bh = q.size(0), g = q.size(1), d = q.size(2);
+  const int64_t s = kc.size(1), pk = kc.size(2), pv = vc.size(2);
+  const int64_t dv = pv * (8 / BITS);
+  const int64_t ng = table.size(0) / bh;
+  const int64_t s_log = logits.size(2);
+  const float* qp = q.data_ptr<float>();
+  const uint8_t* kcp = kc.data_ptr<uint8_t>();
+  const int32_t* kgp = kg.data_ptr<int32_t>();
+  const float* tp = table.data_ptr<float>();
+  const uint8_t* vcp = vc.data_ptr<uint8_t>();
+  const at::Half* vsp = vs.data_ptr<at::Half>();
+  const at::Half* vzp = vz.data_ptr<at::Half>();
+  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const int32_t* rip = rot_index.numel() ? rot_index.data_ptr<int32_t>() : nullptr;
+  const float* rtp = rot_table.numel() ? rot_table.data_ptr<float>() : nullptr;
+  const int64_t nf = rot_table.numel() ? rot_table.size(1) : 0;  // rotary frequencies (pairs)
+  float* lp = logits.data_ptr<float>();
+  float* mp = m_out.data_ptr<float>();
+  float* sp = l_out.data_ptr<float>();
+  float* ap = acc_out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+
+  at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> key(d), code(dv), rowmax(g);
+    std::vector<double> wsum(g), zsum(g), acc(g * dv);
+    std::vector<float> part(g * dv), wpart(g), zpart(g);
+    for (int64_t r = begin; r < end; ++r) {
+      const float* qr = qp + r * g * d;
+      const float* tab = tp + r * ng * 2 * d;
+      float* lr = lp + r * g * s_log;
+      for (int64_t j = 0; j < g; ++j) rowmax[j] = -std::numeric_limits<float>::infinity();
+      // pass 1: keys -> logits
+      for (int64_t t = 0; t < s; ++t) {
+        unpack_codes<BITS>(kcp + (r * s + t) * pk, static_cast<int>(d), key.data());
+        const float* row = tab + static_cast<int64_t>(kgp[r * s + t]) * 2 * d;
+        for (int64_t i = 0; i < d; ++i) key[i] = key[i] * row[i] + row[d + i];
+        if (rip && rip[r * s + t] >= 0) {  // a key re-rotated since it was packed: turn it (kvtrim.rope.rotate)
+          const float* cs = rtp + static_cast<int64_t>(rip[r * s + t]) * nf * 2;
+          for (int64_t i = 0; i < nf; ++i) {
+            const int64_t a = interleaved ? 2 * i : i, b2 = interleaved ? 2 * i + 1 : i + nf;
+            const float x1 = key[a], x2 = key[b2], c = cs[2 * i], sn = cs[2 * i + 1];
+            key[a] = x1 * c - x2 * sn;
+            key[b2] = x2 * c + x1 * sn;
+          }
+        }
+        const float b = bp ? bp[r * s + t] : 0.0f;
+        for (int64_t j = 0; j < g; ++j) {
+          const float* qj = qr + j * d;
+          float dot = 0.0f;
+          for (int64_t i = 0; i < d; ++i) dot += qj[i] * key[i];
+          const float x = dot * sc + b;
+          lr[j * s_log + t] = x;
+          rowmax[j] = std::max(rowmax[j], x);
+        }
+      }
+      // pass 2: values, weighed by exp(logit - max) * scale; the zero points summed apart. Sums run
+      // in float32 over kChunk slots and are then added in float64: thousands of float32 terms added
+      // in order would lose more than the tolerance rule allows (a matmul's blocked sums lose less)
+      for (int64_t j = 0; j < g * dv; ++j) acc[j] = 0.0;
+      for (int64_t j = 0; j < g; ++j) wsum[j] = zsum[j] = 0.0;
+      for (int64_t t = 0; t < s; ++t) {
+        if (t % kChunk == 0) {
+          if (t) flush(part, wpart, zpart, acc, wsum, zsum);
+          std::fill(part.begin(), part.end(), 0.0f);
+          std::fill(wpart.begin(), wpart.end(), 0.0f);
+          std::fill(zpart.begin(), zpart.end(), 0.0f);
+        }
+        unpack_codes<BITS>(vcp + (r * s + t) * pv, static_cast<int>(dv), code.data());
+        const float vsc = static_cast<float>(vsp[r * s + t]);
+        const float vze = static_cast<float>(vzp[r * s + t]);
+        for (int64_t j = 0; j < g; ++j) {
+          const float p = std::exp(lr[j * s_log + t] - rowmax[j]);
+          wpart[j] += p;
+          zpart[j] += p * vze;
+          const float w = p * vsc;
+          float* aj = part.data() + j * dv;
+          for (int64_t i = 0; i < dv; ++i) aj[i] += w * code[i];
+        }
+      }
+      flush(part, wpart, zpart, acc, wsum, zsum);
+      float* out = ap + r * g * dv;
+      for (int64_t j = 0; j < g; ++j) {
+        for (int64_t i = 0; i < dv; ++i) out[j * dv + i] = static_cast<float>(acc[j * dv + i] + zsum[j]);
+        mp[r * g + j] = rowmax[j];
+        sp[r * g + j] = static_cast<float>(wsum[j]);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_decode(
+    const at::Tensor& q, const at::Tensor& kc, const at::Tensor& kg, const at::Tensor& table, const at::Tensor& vc,
+    const at::Tensor& vs, const at::Tensor& vz, const at::Tensor& bias, const at::Tensor& rot_index,
+    const at::Tensor& rot_table, bool interleaved, int64_t bits, double scale, at::Tensor& logits) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [BH, G, D], contiguous");
+  TORCH_CHECK(kc.dim() == 3 && kc.scalar_type() == at::kByte && kc.is_contiguous() && kc.size(0) == q.size(0),
+              "key codes must be uint8 [BH, S, P], contiguous");
+  TORCH_CHECK(kg.dim() == 2 && kg.scalar_type() == at::kInt && kg.is_contiguous() && kg.size(1) == kc.size(1),
+              "key groups must be int32 [BH, S], contiguous");
+  TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous() &&
+                  table.size(1) == 2 * q.size(2) && table.size(0) % q.size(0) == 0,
+              "the key table must be float32 [BH * NG, 2 * D], contiguous");
+  TORCH_CHECK(vc.dim() == 3 && vc.scalar_type() == at::kByte && vc.is_contiguous() && vc.size(1) == kc.size(1),
+              "value codes must be uint8 [BH, S, Pv], contiguous");
+  TORCH_CHECK(vs.scalar_type() == at::kHalf && vz.scalar_type() == at::kHalf && vs.is_contiguous() && vz.is_contiguous() &&
+                  vs.numel() == kg.numel() && vz.numel() == kg.numel(),
+              "value scales and zero points must be float16 [BH, S], contiguous");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == kg.numel()),
+              "bias must be empty or float32 [BH, S], contiguous");
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
+  TORCH_CHECK(rot_index.numel() == 0 || (rot_index.scalar_type() == at::kInt && rot_index.is_contiguous() &&
+                                         rot_index.numel() == kg.numel() && rot_table.dim() == 3 &&
+                                         rot_table.scalar_type() == at::kFloat && rot_table.is_contiguous() &&
+                                         rot_table.size(2) == 2 && 2 * rot_table.size(1) <= q.size(2)),
+              "rotations must be empty, or int32 [BH, S] indices into a float32 [U, F, 2] (cos, sin) table, 2F <= D");
+  TORCH_CHECK(kc.size(2) * (8 / bits) == q.size(2), "key codes do not pack the query's head dim");
+  TORCH_CHECK(logits.dim() == 3 && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                  logits.size(0) == q.size(0) && logits.size(1) == q.size(1) && logits.size(2) >= kc.size(1),
+              "logits must be float32 [BH, G, >= S], contiguous");
+  const int64_t dv = vc.size(2) * (8 / bits);
+  auto m = at::empty({q.size(0), q.size(1)}, q.options());
+  auto l = at::empty({q.size(0), q.size(1)}, q.options());
+  auto acc = at::empty({q.size(0), q.size(1), dv}, q.options());
+  if (bits == 8) {
+    lowbit_decode_impl<8>(q, kc, kg, table, vc, vs, vz, bias, rot_index, rot_table, interleaved, scale, logits, m, l, acc);
+  } else if (bits == 4) {
+    lowbit_decode_impl<4>(q, kc, kg, table, vc, vs, vz, bias, rot_index, rot_table, interleaved, scale, logits, m, l, acc);
+  } else {
+    lowbit_decode_impl<2>(q, kc, kg, table, vc, vs, vz, bias, rot_index, rot_table, interleaved, scale, logits, m, l, acc);
+  }
+  return {m, l, acc};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvtrim_native, m) {
+  m.def("lowbit_decode(Tensor q, Tensor key_codes, Tensor key_group, Tensor key_table, Tensor value_codes, "
+        "Tensor value_scale, Tensor value_zero, Tensor bias, Tensor rot_index, Tensor rot_table, bool interleaved, "
+        "int bits, float scale, Tensor(a!) logits) "
+        "-> (Tensor, Tensor, Tensor)");
+  m.impl("lowbit_decode", c10::DispatchKey::CPU, &lowbit_decode);
+}
