@@ -78,11 +78,22 @@ def test_sampler_top_k_keeps_only_the_k_likeliest_tokens():
     ({"top_p": 1.5}, "top_p must be a fraction in (0, 1]"),
     ({"temperature": 0.0}, "temperature must be a finite number > 0"),
     ({"temperature": float("nan")}, "temperature must be a finite number > 0"),
+    ({"temperature": 10**400}, "temperature must be a finite number > 0"),  # beyond a float
+    ({"top_p": 10**400}, "top_p must be a fraction in (0, 1]"),
 ])
 def test_sampler_refuses_bad_settings_greedy_or_not(kw, message):
     for do_sample in (True, False):
         with pytest.raises(KVTrimError, match=re.escape(message)):
             decoding.Sampler(do_sample, **kw)
+
+
+def test_sampler_takes_an_int_temperature_beyond_int64():
+    # found by tests/test_fuzz_api.py (10,000-example profile): 2**64 is a valid temperature but
+    # dividing a tensor by it raised OverflowError; the sampler holds it as a float
+    s = decoding.Sampler(True, temperature=2**64)
+    assert isinstance(s.temperature, float) and s.temperature == float(2**64)
+    logits = torch.tensor([0.0, 5.0, 1.0])
+    assert s.choose(logits, torch.Generator().manual_seed(0)) in range(3)
 
 
 def test_chunk_rule_feeds_a_fitting_prompt_whole_and_never_degrades_to_tiny_chunks():

@@ -107,8 +107,9 @@ class Sampler:
     def __post_init__(self) -> None:
         if not isinstance(self.do_sample, bool):
             raise KVTrimError(f"do_sample must be True or False, got {self.do_sample!r}")
-        validate.number(self.temperature, "temperature", minimum=0, min_open=True)
-        validate.fraction(self.top_p, "top_p")
+        # held as floats: an int temperature such as 2**64 is a valid number but not a tensor scalar
+        object.__setattr__(self, "temperature", validate.number(self.temperature, "temperature", minimum=0, min_open=True))
+        object.__setattr__(self, "top_p", validate.fraction(self.top_p, "top_p"))
         validate.integer(self.top_k, "top_k", minimum=0)
 
     def choose(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> int:

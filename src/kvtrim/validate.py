@@ -18,7 +18,14 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """An ``int`` or ``float`` (not ``bool``) that a float can hold: an int beyond about 1.8e308 is not."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def integer(value, what: str, *, minimum: int | None = None, maximum: int | None = None, unit: str | None = None) -> int:
