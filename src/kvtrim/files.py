@@ -140,6 +140,20 @@ def _said(path: Path, e: OSError) -> FileWriteError | None:
                           e.errno, e.strerror, str(path))
 
 
+@contextmanager
+def _errors_said(path: Path) -> Iterator[None]:
+    """Turn an ``OSError`` in :data:`CLEAR_ERRNOS` inside the block into its one line (:func:`_said`);
+    a ``FileWriteError`` (already one line) and any other ``OSError`` propagate as they are."""
+    try:
+        yield
+    except FileWriteError:
+        raise
+    except OSError as e:
+        if (said := _said(path, e)) is not None:
+            raise said from None
+        raise
+
+
 def _create_temporary(path: Path, mode: int) -> tuple[int, Path]:
     """A new file beside ``path``, opened for writing: ``.<name>.<random>.tmp`` (never an existing one)."""
     while True:
@@ -202,7 +216,7 @@ def write_atomic(path: str | os.PathLike, data: bytes | str | Callable[[Any], An
     if by_path and writer is None:
         raise TypeError("by_path=True needs data to be a function of the temporary file's path")
     _check_destination(path, force)
-    try:
+    with _errors_said(path):
         fd, tmp = _create_temporary(path, mode)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -219,12 +233,6 @@ def write_atomic(path: str | os.PathLike, data: bytes | str | Callable[[Any], An
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-    except FileWriteError:
-        raise
-    except OSError as e:
-        if (said := _said(path, e)) is not None:
-            raise said from None
-        raise
     fsync_dir(path.parent)
     return path
 
@@ -313,17 +321,12 @@ def append(path: str | os.PathLike, data: bytes | str, *, mode: int = 0o644) -> 
             raise said from None
         raise
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _refusal(path, f"it is {_kind_of(os.fstat(fd).st_mode)}, not a regular file")
-        view = memoryview(raw)
-        while view:
-            view = view[os.write(fd, view):]
-    except FileWriteError:
-        raise
-    except OSError as e:
-        if (said := _said(path, e)) is not None:
-            raise said from None
-        raise
+        with _errors_said(path):
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _refusal(path, f"it is {_kind_of(os.fstat(fd).st_mode)}, not a regular file")
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
     finally:
         os.close(fd)
 
