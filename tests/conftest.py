@@ -108,3 +108,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "real" in getattr(item, "fixturenames", ()) and item.get_closest_marker("model") is None:
             item.add_marker(pytest.mark.model)
+
+
+def spy_fed(session) -> list[int]:
+    """Record every token id ``session`` feeds its model from now on (wraps its ``_forward``)."""
+    fed: list[int] = []
+    forward = session._forward
+
+    def spy(ids, all_logits=False):
+        fed.extend(ids)
+        return forward(ids, all_logits)
+
+    session._forward = spy
+    return fed

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import spy_fed
 
 from kvtrim.session import HISTORY_WINDOW, Session
 
@@ -26,14 +27,7 @@ def tiny_chat(embedded_tokenizer):
 def _conversation(model, tok, turns: int):
     """A session over ``turns`` turns (generated and scripted replies mixed) and every id it fed."""
     s = Session(model, tok, "inf_mllm", max_tokens=128, position="reassigned")
-    fed: list[int] = []
-    forward = s._forward
-
-    def spy(ids, all_logits=False):
-        fed.extend(ids)
-        return forward(ids, all_logits)
-
-    s._forward = spy
+    fed = spy_fed(s)
     for i in range(turns):
         if i % 3 == 1:
             s.add_turn(f"Note {i}.", f"Noted {i}.")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import cli_status
+from conftest import cli_status, spy_fed
 
 from kvtrim.errors import KVTrimError
 from kvtrim.session import Session
@@ -197,14 +197,7 @@ def test_recall_bad_input():
 def test_chat_turns_hold_exactly_the_templated_conversation(real):
     """After generated and scripted replies, the cache has been fed the chat template of the whole history."""
     s = Session(real.model, real.tokenizer, "full")
-    fed: list[int] = []
-    forward = s._forward
-
-    def spy(ids, all_logits=False):
-        fed.extend(ids)
-        return forward(ids, all_logits)
-
-    s._forward = spy
+    fed = spy_fed(s)
     s.send("Name a colour.", max_new_tokens=5)  # likely cut mid-reply: exercises the pending token
     s.add_turn("Thanks.", "You are welcome.")
     s.send("Name a fruit.", max_new_tokens=40)
