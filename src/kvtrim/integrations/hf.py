@@ -132,21 +132,21 @@ def _attend(base, att: Attachment | None, module, binding, query, key, value, at
     if prefill is not None and layer.phase == "prefill" and query.shape[-2] > 1:
         res = prefill(module, query, key, value, attention_mask, scale, **kwargs)  # None: run dense
     bias = layer.token_state.get(LOGIT_BIAS)
+    # a call kvtrim's own decode attention computes as SDPA would (no mask, soft-capping or eager attention)
+    sdpa_call = (attention_mask is None and not dropout and base_name == "sdpa"
+                 and not any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux")))
     if isinstance(layer, LowBitLayer) and layer.phase == "decode" and layer.n_new == 1:
         # a low-bit layer handed the model only its residual (LowBitLayer.attention_inputs): the step
         # reads the quantized slots block by block, with the probabilities for the policy's hook; a
         # call the blockwise attention does not compute (a mask, soft-capping, eager attention)
         # gets every key and value dequantized
-        if (res is None and attention_mask is None and not dropout and base_name == "sdpa"
-                and not any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
+        if res is None and sdpa_call:
             out, probs = layer.decode_attention(query, scale, None if bias is None else bias[:, :, : layer.length])
             res = (out, None)
             layer.decode_probs = probs
         else:
             key, value = layer.keys, layer.values
-    if (res is None and bias is None and attention_mask is None and query.shape[-2] == 1 and layer.phase == "decode"
-            and not dropout and base_name == "sdpa"
-            and not any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))
+    if (res is None and sdpa_call and bias is None and query.shape[-2] == 1 and layer.phase == "decode"
             and ((wants := binding.cache.policy.wants_decode_probs(layer.view))
                  or (query.device.type == "cpu" and (query.dtype != torch.float32 or CPU_DECODE_FP32)
                      and key.shape[-2] >= CPU_DECODE_MIN_KEYS
