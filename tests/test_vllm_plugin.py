@@ -184,11 +184,15 @@ def test_every_method_keeps_in_vllm_what_it_keeps_on_transformers(method):
         assert ours["tokens"][i] == tokens, f"request {i}"
 
 
-def test_tensor_parallel_equals_one_rank():
+@pytest.mark.parametrize("method", ["snapkv", "elastic"])
+def test_tensor_parallel_equals_one_rank(method):
     # SmolLM2-135M has 9 query and 3 KV heads: vLLM refuses tensor parallel 2 for it (9 heads do
-    # not split in two), so the test splits them over 3 ranks, one KV head each
-    one, three = _ok(run(SNAPKV, scheduler=True)), _ok(run(SNAPKV, scheduler=True, tp=3))
-    assert "kvtrim: snapkv compaction in use" in three["log"]
+    # not split in two), so the test splits them over 3 ranks, one KV head each; Elastic Cache's
+    # score is a mean over every head, gathered from the three ranks
+    spec = SNAPKV if method == "snapkv" else cfg(method="elastic", keep=0.25, prefill="block_sparse", sizes={"k_b": 4},
+                                                  min_length=64)
+    one, three = _ok(run(spec, scheduler=True)), _ok(run(spec, scheduler=True, tp=3))
+    assert f"kvtrim: {method} compaction in use" in three["log"]
     assert three["tokens"] == one["tokens"]
     assert three["blocks_in_use"] == one["blocks_in_use"]  # every rank frees the same blocks
 
@@ -209,15 +213,9 @@ def test_tensor_parallel_2_equals_one_rank_on_qwen(name):
     for r in (one, two):
         assert "kvtrim: sparse prefill (minference) in use" in r["log"]
     method = json.loads(spec)["method"]
-    from kvtrim.integrations.vllm.config import parse
-
-    if parse({"kvtrim": json.loads(spec)}).policy().per_head:
-        assert two["tokens"] == one["tokens"]
-    else:
-        # a policy that ranks by the mean over all KV heads (Elastic Cache shares one token set per
-        # layer) averages over its rank's own heads at tensor parallel > 1, so its kept sets, and
-        # then its tokens, may differ from one rank's (docs/vllm.md, "Limits"); the blocks may not
-        assert len(two["tokens"]) == len(one["tokens"])
+    # Elastic Cache ranks by the mean over every attention head: each rank averages over all ranks'
+    # heads (LayerView.head_mean, an all-gather), so both ranks keep what one rank keeps
+    assert two["tokens"] == one["tokens"]
     assert two["blocks_in_use"] == one["blocks_in_use"]  # every rank frees the same blocks
     if name != "keep 1":
         assert f"kvtrim: {method} frees evicted KV blocks" in two["log"]

@@ -10,6 +10,9 @@ blocks the scheduler frees are never read again."""
 
 from __future__ import annotations
 
+import functools
+import threading
+
 import pytest
 import torch
 
@@ -26,9 +29,9 @@ KEY_LAYOUT = torch.tensor([j * BS + t for t in range(BS) for j in range(D)])  # 
 class Pool:
     """A simulated paged KV cache: blocks ``[N, H, BS, D]`` for keys (in the kernel's layout) and values."""
 
-    def __init__(self, n: int = 400, seed: int = 0):
-        self.k = torch.zeros(n, HKV, BS, D)
-        self.v = torch.zeros(n, HKV, BS, D)
+    def __init__(self, n: int = 400, seed: int = 0, heads: int = HKV):
+        self.k = torch.zeros(n, heads, BS, D)
+        self.v = torch.zeros(n, heads, BS, D)
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randperm(n, generator=g)  # logical block -> physical block of the one request
 
@@ -119,6 +122,103 @@ def test_paged_storage_keeps_what_the_transformers_storage_keeps(model, name, ch
         assert ref.length == kept  # the transformers storage applied at once what vLLM's applies next step
     if method != "full":
         assert compactions > 0
+
+
+class Ranks:
+    """A simulated tensor-parallel group of ``n`` ranks, each run in its own thread: ``gather_for(r)``
+    is rank ``r``'s ``PagedLayer.gather_ranks`` (every rank's tensor, stacked in rank order)."""
+
+    def __init__(self, n: int):
+        self.barrier = threading.Barrier(n, timeout=60)
+        self.slots: list = [None] * n
+
+    def gather_for(self, rank: int):
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = t
+            self.barrier.wait()
+            out = torch.stack(self.slots)
+            self.barrier.wait()  # no rank hands in its next tensor before every rank has read this one
+            return out
+        return gather
+
+
+def _in_threads(work) -> None:
+    errors: list = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 -- re-raised in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("name", ["elastic", "elastic_frequency"])
+def test_under_tensor_parallelism_ranks_keep_what_one_storage_of_every_head_keeps(name):
+    """Elastic Cache's anchors come from a score averaged over every attention head. Split over two
+    tensor-parallel ranks (one KV head and its query heads each), each rank's storage averages over
+    all ranks' heads (``LayerView.head_mean``), so the ranks keep and merge the same tokens as one
+    storage holding every head -- not each rank its own choice."""
+    params = {"position": "true", **CASES[name]}
+    whole = PagedLayer(0, HKV, BS)
+    whole_policy = create_policy("elastic", **params)
+    group = Ranks(HKV)
+    ranks = [PagedLayer(0, 1, BS) for _ in range(HKV)]
+    policies = [create_policy("elastic", **params) for _ in range(HKV)]
+    for r, layer in enumerate(ranks):
+        layer.gather_ranks = group.gather_for(r)
+    pools = [Pool(heads=HKV)] + [Pool(heads=1) for _ in range(HKV)]
+    ledgers = [plan.Ledger(BS) for _ in range(HKV + 1)]
+    g = torch.Generator().manual_seed(5)
+    hq = HQ // HKV
+    compactions = 0
+
+    def step(i, layer, policy, ctx, q, k, v, query):
+        pool, ledger = pools[i], ledgers[i]
+        freed, before = ledger.begin_step(ctx, q)
+        if freed:
+            gone = set(freed)
+            after = [b for b in before if b not in gone]
+            layer.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None))
+        for j in range(q):
+            pool.write(ctx + j, k[0, :, j], v[0, :, j])
+        kept = ledger.end_step(policy, ctx, q)
+        live = pool.table[ledger.live]
+        layer.append(ctx, q)
+        layer.reader = lambda which: read_tokens(
+            pool.k if which == "keys" else pool.v, live, layer.length, KEY_LAYOUT if which == "keys" else None).unsqueeze(0)
+        key_all = layer.reader("keys")
+        if layer.phase == "decode" and policy.wants_decode_probs(layer.view):
+            layer.decode_probs = window_probs(query, key_all, D ** -0.5, 1)
+        layer.decide(policy, query, key_all, D ** -0.5, kept)
+        layer.reader, layer.decode_probs = None, None
+        return bool(freed)
+
+    for ctx, q in _steps(150, 1000, 60):
+        k, v = torch.randn(1, HKV, q, D, generator=g), torch.randn(1, HKV, q, D, generator=g)
+        query = torch.randn(1, HQ, q, D, generator=g)
+        compactions += step(0, whole, whole_policy, ctx, q, k, v, query)
+        _in_threads([
+            functools.partial(step, r + 1, ranks[r], policies[r], ctx, q, k[:, r:r + 1], v[:, r:r + 1],
+                              query[:, r * hq:(r + 1) * hq])
+            for r in range(HKV)
+        ])
+        for r, layer in enumerate(ranks):
+            assert layer.length == whole.length
+            assert torch.equal(layer.positions[0, 0], whole.positions[0, r]), (name, ctx, r)
+            want, got = whole.pending, layer.pending
+            assert (want is None) == (got is None)
+            if want is not None and want.keys is not None:
+                assert torch.allclose(got.keys[0, 0], want.keys[0, r], atol=1e-6)
+                assert torch.allclose(got.values[0, 0], want.values[0, r], atol=1e-6)
+    assert compactions > 0
 
 
 def test_compose_applies_decisions_in_order():

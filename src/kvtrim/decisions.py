@@ -115,6 +115,14 @@ class LayerView(Protocol):
         compressed layer. For methods that decide in one layer for all (FastV, HAE)."""
         ...
 
+    def head_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, Hkv, G, ...]`` (one entry per attention head: KV head, then query head of its
+        group) averaged over every attention head of the layer, ``[B, ...]``. Where this storage
+        holds all the heads, the mean over dims 1 and 2; under tensor parallelism (vLLM, each rank
+        holding a slice of the heads) the mean over every rank's heads, the same tensor on each
+        rank. For a score that all heads share (Elastic Cache's anchors)."""
+        ...
+
 
 class ViewOf:
     """Base of a storage's :class:`LayerView`: the counters, phase, stream indices, policy state and
@@ -134,6 +142,9 @@ class ViewOf:
     attention_scores = property(lambda self: self._layer.attention_scores)
     decode_probs = property(lambda self: self._layer.decode_probs)
     positions = property(lambda self: self._layer.positions)
+
+    def head_mean(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(1, 2))
 
 
 # --------------------------------------------------------------------------------- decisions

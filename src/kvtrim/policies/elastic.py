@@ -66,6 +66,7 @@ if they all had that key and value; with plain merging it counts as one token.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,6 +94,7 @@ def attention_importance(
     decay: float = 0.99,
     chunk: int = 256,
     rows: int = QUERY_ROWS,
+    head_mean: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Head-averaged importance of every key from the causal attention of all ``q`` queries: ``[B, S]``.
 
@@ -102,10 +104,13 @@ def attention_importance(
     ``(1 - decay) * decay**(q - 1 - m)``; ``"query"`` = column sums of the last ``rows`` queries only
     (the question at the prompt's end, as SnapKV's observation window). Float32; ``chunk`` queries at
     a time, each chunk against the keys up to its last query only (the masked upper triangle is
-    never computed).
+    never computed). ``head_mean`` averages ``[B, Hkv, G, S]`` over the heads (default: dims 1 and
+    2; a policy passes its layer's :meth:`~kvtrim.decisions.LayerView.head_mean`, which under
+    tensor parallelism averages over every rank's heads).
     """
+    mean = head_mean or _mean_of_heads
     if how == "query":
-        return window_probs(query, key, scaling, rows).sum(dim=-2).mean(dim=(1, 2))
+        return mean(window_probs(query, key, scaling, rows).sum(dim=-2))
     b, q, s = query.shape[0], query.shape[-2], key.shape[-2]
     off = s - q
     out = torch.zeros(b, s, dtype=torch.float32, device=key.device)
@@ -114,10 +119,14 @@ def attention_importance(
             m = torch.arange(start, stop, device=key.device, dtype=torch.float64)
             w = ((1.0 - decay) * decay ** (q - 1 - m)).float()
             probs = probs * w.view(1, 1, 1, -1, 1)
-        out[:, :off + stop] += probs.sum(dim=-2).mean(dim=(1, 2))
+        out[:, :off + stop] += mean(probs.sum(dim=-2))
     if how == "mean":
         out = out / seen_by(q, s, key.device)
     return out
+
+
+def _mean_of_heads(x: torch.Tensor) -> torch.Tensor:
+    return x.mean(dim=(1, 2))
 
 
 def seen_by(q: int, s: int, device=None) -> torch.Tensor:
@@ -212,18 +221,19 @@ class Elastic(Policy):
         if got is not None:
             q, s = query.shape[-2], key.shape[-2]
             if self.importance == "mean" and got.column_sums is not None:
-                return self.prefill_column_sums(layer, query, key, scaling).mean(dim=(1, 2)) / seen_by(q, s, key.device)
+                return layer.head_mean(self.prefill_column_sums(layer, query, key, scaling)) / seen_by(q, s, key.device)
             if self.importance == "query" and (rows := got.window(self.query_rows, q)) is not None:
-                return rows.sum(dim=-2).mean(dim=(1, 2))
+                return layer.head_mean(rows.sum(dim=-2))
             if self.importance == "sum" and got.column_sums is not None:
-                return self.prefill_column_sums(layer, query, key, scaling).mean(dim=(1, 2))
+                return layer.head_mean(self.prefill_column_sums(layer, query, key, scaling))
         if self.sharing_prefill_scores(layer):
             if self.importance == "sum":
-                return self.prefill_column_sums(layer, query, key, scaling).mean(dim=(1, 2))
+                return layer.head_mean(self.prefill_column_sums(layer, query, key, scaling))
             key_ = ("elastic", self.importance, self.ema_decay, self.query_rows)
             return self.prefill_scores(layer, key_, lambda: attention_importance(
-                query, key, scaling, self.importance, self.ema_decay, self.chunk, self.query_rows))
-        return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk, self.query_rows)
+                query, key, scaling, self.importance, self.ema_decay, self.chunk, self.query_rows, layer.head_mean))
+        return attention_importance(query, key, scaling, self.importance, self.ema_decay, self.chunk, self.query_rows,
+                                    layer.head_mean)
 
     def wants_prefill_scores(self, layer) -> ScoreRequest | None:
         if self.importance == "ema" or not (self.kept_target(layer) is not None or self.eviction == "frequency"):
@@ -372,7 +382,7 @@ class Elastic(Policy):
 
     def on_decode(self, layer, query, key, scaling):
         if self.eviction == "frequency":
-            row = self.decode_probs(layer, query, key, scaling)[..., 0, :].mean(dim=(1, 2))  # [B, S]
+            row = layer.head_mean(self.decode_probs(layer, query, key, scaling)[..., 0, :])  # [B, S]
             layer.state_view("elastic_importance")[:] += row.unsqueeze(1)
         budget = self.kept_target(layer)
         if budget is None:

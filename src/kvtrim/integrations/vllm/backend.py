@@ -156,6 +156,17 @@ def _prefill_hook(mode: str, cfg: PluginConfig, vc) -> SparsePrefill:
     return hook
 
 
+def _rank_gather():
+    """Under tensor parallelism, a function that gathers a tensor from every rank of the group,
+    stacked in rank order along a new first dim (``PagedLayer.gather_ranks``); None with one rank."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    if get_tensor_model_parallel_world_size() == 1:
+        return None
+    group = get_tp_group()
+    return lambda t: group.all_gather(t.unsqueeze(0).contiguous(), dim=0)
+
+
 # --------------------------------------------------------------------------------- the backend
 class KVTrimCPUBackend(CPUAttentionBackend):
     """``CPU_ATTN`` with kvtrim's additions (vLLM's own classes when the plugin is not configured)."""
@@ -349,6 +360,7 @@ class KVTrimImpl(CPUAttentionBackendImpl):
             if rp.ctx:
                 raise KVTrimError(f"kvtrim: layer {li} of a running request has no state")
             st.layers[li] = PagedLayer(li, n_heads, kc.shape[2], device=kc.device)
+            st.layers[li].gather_ranks = _rank_gather()
         pl = st.layers[li]
         q_len = rp.stop - rp.start
         pl.append(rp.ctx, q_len)

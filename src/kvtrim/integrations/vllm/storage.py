@@ -102,6 +102,9 @@ class PagedLayer:
         self.pending: Compaction | None = None
         # set by the backend while a hook runs: reads the stored keys or values, [1, H, S, D]
         self.reader: Callable[[str], torch.Tensor] | None = None
+        # set by the backend under tensor parallelism: gathers a tensor from every rank of the group
+        # (stacked along a new first dim, in rank order), for scores shared by all heads (head_mean)
+        self.gather_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.view = PagedView(self)
 
     def append(self, ctx: int, q: int) -> None:
@@ -202,3 +205,12 @@ class PagedView(ViewOf):
 
     def other(self, layer_idx: int):
         return None  # each layer decides for itself here (methods that decide for all are refused)
+
+    def head_mean(self, x: torch.Tensor) -> torch.Tensor:
+        local = x.mean(dim=(1, 2))  # this rank's heads
+        gather = self._layer.gather_ranks
+        if gather is None:
+            return local
+        # every rank holds as many heads: the mean of the ranks' means is the mean over all heads,
+        # summed in rank order on each rank, so every rank gets the same bits (the same anchors)
+        return gather(local).mean(dim=0)
