@@ -192,6 +192,19 @@ class LowBitLayer(CompressedLayer):
             return self.residual
         return self.keys, self.values
 
+    def stored_attention(self, query: torch.Tensor, scaling: float,
+                         bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.n_new == 1 and self.phase == "decode":
+            return self.decode_attention(query, scaling, bias)
+        return None
+
+    def attention_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.n_new == 1 and self.phase == "decode":  # the model was handed the residual only
+            keys, values = self.keys, self.values
+            assert keys is not None and values is not None
+            return keys, values
+        return key, value
+
     def new_token_state(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if name not in self.token_state:
             assert self._pos is not None, "per-token state is created after the first update()"

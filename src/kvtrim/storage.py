@@ -219,6 +219,19 @@ class CompressedLayer(CacheLayerMixin):
         """What ``update()`` hands the model's attention: every stored key and value."""
         return self.keys, self.values
 
+    def stored_attention(self, query: torch.Tensor, scaling: float,
+                         bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A decode step's attention computed by the storage over the form it stores, ``(out [B, 1, Hq,
+        Dv], probs [B, Hkv, G, 1, S])``, for a call SDPA would compute (no mask); or None: the model's
+        attention runs over what :meth:`attention_inputs` handed it. Here always None (it handed every
+        key and value); a low-bit storage reads its quantized slots block by block."""
+        return None
+
+    def attention_kv(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored key and value for an attention call :meth:`stored_attention` does not compute
+        (``key``, ``value``: what :meth:`attention_inputs` handed the model): here they are."""
+        return key, value
+
     def settle(self) -> None:
         """Storage work once a forward's decisions for this layer are applied (a low-bit storage
         packs its full groups, ``kvtrim.lowbit_storage``); nothing here."""

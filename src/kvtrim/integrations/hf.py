@@ -35,7 +35,6 @@ from kvtrim.attention.fused import causal_attention_scores, fused_backend
 from kvtrim.cache import ACTIVE, KVTrimCache
 from kvtrim.decisions import LOGIT_BIAS
 from kvtrim.errors import KVTrimError
-from kvtrim.lowbit_storage import LowBitLayer
 from kvtrim.registry import DEFAULT_METHOD
 from kvtrim.scores import PromptScores, decode_attention
 
@@ -135,17 +134,19 @@ def _attend(base, att: Attachment | None, module, binding, query, key, value, at
     # a call kvtrim's own decode attention computes as SDPA would (no mask, soft-capping or eager attention)
     sdpa_call = (attention_mask is None and not dropout and base_name == "sdpa"
                  and not any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux")))
-    if isinstance(layer, LowBitLayer) and layer.phase == "decode" and layer.n_new == 1:
-        # a low-bit layer handed the model only its residual (LowBitLayer.attention_inputs): the step
-        # reads the quantized slots block by block, with the probabilities for the policy's hook; a
-        # call the blockwise attention does not compute (a mask, soft-capping, eager attention)
-        # gets every key and value dequantized
+    if layer.phase == "decode" and layer.n_new == 1:
+        # a storage that handed the model only part of its tokens (a low-bit layer: the residual,
+        # LowBitLayer.attention_inputs) computes the step itself over its stored form, with the
+        # probabilities for the policy's hook; a call it does not compute (a mask, soft-capping,
+        # eager attention) gets every key and value (attention_kv; for the plain storage, as handed)
+        got = None
         if res is None and sdpa_call:
-            out, probs = layer.decode_attention(query, scale, None if bias is None else bias[:, :, : layer.length])
-            res = (out, None)
-            layer.decode_probs = probs
+            got = layer.stored_attention(query, scale, None if bias is None else bias[:, :, : layer.length])
+        if got is not None:
+            res = (got[0], None)
+            layer.decode_probs = got[1]
         else:
-            key, value = layer.keys, layer.values
+            key, value = layer.attention_kv(key, value)
     if (res is None and sdpa_call and bias is None and query.shape[-2] == 1 and layer.phase == "decode"
             and ((wants := binding.cache.policy.wants_decode_probs(layer.view))
                  or (query.device.type == "cpu" and (query.dtype != torch.float32 or CPU_DECODE_FP32)
