@@ -340,3 +340,35 @@ def test_native_kernel_other_product_paths_within_rule(switch):
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert re.search(r"\b\d+ passed\b", r.stdout) and " failed" not in r.stdout, r.stdout[-2000:]
+
+
+# -- a half-precision dtype on a CPU without its arithmetic: one warning line ----------------------------
+@pytest.mark.parametrize("dtype, flags, warns", [
+    (torch.bfloat16, ["avx2", "avx512f", "fma"], True),   # AVX2 / AVX-512 without BF16: converted
+    (torch.bfloat16, ["avx2", "avx512_bf16"], False),
+    (torch.bfloat16, ["amx_bf16", "avx2"], False),
+    (torch.float16, ["avx2", "avx512_bf16"], True),
+    (torch.float16, ["avx512_fp16"], False),
+    (torch.float32, ["avx2"], False),
+    (torch.bfloat16, None, False),                         # flags unknown: nothing to say
+])
+def test_a_half_dtype_warns_only_on_a_cpu_without_its_arithmetic(dtype, flags, warns):
+    from kvtrim.models import dtype_speed_warning
+
+    line = dtype_speed_warning(dtype, torch.device("cpu"), flags)
+    assert (line is not None) == warns
+    if warns:
+        assert "\n" not in line and "slower" in line and str(dtype).removeprefix("torch.") in line
+    assert dtype_speed_warning(dtype, torch.device("cuda"), flags) is None  # a GPU's arithmetic is its own
+
+
+def test_load_model_says_the_warning_once_per_load(tmp_path, monkeypatch, caplog):
+    import kvtrim.models as models
+
+    d = save_tiny_llama(tmp_path / "m")
+    monkeypatch.setattr(models, "cpu_matrix_flags", lambda: ["avx2", "fma"])
+    with caplog.at_level("WARNING", logger="kvtrim.models"):
+        load_model(d, dtype="bfloat16")
+        load_model(d, dtype="float32")
+    said = [r.getMessage() for r in caplog.records if "arithmetic" in r.getMessage()]
+    assert len(said) == 1 and "bfloat16" in said[0]

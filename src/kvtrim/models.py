@@ -17,6 +17,7 @@ weights load. Nothing is downloaded and no code from a model directory is run
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
@@ -30,6 +31,9 @@ from kvtrim import reference_models
 from kvtrim.errors import KVTrimError, ModelLoadError, model_load_errors, one_line
 from kvtrim.files import cache_dir, check_regular, read_bytes
 from kvtrim.gguf import DEFAULT_NAME, converted_dir, embedded_gguf_path, is_converted
+from kvtrim.machine import cpu_matrix_flags
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -308,6 +312,25 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     raise KVTrimError(f"dtype must be one of {', '.join(DTYPES)} (or the torch dtype); got {name}")
 
 
+#: the CPU flags that give a dtype native arithmetic (``/proc/cpuinfo``); without one of them PyTorch
+#: computes that dtype's matrix products by conversion, and a compute-bound prefill can run slower
+#: than in float32 (a memory-bound decode step still reads half the bytes)
+NATIVE_FLAGS = {torch.bfloat16: ("avx512_bf16", "amx_bf16"), torch.float16: ("avx512_fp16", "amx_fp16")}
+
+
+def dtype_speed_warning(dtype: torch.dtype, device: torch.device, flags: list[str] | None) -> str | None:
+    """The one warning line for a half-precision ``dtype`` on a CPU whose ``flags``
+    (``kvtrim.machine.cpu_matrix_flags``) name no native arithmetic for it; None where there is
+    nothing to say (float32, a GPU, a CPU with it, or flags unknown)."""
+    need = NATIVE_FLAGS.get(dtype)
+    if need is None or device.type != "cpu" or flags is None or any(f in flags for f in need):
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return (f"this CPU has no {name} arithmetic (none of {', '.join(need)}): PyTorch converts for every matrix "
+            f"product, so a long prompt can prefill slower in {name} than in float32 (the decode step still reads "
+            f"half the bytes); compare both with `kvtrim bench --dtype` (docs/dtypes.md)")
+
+
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """``"cpu"`` (also ``None``), ``"cuda"`` or ``"cuda:N"`` as a ``torch.device``, checked against the
     machine: CUDA must be available and ``N`` below the number of GPUs. Raises ``KVTrimError``."""
@@ -359,6 +382,8 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
 
     dtype = resolve_dtype(dtype)
     dev = resolve_device(device)
+    if (warning := dtype_speed_warning(dtype, dev, cpu_matrix_flags())) is not None:
+        logger.warning("%s", warning)
     path, label = resolve_model(model)
     where = label if model is None else os.fspath(model)
     _check_config_json(path, where)
