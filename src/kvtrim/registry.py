@@ -53,6 +53,7 @@ register("fastv", "kvtrim.policies.fastv", "FastV")
 register("hae", "kvtrim.policies.hae", "HAE")
 register("inf_mllm", "kvtrim.policies.inf_mllm", "InfMLLM")
 register("elastic", "kvtrim.policies.elastic", "Elastic")
+register("expected_attention", "kvtrim.policies.expected_attention", "ExpectedAttention")
 
 
 def method_names() -> list[str]:
