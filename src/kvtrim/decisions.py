@@ -51,6 +51,9 @@ class LayerView(Protocol):
 
     #: index of this layer in the model
     layer_idx: int
+    #: layers of the model (compressed or not), or 0 where the engine shows a policy one layer at a
+    #: time only (vLLM); a method that decides across layers (per-layer budgets) needs it
+    n_layers: int
     #: tokens this layer has seen (the stream index of the next token)
     seen: int
     #: tokens it stores now (after this forward's new ones were appended)

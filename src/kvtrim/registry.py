@@ -53,6 +53,7 @@ register("fastv", "kvtrim.policies.fastv", "FastV")
 register("hae", "kvtrim.policies.hae", "HAE")
 register("inf_mllm", "kvtrim.policies.inf_mllm", "InfMLLM")
 register("elastic", "kvtrim.policies.elastic", "Elastic")
+register("expected_attention", "kvtrim.policies.expected_attention", "ExpectedAttention")
 
 
 def method_names() -> list[str]:
@@ -67,6 +68,30 @@ def get_policy_class(name: str) -> type[Policy]:
     if name not in _METHODS:
         raise KVTrimError(f"unknown method {name!r}; known methods: {', '.join(_METHODS)}")
     return _METHODS[name].load()
+
+
+def split_method(spec: str) -> tuple[str, dict]:
+    """A method with parameters, as ``kvtrim eval --methods`` takes it: ``"snapkv:layers=adaptive:kernel=5"``
+    -> ``("snapkv", {"layers": "adaptive", "kernel": 5})`` (values read as integers, numbers, true/false,
+    else strings); a plain name -> ``(name, {})``. The name is not checked here (``get_policy_class``)."""
+    name, *parts = spec.split(":")
+    params: dict = {}
+    for part in parts:
+        key, eq, raw = part.partition("=")
+        if not eq or not key.strip() or not raw.strip():
+            raise KVTrimError(f"method {spec!r}: parameters are written name:key=value[:key=value...]; got {part!r}")
+        value: object = raw.strip()
+        if raw.strip().lower() in ("true", "false"):
+            value = raw.strip().lower() == "true"
+        else:
+            for convert in (int, float):
+                try:
+                    value = convert(raw)
+                    break
+                except ValueError:
+                    pass
+        params[key.strip()] = value
+    return name.strip(), params
 
 
 def create_policy(name: str, **kwargs) -> Policy:

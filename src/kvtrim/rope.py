@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -70,6 +71,37 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor, layout:
         ang = expand(delta.to(torch.float64).unsqueeze(-1) * freq)
         cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
     return _apply(x, cos, sin, partner)
+
+
+class RotationMoments(NamedTuple):
+    """Averages over positions of the rotation RoPE applies there, per rotary dim (float64, ``[rot_dim]``,
+    laid out like the angles of :func:`rotate`): of ``cos``, ``sin``, cos squared, sin squared and cos * sin."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cos2: torch.Tensor
+    sin2: torch.Tensor
+    cos_sin: torch.Tensor
+
+
+def partner_of(layout: str):
+    """The function that pairs each rotary dim with its partner in ``layout`` (``rotate_half`` or
+    ``rotate_pairs``): a vector rotated by angle ``a`` is ``x * cos(a) + partner(x) * sin(a)``."""
+    return _layout_fns(layout)[1]
+
+
+def rotation_moments(inv_freq: torch.Tensor, positions: torch.Tensor, layout: str = "half") -> RotationMoments:
+    """:class:`RotationMoments` of the rotations at ``positions [n]``.
+
+    A vector ``q`` rotated at position ``p`` is ``q * cos(p) + partner(q) * sin(p)`` per dim
+    (:func:`partner_of`), so the mean of ``q`` rotated over the positions is ``q * cos + partner(q) *
+    sin`` and the mean square of one dim is ``q**2 * cos2 + partner(q)**2 * sin2 + 2 * q * partner(q) *
+    cos_sin``: what a method that predicts the queries of the next positions needs
+    (``kvtrim.policies.expected_attention``)."""
+    expand = _layout_fns(layout)[0]
+    ang = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(device=positions.device, dtype=torch.float64)
+    c, s = ang.cos(), ang.sin()
+    return RotationMoments(*(expand(v.mean(dim=0)) for v in (c, s, c * c, s * s, c * s)))
 
 
 @dataclass(frozen=True)

@@ -613,6 +613,7 @@ class StorageView(ViewOf):
     position_policy = property(lambda self: self._layer.cache.position_policy)
     rotary = property(lambda self: self._layer.cache.rotary)
     spans = property(lambda self: self._layer.cache.spans)
+    n_layers = property(lambda self: len(self._layer.cache.layers))
 
     def new_token_state(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self._layer.new_token_state(name, dtype)

@@ -67,6 +67,13 @@ def fraction(value, what: str, *, allow_zero: bool = False) -> float:
     return float(value)
 
 
+def boolean(value, what: str) -> bool:
+    """True or False (not a number or a string that reads like one)."""
+    if not isinstance(value, bool):
+        raise KVTrimError(f"{what} must be true or false, got {value!r}")
+    return value
+
+
 def choice(value, what: str, allowed) -> str:
     """One of ``allowed``."""
     if value not in allowed:

@@ -180,7 +180,8 @@ def add_eval_commands(sub) -> None:
     model_options(e)
     m = e.add_argument_group("methods and budgets")
     m.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="A,B",
-                   help="comma-separated methods; full is always included")
+                   help="comma-separated methods, each with parameters if wanted (snapkv:layers=adaptive); "
+                        "full is always included")
     m.add_argument("--keep", type=keeps, default=",".join(map(str, DEFAULT_KEEPS)), metavar="R1,R2", help="budgets")
     m.add_argument("--prefill", default="dense", metavar="MODE", help=f"prefill attention: {', '.join(PREFILL_MODES)}")
     t = e.add_argument_group("samples")

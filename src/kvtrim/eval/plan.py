@@ -64,7 +64,7 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
     """Validate a sweep (names, ranges) before any model loads; raises ``KVTrimError`` naming the problem."""
     from kvtrim.eval.common import MIN_LENGTH
     from kvtrim.integrations.prefill import PREFILL_MODES
-    from kvtrim.registry import get_policy_class, method_names
+    from kvtrim.registry import create_policy, get_policy_class, method_names, split_method
 
     task_list = comma_list(tasks, "the tasks argument")
     for t in task_list:
@@ -72,9 +72,12 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
             raise KVTrimError(f"unknown task {t!r}; known tasks: {', '.join(ALL_TASKS)}")
     method_list = comma_list(methods, "--methods")
     for m in method_list:
-        if m not in method_names():
-            raise KVTrimError(f"unknown method {m!r}; known methods: {', '.join(method_names())}")
-        cls = get_policy_class(m)
+        name, params = split_method(m)  # a method may carry parameters: snapkv:layers=adaptive
+        if name not in method_names():
+            raise KVTrimError(f"unknown method {name!r}; known methods: {', '.join(method_names())}")
+        cls = get_policy_class(name)
+        if params:
+            create_policy(name, **params)  # every parameter checked now, by the policy class itself
         if cls.rewrites_forward or cls.needs_spans:
             raise KVTrimError(
                 f"method {m!r} compresses visual tokens only; the eval tasks are text, so it would equal 'full'. "
@@ -102,7 +105,7 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
         method_list = [REFERENCE, *method_list]
     configs: list[tuple[str, float | None]] = []
     for m in dict.fromkeys(method_list):
-        if get_policy_class(m).takes_budget:
+        if get_policy_class(split_method(m)[0]).takes_budget:
             configs += [(m, k) for k in dict.fromkeys(keep_list)]
         else:
             configs.append((m, None))

@@ -38,9 +38,9 @@ from kvtrim.storage import CompressedLayer
 
 def replayable(method: "str | Policy | type[Policy]") -> bool:
     """True when the method's prefill forward does not depend on it (``Policy.rewrites_forward``)."""
-    from kvtrim.registry import get_policy_class
+    from kvtrim.registry import get_policy_class, split_method
 
-    cls = get_policy_class(method) if isinstance(method, str) else method
+    cls = get_policy_class(split_method(method)[0]) if isinstance(method, str) else method
     return not cls.rewrites_forward
 
 
@@ -70,11 +70,12 @@ class Recorder(Policy):
 
 
 def make_policy(method: str, params: dict, memo: dict | None = None) -> Policy:
-    """``create_policy(method, **params)``; with ``memo`` (one dict per prompt) a method that declares
+    """``create_policy(method, **params)`` (``method`` may carry parameters, ``kvtrim.registry.split_method``); with ``memo`` (one dict per prompt) a method that declares
     ``shares_prefill_scores`` computes its per-prompt prefill scores once for all budgets."""
-    from kvtrim.registry import create_policy
+    from kvtrim.registry import create_policy, split_method
 
-    policy = create_policy(method, **params)
+    name, given = split_method(method)  # a method with parameters (kvtrim eval's snapkv:layers=adaptive)
+    policy = create_policy(name, **given, **params)
     if memo is not None and policy.shares_prefill_scores:
         policy.share_prefill_scores(memo)
     return policy

@@ -77,9 +77,10 @@ def config_params(method: str, keep: float | None) -> dict:
     """Every parameter of a sweep configuration's policy, JSON-ready (``Policy.describe`` without the
     name): what a line records as ``params``, so a change of a method's defaults is never mistaken
     for the same configuration."""
-    from kvtrim.registry import create_policy
+    from kvtrim.registry import create_policy, split_method
 
-    d = create_policy(method, **({} if keep is None else {"keep": keep})).describe()
+    name, params = split_method(method)
+    d = create_policy(name, **params, **({} if keep is None else {"keep": keep})).describe()
     d.pop("method", None)
     return json.loads(json.dumps(d))
 

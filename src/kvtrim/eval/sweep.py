@@ -85,7 +85,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     from kvtrim.eval.report import summarize
     from kvtrim.integrations.batched import drive
     from kvtrim.integrations.hf import attach
-    from kvtrim.registry import get_policy_class
+    from kvtrim.registry import get_policy_class, split_method
 
     check_lengths(plan, lm.tokenizer, lm.max_context)  # before config.json is written: a refused plan leaves nothing
     idx, n_shards = shard
@@ -128,7 +128,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
         ids = prompt_ids(lm.tokenizer, sample, plan.plain)
         bar.set_postfix_str(f"{task}@{length} #{i}")
         # the column sums H2O and Elastic Cache share, computed by the recorded forward's own attention
-        sums_shared = any(get_policy_class(m).shares_prefill_scores for m, _ in need)
+        sums_shared = any(get_policy_class(split_method(m)[0]).shares_prefill_scores for m, _ in need)
         recording = record_prefill(lm.model, ids, prefill_hook, column_sums=sums_shared)
         memo: dict = recording.score_memo()
         reference = None

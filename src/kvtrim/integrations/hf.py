@@ -147,6 +147,8 @@ def _attend(base, att: Attachment | None, module, binding, query, key, value, at
             layer.decode_probs = got[1]
         else:
             key, value = layer.attention_kv(key, value)
+    if res is None and attention_mask is not None and attention_mask.shape[-1] != key.shape[-2]:
+        attention_mask = layer_mask(attention_mask, query.shape[-2], key.shape[-2])
     if (res is None and sdpa_call and bias is None and query.shape[-2] == 1 and layer.phase == "decode"
             and ((wants := binding.cache.policy.wants_decode_probs(layer.view))
                  or (query.device.type == "cpu" and (query.dtype != torch.float32 or CPU_DECODE_FP32)
@@ -239,6 +241,20 @@ def _bottom_right_causal(mask: torch.Tensor | None, n: int, m: int) -> bool:
     verdict = bool(torch.equal(mask, causal_mask(n, m, mask.device).expand(mask.shape)))
     _CHECKED[:] = [weakref.ref(mask), verdict]
     return verdict
+
+
+def layer_mask(mask: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """The mask of a layer that stores another number of tokens than the first one (per-layer budgets,
+    ``kvtrim.policies.layer_budgets``): transformers builds one mask per forward from the first full
+    layer's sizes (``get_mask_sizes``), ``[B, 1 | Hq, n, m']`` for ``m'`` keys. A cache holds one
+    sequence, so that mask is bottom-right causal, and this layer's is the same for its ``m`` keys;
+    any other mask (padding) cannot be carried over and is refused."""
+    if mask.dtype == torch.bool and _bottom_right_causal(mask, n, mask.shape[-1]):
+        return causal_mask(n, m, mask.device).expand(*mask.shape[:2], n, m)
+    raise KVTrimError(
+        f"this layer stores {m - n} tokens and the forward's attention mask was made for {mask.shape[-1] - n}; a mask "
+        "that is not causal (padding) cannot be carried over to a layer of another length: use per-layer budgets "
+        "without a padding mask (layers='uniform' otherwise)")
 
 
 def causal_mask(n: int, m: int, device) -> torch.Tensor:

@@ -194,6 +194,13 @@ class Policy:
             return seen
         return max(self.min_tokens, math.floor(self.keep * seen + 1e-9))
 
+    @property
+    def uniform_layers(self) -> bool:
+        """True when every layer keeps the same number of tokens (``budget``); False for per-layer
+        budgets (``kvtrim.policies.layer_budgets``), which an engine whose layers share one block
+        table cannot hold."""
+        return True
+
     def can_stream(self) -> bool:
         """True when this configuration can run past the model's trained context."""
         return self.supports_streaming and self.position_policy == "reassigned" and self.max_tokens is not None

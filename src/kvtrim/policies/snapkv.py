@@ -18,20 +18,23 @@ import torch.nn.functional as F
 
 from kvtrim import validate
 from kvtrim.errors import KVTrimError
-from kvtrim.policies.base import Policy
+from kvtrim.policies.layer_budgets import LayerBudgets
 from kvtrim.scores import ScoreRequest, chunk_selection, group_reduce
 
 
 @dataclass
-class SnapKV(Policy):
+class SnapKV(LayerBudgets):
     """Args: ``window`` (32), ``kernel`` (7; odd, 1 = no pooling), ``pooling`` ("max" or "avg"),
     ``chunk`` (1 = per-token selection; ``c > 1`` keeps whole chunks of ``c`` consecutive tokens,
-    ranked by their best pooled score: ``kvtrim.scores.chunk_priority``)."""
+    ranked by their best pooled score: ``kvtrim.scores.chunk_priority``), ``layers`` ("uniform": the
+    same budget in every layer; "pyramid" or "adaptive": per-layer budgets that sum to the same total,
+    ``kvtrim.policies.layer_budgets``)."""
 
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
     chunk: int = 1
+    layers: str = "uniform"
 
     name = "snapkv"
     description = "observation window of the last 32 queries, pooled scores, per KV head, at each prompt"
@@ -43,6 +46,7 @@ class SnapKV(Policy):
             raise KVTrimError(f"snapkv: kernel must be a positive odd integer, got {self.kernel!r}")
         validate.choice(self.pooling, "snapkv: pooling", ("avg", "max"))
         self.chunk = validate.integer(self.chunk, "snapkv: chunk", minimum=1)
+        self.check_layers()
         super().__post_init__()
 
     @property
@@ -67,7 +71,7 @@ class SnapKV(Policy):
         return s
 
     def wants_prefill_scores(self, layer) -> ScoreRequest | None:
-        return ScoreRequest(window=self.window) if self.kept_target(layer) is not None else None
+        return ScoreRequest(window=self.window) if self.wants_scores(layer) else None
 
     def select(self, scores, protected, budget):
         return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)

@@ -371,8 +371,49 @@ def headline(root: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+AGNOSTIC_DIR = "benchmarks/results/eval_agnostic"  # issue 47: query-agnostic scores and per-layer budgets
+
+
+def agnostic(root: Path) -> str:
+    """The sweep of ``expected_attention`` and per-layer budgets against snapkv and inf_mllm on the
+    embedded model: the score and memory tables of ``kvtrim report``, and multiturn's score per turn
+    (the first question is asked in the prompt the cache was compressed at; the later ones are not)."""
+    from kvtrim.eval.report import load_dirs, render, summarize
+
+    lines = load_dirs([str(root / AGNOSTIC_DIR)])
+    out = render(summarize(lines), None).rstrip("\n")
+    turns: dict[tuple, list[list[float]]] = {}
+    for r in lines:
+        if r["task"] == "multiturn" and r.get("turn_scores"):
+            turns.setdefault((r["length"], r["method"], r["keep"]), []).append(r["turn_scores"])
+    for n in sorted({k[0] for k in turns}):
+        rows = [(m, k, v) for (length, m, k), v in turns.items() if length == n]
+        rows.sort(key=lambda x: (x[0] != "full", x[1] or 1.0, x[0]))
+        width = max(len(t) for _, _, v in rows for t in v)
+        head = " | ".join(f"turn {i + 1}" for i in range(width))
+        table = [f"#### multiturn score per turn, {n} tokens", "",
+                 f"| method @ keep | samples | {head} |", "|---|---:|" + "---:|" * width]
+        for m, k, v in rows:
+            means = [sum(t[i] for t in v) / len(v) for i in range(width)]
+            table.append(f"| {m}{'' if k is None else f' @{k:g}'} | {len(v)} | " + " | ".join(f"{x:.2f}" for x in means) + " |")
+        out += "\n\n" + "\n".join(table)
+    cells = summarize(lines)["cells"]
+    mean = {(c["task"], c["length"], c["method"], c["keep"]): c["score"] for c in cells if c["prefill"] == "dense"}
+    pairs = [("expected_attention", "snapkv"), ("expected_attention", "inf_mllm"),
+             ("expected_attention:question=0.5", "snapkv"), ("snapkv:layers=adaptive", "snapkv"),
+             ("snapkv:layers=pyramid", "snapkv")]
+    verdict = []
+    for a, b in pairs:
+        cmp = [(mean[(t, n, a, k)], mean[(t, n, b, k)]) for (t, n, m, k) in mean if m == a and (t, n, b, k) in mean]
+        if cmp:
+            won, lost = sum(x > y for x, y in cmp), sum(x < y for x, y in cmp)
+            verdict.append(f"- `{a}` against `{b}`, over the {len(cmp)} cells (task x budget) both ran: higher in "
+                           f"{won}, equal in {len(cmp) - won - lost}, lower in {lost}.")
+    return out + ("\n\n" + "\n".join(verdict) if verdict else "") + "\n"
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
-                                                "eval_qwen": eval_qwen, "headline": headline}
+                                                "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic}
 
 
 # ----------------------------------------------------------------------------- the eval report

@@ -81,6 +81,11 @@ class PluginConfig:
                 f"kvtrim method {self.method!r} rewrites the prefill forward (it drops tokens from the hidden states "
                 "inside the model, which vLLM runs itself), so the vLLM plugin cannot run it; use it on transformers "
                 "(kvtrim generate)")
+        if not policy.uniform_layers:
+            raise KVTrimError(
+                f"kvtrim method {self.method!r} with per-layer budgets keeps a different number of tokens in each "
+                "layer, and vLLM's layers share one block table per request; use layers 'uniform' (the default) "
+                "with the vLLM plugin, or per-layer budgets on transformers (kvtrim generate)")
         if policy.position_policy != "true":
             raise KVTrimError(
                 f"kvtrim position {policy.position_policy!r} re-rotates cached keys, which the vLLM plugin cannot do "

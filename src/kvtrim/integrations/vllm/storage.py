@@ -183,6 +183,7 @@ class PagedView(ViewOf):
     position_policy = "true"  # vLLM rotates every key at its true position and every new query at its own
     rotary: Rotary | None = None
     spans: SpanSet | None = None
+    n_layers = 0  # each layer decides for itself here (see other())
 
     rotations = property(lambda self: self._layer.positions)
     keys = property(lambda self: self._layer.read("keys"))
