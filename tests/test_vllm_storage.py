@@ -53,6 +53,24 @@ def _steps(prompt: int, chunk: int, decode: int):
     return out + [(c, 1) for c in range(prompt, prompt + decode)]
 
 
+def _forward(pool: Pool, ledger: plan.Ledger, layer: PagedLayer, policy, ctx: int, q: int, k, v, query) -> int:
+    """vLLM's side of one forward of ``q`` new tokens: their keys and values written into the pool,
+    the plan's kept count, then the policy's hook on the paged layer; returns the kept count."""
+    for i in range(q):
+        pool.write(ctx + i, k[0, :, i], v[0, :, i])
+    kept = ledger.end_step(policy, ctx, q)
+    live = pool.table[ledger.live]
+    layer.append(ctx, q)
+    layer.reader = lambda which: read_tokens(
+        pool.k if which == "keys" else pool.v, live, layer.length, KEY_LAYOUT if which == "keys" else None).unsqueeze(0)
+    key_all = layer.reader("keys")
+    if layer.phase == "decode" and policy.wants_decode_probs(layer.view):
+        layer.decode_probs = window_probs(query, key_all, D ** -0.5, 1)
+    layer.decide(policy, query, key_all, D ** -0.5, kept)
+    layer.reader, layer.decode_probs = None, None
+    return kept
+
+
 CASES = {
     "full": {},
     "snapkv": {"keep": 0.3, "window": 8},
@@ -107,18 +125,7 @@ def test_paged_storage_keeps_what_the_transformers_storage_keeps(model, name, ch
         query = torch.randn(1, HQ, q, D, generator=g)
         keys_ref, _ = ref.update(k, v)
         cache.after_attention(ref, query, keys_ref, D ** -0.5)
-        for i in range(q):
-            pool.write(ctx + i, k[0, :, i], v[0, :, i])
-        kept = ledger.end_step(paged_policy, ctx, q)
-        live = pool.table[ledger.live]
-        paged.append(ctx, q)
-        paged.reader = lambda which, live=live: read_tokens(
-            pool.k if which == "keys" else pool.v, live, paged.length, KEY_LAYOUT if which == "keys" else None).unsqueeze(0)
-        key_all = paged.reader("keys")
-        if paged.phase == "decode" and paged_policy.wants_decode_probs(paged.view):
-            paged.decode_probs = window_probs(query, key_all, D ** -0.5, 1)
-        paged.decide(paged_policy, query, key_all, D ** -0.5, kept)
-        paged.reader, paged.decode_probs = None, None
+        kept = _forward(pool, ledger, paged, paged_policy, ctx, q, k, v, query)
         assert ref.length == kept  # the transformers storage applied at once what vLLM's applies next step
     if method != "full":
         assert compactions > 0
@@ -187,18 +194,7 @@ def test_under_tensor_parallelism_ranks_keep_what_one_storage_of_every_head_keep
             gone = set(freed)
             after = [b for b in before if b not in gone]
             layer.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None))
-        for j in range(q):
-            pool.write(ctx + j, k[0, :, j], v[0, :, j])
-        kept = ledger.end_step(policy, ctx, q)
-        live = pool.table[ledger.live]
-        layer.append(ctx, q)
-        layer.reader = lambda which: read_tokens(
-            pool.k if which == "keys" else pool.v, live, layer.length, KEY_LAYOUT if which == "keys" else None).unsqueeze(0)
-        key_all = layer.reader("keys")
-        if layer.phase == "decode" and policy.wants_decode_probs(layer.view):
-            layer.decode_probs = window_probs(query, key_all, D ** -0.5, 1)
-        layer.decide(policy, query, key_all, D ** -0.5, kept)
-        layer.reader, layer.decode_probs = None, None
+        _forward(pool, ledger, layer, policy, ctx, q, k, v, query)
         return bool(freed)
 
     for ctx, q in _steps(150, 1000, 60):
