@@ -239,13 +239,16 @@ def test_import_changes_nothing_and_attach_is_reversible(model):
 # --- bad input --------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ALL)
 def test_describe_and_params_come_from_the_dataclass_fields(name):
-    """One place: describe() is {"method": name, **every field} with the position resolved; params()
+    """One place: describe() is {"method": name, **every field} with the position resolved (a field
+    added after results were recorded left out at its default: ``Policy.added_later``); params()
     rebuilds the policy (sessions save it)."""
     import dataclasses
 
     p = create_policy(name)
     d = p.describe()
-    assert list(d) == ["method", *(f.name for f in dataclasses.fields(p))]
+    assert list(d) == ["method", *(f.name for f in dataclasses.fields(p) if f.name not in p.added_later)]
+    for k, default in p.added_later.items():
+        assert getattr(p, k) == default and k in p.params()
     assert d["method"] == name and d["position"] == p.position_policy and p.params()["position"] is None
     assert create_policy(name, **p.params()) == p
     assert json.loads(json.dumps(d)) == d  # JSON-ready (tuples as lists)
@@ -484,3 +487,13 @@ def test_causal_prob_chunks_rows_equal_dense_and_reuse_one_workspace():
         seen.append((start, stop))
     assert seen == [(0, 8), (8, 16), (16, 21)]
     assert len(storages) == 1
+
+
+def test_a_parameter_added_later_keeps_earlier_results_keys():
+    """snapkv's ``layers`` came after sweeps were recorded: at its default it is not in describe(), so
+    an eval line recorded before names the same configuration; set, it is."""
+    from kvtrim.eval.store import config_params
+
+    assert "layers" not in config_params("snapkv", 0.25)
+    assert config_params("snapkv:layers=pyramid", 0.25)["layers"] == "pyramid"
+    assert create_policy("snapkv", keep=0.25, layers="pyramid").describe()["layers"] == "pyramid"

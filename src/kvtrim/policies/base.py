@@ -92,6 +92,10 @@ class Policy:
     per_head: bool = True
 
     name: ClassVar[str] = "base"
+    #: parameters added after results were recorded, with their defaults: :meth:`describe` leaves a
+    #: parameter out while it has this value, so results and eval keys recorded before it existed
+    #: still name the same configuration (a resumed sweep does not recompute them)
+    added_later: ClassVar[dict] = {}
     description: ClassVar[str] = ""
     default_position: ClassVar[str] = "true"
     #: can run on a stream longer than the model's context (needs reassigned positions + max_tokens)
@@ -214,7 +218,8 @@ class Policy:
         """``{"method": name, **params()}`` with ``position`` resolved to the effective position policy
         and tuples as lists (JSON-ready; results files and ``--json`` output read these keys)."""
         d = {"method": self.name, **self.params(), "position": self.position_policy}
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()
+                if not (k in self.added_later and v == self.added_later[k])}
 
     # --- hooks ---------------------------------------------------------------------------------
     # Every hook receives a read-only view of one layer (``kvtrim.decisions.LayerView``) and returns

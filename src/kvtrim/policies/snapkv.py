@@ -13,6 +13,7 @@ plus the window itself and the attention sinks (``Policy``). Decoded tokens are 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch.nn.functional as F
 
@@ -37,6 +38,7 @@ class SnapKV(LayerBudgets):
     layers: str = "uniform"
 
     name = "snapkv"
+    added_later: ClassVar[dict] = {"layers": "uniform"}  # describe() as before per-layer budgets, at the default
     description = "observation window of the last 32 queries, pooled scores, per KV head, at each prompt"
 
     def __post_init__(self) -> None:
