@@ -119,6 +119,7 @@ def _build(cfg: PluginConfig, vc) -> Settings:
     check_engine(
         cfg, vllm_version=vllm.__version__, prefix_caching=bool(vc.cache_config.enable_prefix_caching),
         speculative=vc.speculative_config is not None, scheduler_cls=_qualname(vc.scheduler_config.scheduler_cls),
+        kv_cache_dtype=str(vc.cache_config.cache_dtype),
         platform="cpu" if current_platform.is_cpu() else str(current_platform.device_type),
     )
     prefill = None
