@@ -176,6 +176,19 @@ def kept_equal(vllm: dict | None, ref: dict) -> float | None:
     return same / total if total else None
 
 
+def kept_overlap(vllm: dict | None, ref: dict) -> float | None:
+    """Mean share of a (layer, KV head) kept set that the reference keeps too (1.0: the same sets)."""
+    if vllm is None:
+        return None
+    shares = []
+    for li, heads in ref.items():
+        got = vllm.get(str(li))
+        for h, pos in enumerate(heads):
+            mine = set(got[h]) if got is not None else set()
+            shares.append(len(mine & set(pos)) / max(len(mine), 1))
+    return statistics.mean(shares) if shares else None
+
+
 # ----------------------------------------------------------------------------------------- table
 def table(result: dict) -> str:
     rec = result["machine"]
@@ -187,7 +200,8 @@ def table(result: dict) -> str:
              f"vLLM block size {result['block_size']}",
              ""]
     head = ["method", "prefill", "TP"] + (["KV cache dtype"] if kinds else []) + [
-        "prompts equal", "agreement (mean)", "first difference (earliest)", "kept sets equal", "blocks freed / request"]
+        "prompts equal", "agreement (mean)", "first difference (earliest)", "kept sets equal"] + (
+        ["kept overlap"] if kinds else []) + ["blocks freed / request"]
     head += ["same as vLLM alone", "KV bytes / token", "KV MiB / request at end"] if kinds else []
     head += ["needles vLLM", "needles transformers", "vLLM decode ms/step"]
     lines += ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
@@ -195,7 +209,9 @@ def table(result: dict) -> str:
         first = "-" if r["first_difference"] is None else str(r["first_difference"])
         kept = "-" if r["kept_equal"] is None else f"{100 * r['kept_equal']:.1f}%"
         cells = [r["method"], r["prefill"], str(r["tp"])] + ([r["kv_cache_dtype"]] if kinds else []) + [
-            f"{r['equal']}/{r['n']}", f"{r['agreement']:.3f}", first, kept, f"{r['blocks_freed']:.1f}"]
+            f"{r['equal']}/{r['n']}", f"{r['agreement']:.3f}", first, kept] + (
+            ["-" if r["kept_overlap"] is None else f"{100 * r['kept_overlap']:.1f}%"] if kinds else []) + [
+            f"{r['blocks_freed']:.1f}"]
         if kinds:
             alone = "-" if r["method"] == "full" else (
                 f"{r['equal_alone']}/{r['n']}" + ("" if r["first_difference_alone"] is None
@@ -213,7 +229,8 @@ def table(result: dict) -> str:
               "first restates the question has no room left for the answer. Decode ms/step: the median engine step "
               "after the first (`-`: the run predates its recording)."]
     if kinds:
-        lines[-1] += (" The transformers reference is float32 at every KV cache dtype. Same as vLLM alone: requests "
+        lines[-1] += (" The transformers reference is float32 at every KV cache dtype. Kept overlap: the mean share of a "
+                      "kept set (layer, KV head) that the reference keeps too. Same as vLLM alone: requests "
                       "whose tokens equal vLLM's own run (plugin not configured) at the same KV cache dtype, with the "
                       "earliest first difference. KV bytes / token: vLLM's KV cache spec, all layers of the rank. "
                       "KV MiB / request at end: the blocks a request holds after its last step (those freed by kvtrim's "
@@ -311,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
             firsts_alone = [f for _, f in cmp_alone if f is not None]
             held = [-(-(len(ids) + args.new - 1) // block_size) - sum(st[2] for st in g["steps"])
                     for ids, g in zip(prompts, got)]  # blocks held after the last step (its last token is not cached)
+            overlaps = [kept_overlap(g["kept"], w["kept"]) for g, w in zip(got, want)]
+            overlaps_known = [o for o in overlaps if o is not None]
             kind_fields = {} if "block_bytes" not in this else {
                 "kv_cache_dtype": kind, "equal_alone": sum(f is None for _, f in cmp_alone),
+                "kept_overlap": statistics.mean(overlaps_known) if overlaps_known else None,
                 "first_difference_alone": min(firsts_alone) if firsts_alone else None,
                 "kv_bytes_per_token": this["block_bytes"] / block_size, "num_blocks": this["num_blocks"],
                 "resident_kv_mib": statistics.mean(held) * this["block_bytes"] / 2 ** 20}
