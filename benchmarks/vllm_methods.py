@@ -27,6 +27,13 @@ shared with whatever else ran: the load is in the first line). vLLM's own dense 
 compared with transformers' full cache the same way, to show how far the two engines' arithmetic
 alone takes them apart.
 
+``--kv-cache-dtype auto,fp8`` runs every configuration at each of vLLM's own KV cache kinds (its
+``kv_cache_dtype``; the CPU build offers ``fp8``, ``fp8_e4m3`` and ``fp8_e5m2`` besides ``auto``). The
+reference stays kvtrim on transformers in float32 (it has no fp8 cache of vLLM's kind); each row is also
+compared with vLLM alone at the same kind (the ``full`` row, plugin not configured), and reports vLLM's KV
+bytes per token (from its KV cache spec) and the KV a request holds at its end (blocks held after the ones
+kvtrim's scheduler freed, times the bytes of a block).
+
 Each finished engine run and the reference are kept in a folder beside ``--out``
 (``NAME.work-<settings hash>/``): rerunning the same command after an interruption resumes there.
 """
@@ -63,6 +70,8 @@ def child(spec: dict) -> dict:
     engine = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False, "seed": 0,
               "max_model_len": spec["max_len"], "max_num_batched_tokens": spec["max_len"], "max_num_seqs": 1,
               "tensor_parallel_size": spec["tp"]}
+    if spec.get("kv_cache_dtype", "auto") != "auto":
+        engine["kv_cache_dtype"] = spec["kv_cache_dtype"]
     kv = spec["kvtrim"]
     if kv and kv.get("method"):
         engine["scheduler_cls"] = SCHEDULER
@@ -71,6 +80,8 @@ def child(spec: dict) -> dict:
     core = eng.engine_core.engine_core
     sched = core.scheduler
     bs = eng.vllm_config.cache_config.block_size
+    # bytes of one block over every layer (this rank's KV heads), from vLLM's own KV cache spec
+    block_bytes = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in sched.kv_cache_config.kv_cache_groups)
     worker_state = None
     if spec["tp"] == 1 and kv and kv.get("method"):
         from kvtrim.integrations.vllm.backend import PROCESS
@@ -110,7 +121,8 @@ def child(spec: dict) -> dict:
                         kept[str(li)] = pos[0].tolist()
                     rec["kept"] = kept
         out[rid] = rec
-    return {"block_size": bs, "requests": [out[f"r{i}"] for i in range(len(spec["prompts"]))]}
+    return {"block_size": bs, "block_bytes": block_bytes, "num_blocks": eng.vllm_config.cache_config.num_gpu_blocks,
+            "requests": [out[f"r{i}"] for i in range(len(spec["prompts"]))]}
 
 
 # --------------------------------------------------------------------------------- the reference
@@ -164,24 +176,50 @@ def kept_equal(vllm: dict | None, ref: dict) -> float | None:
     return same / total if total else None
 
 
+def kept_overlap(vllm: dict | None, ref: dict) -> float | None:
+    """Mean share of a (layer, KV head) kept set that the reference keeps too (1.0: the same sets)."""
+    if vllm is None:
+        return None
+    shares = []
+    for li, heads in ref.items():
+        got = vllm.get(str(li))
+        for h, pos in enumerate(heads):
+            mine = set(got[h]) if got is not None else set()
+            shares.append(len(mine & set(pos)) / max(len(mine), 1))
+    return statistics.mean(shares) if shares else None
+
+
 # ----------------------------------------------------------------------------------------- table
 def table(result: dict) -> str:
     rec = result["machine"]
+    kinds = "kv_cache_dtypes" in result  # a result with vLLM's KV cache kinds (older ones ran float32 caches only)
     lines = [harness.machine_line(rec, result["threads"]),
              "",
              f"{result['model']}, float32, keep {result['keep']}, {result['new']} new tokens, prompts: "
              f"{result['samples']} niah_single per length at {', '.join(map(str, result['lengths']))} tokens; "
              f"vLLM block size {result['block_size']}",
-             "",
-             "| method | prefill | TP | prompts equal | agreement (mean) | first difference (earliest) | kept sets equal "
-             "| blocks freed / request | needles vLLM | needles transformers | vLLM decode ms/step |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             ""]
+    head = ["method", "prefill", "TP"] + (["KV cache dtype"] if kinds else []) + [
+        "prompts equal", "agreement (mean)", "first difference (earliest)", "kept sets equal"] + (
+        ["kept overlap"] if kinds else []) + ["blocks freed / request"]
+    head += ["same as vLLM alone", "KV bytes / token", "KV MiB / request at end"] if kinds else []
+    head += ["needles vLLM", "needles transformers", "vLLM decode ms/step"]
+    lines += ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for r in result["rows"]:
         first = "-" if r["first_difference"] is None else str(r["first_difference"])
         kept = "-" if r["kept_equal"] is None else f"{100 * r['kept_equal']:.1f}%"
-        lines.append(f"| {r['method']} | {r['prefill']} | {r['tp']} | {r['equal']}/{r['n']} | {r['agreement']:.3f} | "
-                     f"{first} | {kept} | {r['blocks_freed']:.1f} | {r['needles_vllm']}/{r['n']} | "
-                     f"{r['needles_ref']}/{r['n']} | {'-' if r.get('decode_ms') is None else format(r['decode_ms'], '.1f')} |")
+        cells = [r["method"], r["prefill"], str(r["tp"])] + ([r["kv_cache_dtype"]] if kinds else []) + [
+            f"{r['equal']}/{r['n']}", f"{r['agreement']:.3f}", first, kept] + (
+            ["-" if r["kept_overlap"] is None else f"{100 * r['kept_overlap']:.1f}%"] if kinds else []) + [
+            f"{r['blocks_freed']:.1f}"]
+        if kinds:
+            alone = "-" if r["method"] == "full" else (
+                f"{r['equal_alone']}/{r['n']}" + ("" if r["first_difference_alone"] is None
+                                                  else f" (from token {r['first_difference_alone']})"))
+            cells += [alone, f"{r['kv_bytes_per_token']:.0f}", f"{r['resident_kv_mib']:.2f}"]
+        cells += [f"{r['needles_vllm']}/{r['n']}", f"{r['needles_ref']}/{r['n']}",
+                  "-" if r.get("decode_ms") is None else format(r["decode_ms"], ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
     lines += ["",
               "Prompts equal: requests whose greedy tokens are the same in both engines; agreement: the share of "
               "tokens before the first difference. Kept sets equal: the share of (layer, KV head) pairs whose kept "
@@ -190,6 +228,13 @@ def table(result: dict) -> str:
               f"{result['new']} new tokens, so it measures the budget of new tokens as much as the cache: a model that "
               "first restates the question has no room left for the answer. Decode ms/step: the median engine step "
               "after the first (`-`: the run predates its recording)."]
+    if kinds:
+        lines[-1] += (" The transformers reference is float32 at every KV cache dtype. Kept overlap: the mean share of a "
+                      "kept set (layer, KV head) that the reference keeps too. Same as vLLM alone: requests "
+                      "whose tokens equal vLLM's own run (plugin not configured) at the same KV cache dtype, with the "
+                      "earliest first difference. KV bytes / token: vLLM's KV cache spec, all layers of the rank. "
+                      "KV MiB / request at end: the blocks a request holds after its last step (those freed by kvtrim's "
+                      "scheduler taken away) times the bytes of a block, mean over requests.")
     return "\n".join(lines)
 
 
@@ -205,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=float, default=0.25)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="vLLM's KV cache kinds to run, comma-separated (auto, fp8, fp8_e4m3, fp8_e5m2 on the CPU build)")
     args = ap.parse_args(argv)
     if args.child:
         harness.child_result(child(json.loads(Path(args.child).read_text())))
@@ -226,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     methods = args.methods.split(",")
     prefills = args.prefill.split(",")
     tps = [int(x) for x in args.tp.split(",")]
+    kinds = args.kv_cache_dtype.split(",")
+
+    def run_key(method: str, prefill: str, tp: int, kind: str) -> str:
+        return f"{method}|{prefill}|{tp}" + ("" if kind == "auto" else f"|{kind}")  # earlier runs keep their names
     record = harness.machine_record()
     runs: dict[str, dict] = {}
     configs = [{"method": "full", "prefill": p, "keep": None} for p in prefills] + \
@@ -238,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for c in configs:
-            for tp in tps:
-                key = f"{c['method']}|{c['prefill']}|{tp}"
+            for tp, kind in [(tp, kind) for kind in kinds for tp in tps]:
+                key = run_key(c["method"], c["prefill"], tp, kind)
                 done = work / (key.replace("|", "_") + ".json")
                 if done.exists():
                     runs[key] = json.loads(done.read_text())
@@ -248,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                 if c["prefill"] != "dense":
                     kv["prefill"] = c["prefill"]
                 spec = {"model_dir": model_dir, "prompts": prompts, "new": args.new, "max_len": max_len, "tp": tp,
-                        "threads": max(1, args.threads // tp), "kvtrim": kv or None}
+                        "threads": max(1, args.threads // tp), "kvtrim": kv or None, "kv_cache_dtype": kind}
                 path = Path(tmp) / "spec.json"
                 path.write_text(json.dumps(spec))
                 print(f"vLLM {key}", file=sys.stderr, flush=True)
@@ -264,15 +315,29 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for c in configs:
-        for tp in tps:
-            got = runs[f"{c['method']}|{c['prefill']}|{tp}"]["requests"]
+        for tp, kind in [(tp, kind) for kind in kinds for tp in tps]:
+            this = runs[run_key(c["method"], c["prefill"], tp, kind)]
+            got = this["requests"]
             want = ref[f"{c['method']}|{c['prefill']}"]
             cmp = [compare(g["tokens"], w["tokens"]) for g, w in zip(got, want)]
             firsts = [f for _, f in cmp if f is not None]
             kept = [kept_equal(g["kept"], w["kept"]) for g, w in zip(got, want)]
             kept_known = [k for k in kept if k is not None]
+            alone = runs[run_key("full", c["prefill"], tp, kind)]["requests"]  # vLLM alone at the same kind
+            cmp_alone = [compare(g["tokens"], a["tokens"]) for g, a in zip(got, alone)]
+            firsts_alone = [f for _, f in cmp_alone if f is not None]
+            held = [-(-(len(ids) + args.new - 1) // block_size) - sum(st[2] for st in g["steps"])
+                    for ids, g in zip(prompts, got)]  # blocks held after the last step (its last token is not cached)
+            overlaps = [kept_overlap(g["kept"], w["kept"]) for g, w in zip(got, want)]
+            overlaps_known = [o for o in overlaps if o is not None]
+            kind_fields = {} if "block_bytes" not in this else {
+                "kv_cache_dtype": kind, "equal_alone": sum(f is None for _, f in cmp_alone),
+                "kept_overlap": statistics.mean(overlaps_known) if overlaps_known else None,
+                "first_difference_alone": min(firsts_alone) if firsts_alone else None,
+                "kv_bytes_per_token": this["block_bytes"] / block_size, "num_blocks": this["num_blocks"],
+                "resident_kv_mib": statistics.mean(held) * this["block_bytes"] / 2 ** 20}
             rows.append({
-                "method": c["method"], "prefill": c["prefill"], "tp": tp, "n": len(got),
+                "method": c["method"], "prefill": c["prefill"], "tp": tp, "n": len(got), **kind_fields,
                 "equal": sum(f is None for _, f in cmp), "agreement": statistics.mean(a for a, _ in cmp),
                 "first_difference": min(firsts) if firsts else None,
                 "kept_equal": statistics.mean(kept_known) if kept_known else None,
@@ -289,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": Path(model_dir).name, "keep": args.keep, "new": args.new, "samples": args.samples,
               "lengths": lengths, "block_size": block_size, "threads": args.threads,
               "prompt_tokens": [len(p) for p in prompts], "rows": rows}
+    if kinds != ["auto"]:
+        result["kv_cache_dtypes"] = kinds
     harness.publish(args.out, result, record, table)
     return 0
 

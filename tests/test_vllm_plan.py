@@ -60,12 +60,19 @@ def test_engine_checks():
                         ({"prefix_caching": True}, "prefix caching off"),
                         ({"speculative": True}, "speculative decoding"),
                         ({"scheduler_cls": None}, "--scheduler-cls " + SCHEDULER),
-                        ({"platform": "cuda"}, "CPU backend only")]:
+                        ({"platform": "cuda"}, "CPU backend only"),
+                        ({"kv_cache_dtype": "bfloat16"}, "kv_cache_dtype auto, fp8, fp8_e4m3, fp8_e5m2 (the kinds vLLM's "
+                                                         "CPU attention backend lists), not 'bfloat16'"),
+                        ({"kv_cache_dtype": "int8_per_token_head"}, "not 'int8_per_token_head'")]:
         with pytest.raises(KVTrimError) as e:
             check_engine(cfg, **{**ok, **change})
         assert msg in str(e.value) and "\n" not in str(e.value)
     # sparse prefill alone needs neither the scheduler nor prefix caching off
     check_engine(PluginConfig(prefill="a_shape"), **{**ok, "prefix_caching": True, "scheduler_cls": None})
+    for kind in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):  # vLLM's fp8 caches are read and compacted (test_vllm_storage)
+        check_engine(cfg, **{**ok, "kv_cache_dtype": kind})
+    with pytest.raises(KVTrimError, match="not 'float16'"):  # with sparse prefill alone too
+        check_engine(PluginConfig(prefill="a_shape"), **{**ok, "kv_cache_dtype": "float16"})
 
 
 # -- the ledger: which blocks stay ------------------------------------------------------------------

@@ -71,11 +71,14 @@ def _env(model: str = "smollm2") -> dict:
 
 @functools.cache
 def run(kvtrim: str | None, scheduler: bool = False, tp: int = 1, max_tokens: int = 10, model: str = "smollm2",
-        inprocess: bool = False) -> dict:
+        inprocess: bool = False, kv_cache_dtype: str = "auto") -> dict:
     """One engine configuration (``kvtrim``: the JSON of additional_config['kvtrim'], or None;
     ``model``: ``smollm2`` or ``qwen``; ``inprocess``: the engine core in the driver's process, so
-    kvtrim's scheduler, and at tensor parallel 1 its worker state, can be read)."""
+    kvtrim's scheduler, and at tensor parallel 1 its worker state, can be read; ``kv_cache_dtype``:
+    vLLM's own KV cache format)."""
     engine = dict(ENGINE, tensor_parallel_size=tp)
+    if kv_cache_dtype != "auto":
+        engine["kv_cache_dtype"] = kv_cache_dtype
     if scheduler:
         engine["scheduler_cls"] = SCHEDULER
     spec = {"additional_config": {} if kvtrim is None else {"kvtrim": json.loads(kvtrim)}, "engine": engine,
@@ -274,6 +277,151 @@ def test_paged_storage_reads_and_writes_the_layout_vllms_kernel_writes(dtype):
     k0, v0 = read_tokens(kc, blocks[:1], bs, layouts[0]), read_tokens(vc, blocks[:1], bs, layouts[1])
     for h in range(hkv):
         assert torch.equal(k0[h], key[keep[0, h], h]) and torch.equal(v0[h], value[keep[0, h], h])
+
+
+# -- vLLM's own fp8 KV cache (kv_cache_dtype) ------------------------------------------------------------
+# vLLM's CPU backend lists kv_cache_dtype auto, fp8, fp8_e4m3 and fp8_e5m2 (fp8 is e4m3 there); the plugin
+# reads the fp8 bytes dequantized with the layer's scales and moves them as bytes (docs/vllm.md)
+FP8 = "fp8"
+FP8_CASES = [(m, FP8) for m in METHODS] + [("elastic", "fp8_e5m2")]  # Elastic Cache merges: its tokens are re-written
+
+
+def test_fp8_kv_cache_keep_1_equals_vllm_alone_at_fp8():
+    alone, ours = _ok(run(DENSE, kv_cache_dtype=FP8)), _ok(run(cfg(method="snapkv", keep=1.0), scheduler=True,
+                                                                kv_cache_dtype=FP8))
+    assert "Using fp8 data type to store kv cache" in ours["log"]
+    assert "kvtrim: configured: prefill=None method=snapkv" in ours["log"]
+    assert ours["tokens"] == alone["tokens"]
+    assert ours["blocks_in_use"] == alone["blocks_in_use"]  # keep 1: nothing freed
+    assert alone["num_blocks"] == 4 * _ok(run(DENSE))["num_blocks"]  # one byte per element instead of float32's four
+
+
+@pytest.mark.parametrize("method, kind", FP8_CASES)
+def test_fp8_kv_cache_frees_the_blocks_it_frees_at_16_bits(method, kind):
+    alone = _ok(run(DENSE, kv_cache_dtype=kind))
+    ours = _ok(run(ALL[method], scheduler=True, inprocess=True, kv_cache_dtype=kind))
+    wide = _ok(run(ALL[method], scheduler=True, inprocess=True))
+    assert ours["steps"] == wide["steps"]  # the same schedule, the same blocks freed at every step
+    bs = ours["block_size"]
+    freed = 0
+    for steps in ours["steps_at_probe"]:
+        assert [s[2] for s in steps] == _planned_frees(steps, method, bs)
+        freed += sum(s[2] for s in steps)
+    assert freed > 0
+    assert alone["blocks_in_use"] - ours["blocks_in_use"] == freed  # vLLM's own gauge, at the same fp8 kind
+    assert f"kvtrim: {method} compaction in use" in ours["log"]
+    assert all(len(t) == 10 for t in ours["tokens"])
+    if method == "streaming_llm":  # sinks and the most recent tokens: no score, so the same tokens as at 16 bits
+        assert ours["kept"] == wide["kept"]
+    # how far compression takes the tokens from vLLM alone at the same kind (reported, not asserted: the
+    # tokens of a compressed cache may differ; tests/test_vllm_plugin.py checks keep 1 is equal)
+    firsts = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+              for x, y in zip(ours["tokens"], alone["tokens"])]
+    print(f"{method} {kind}: first token differing from vLLM alone per request: {firsts}")
+
+
+def test_an_unlisted_kv_cache_dtype_is_refused_with_one_line():
+    # vLLM's CPU build runs kv_cache_dtype="bfloat16" with a float32 model without a check, and decodes wrong tokens
+    r = run(cfg(method="snapkv"), scheduler=True, kv_cache_dtype="bfloat16")
+    assert r["rc"] != 0 and "tokens" not in r
+    assert ("kvtrim: kvtrim's vLLM plugin runs with kv_cache_dtype auto, fp8, fp8_e4m3, fp8_e5m2 (the kinds vLLM's CPU "
+            "attention backend lists), not 'bfloat16'") in r["log"], r["log"][-3000:]
+
+
+@pytest.mark.parametrize("dtype, kind", [("float32", "fp8"), ("float32", "fp8_e5m2"), ("bfloat16", "fp8_e4m3")])
+def test_fp8_keys_read_back_are_what_vllms_kernel_attends_to(dtype, kind):
+    # the plugin scores from the keys it reads back: they must be the ones vLLM's kernel attends to,
+    # dequantized with the layer's own scales (no engine needed)
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvtrim.integrations.vllm.backend import _layouts, _split
+    from kvtrim.integrations.vllm.storage import FP8_KINDS, CacheFormat, read_tokens
+
+    dt = getattr(torch, dtype)
+    hkv, hq, bs, d, n = 2, 6, 128, 64, 3 * 128 - 17
+    isa = _get_attn_isa(dt, bs, d, kind)
+    fmt = CacheFormat(FP8_KINDS[kind], 0.05, 0.02, dt)
+    kc, vc = _split(torch.zeros(4, hkv, bs, 2 * d, dtype=torch.uint8))
+    g = torch.Generator().manual_seed(0)
+    key, value = (3 * torch.randn(n, hkv, d, generator=g)).to(dt), torch.randn(n, hkv, d, generator=g).to(dt)
+    blocks = torch.tensor([3, 0, 2])
+    slots = blocks.repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, k_scale=fmt.k_scale, v_scale=fmt.v_scale,
+                                   kv_cache_dtype=kind)
+    layouts = _layouts(isa, bs, d, dt, kind)
+    k = fmt.decode(read_tokens(kc, blocks, n, layouts[0]), "keys")  # [H, n, D]
+    v = fmt.decode(read_tokens(vc, blocks, n, layouts[1]), "values")
+    q = torch.randn(1, hq, d, generator=g).to(dt)
+    out = torch.zeros(1, hq, d, dtype=dt)
+    qsl, seq = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    md = ops.cpu_attn_get_scheduler_metadata(num_reqs=1, num_heads=hq, num_kv_heads=hkv, head_dim=d, seq_lens=seq, dtype=dt,
+                                             query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
+                                             enable_kv_split=False, kv_cache_dtype=kind)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    table[0, :3] = blocks
+    ops.cpu_attention_with_kv_cache(query=q, key_cache=kc, value_cache=vc, output=out, query_start_loc=qsl, seq_lens=seq,
+                                    scale=d ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1, block_table=table,
+                                    softcap=0.0, scheduler_metadata=md, s_aux=None, k_scale=fmt.k_scale,
+                                    v_scale=fmt.v_scale, kv_cache_dtype=kind)
+
+    def attend(keys, values, dtype):
+        qq = q[0].to(dtype).view(hkv, hq // hkv, d)
+        p = torch.softmax(torch.einsum("hgd,hnd->hgn", qq, keys.to(dtype)) * d ** -0.5, -1)
+        return torch.einsum("hgn,hnd->hgd", p, values.to(dtype)).reshape(hq, d)
+
+    exact = attend(k, v, torch.float64)
+    kernel = float((out[0].double() - exact).abs().max())
+    plain = float((attend(k, v, dt).double() - exact).abs().max())  # PyTorch in the kernel's dtype
+    unquantized = float((out[0].double() - attend(key.transpose(0, 1), value.transpose(0, 1), torch.float64)).abs().max())
+    # STYLE's rule: the kernel is within twice plain PyTorch's error in the same dtype, against float64 over
+    # the keys and values read back; against the unquantized ones it is off by the fp8 rounding, which is
+    # several times bfloat16's own (3 or 2 mantissa bits against 8) and orders of magnitude float32's
+    assert kernel <= 2 * plain + 1e-6, (kernel, plain)
+    assert unquantized > 5 * kernel, (unquantized, kernel)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "fp8_e5m2"])
+def test_paged_storage_moves_fp8_bytes_in_the_layout_vllms_kernel_writes(kind):
+    # the fp8 cache holds bytes: compaction moves a kept token's bytes unchanged, and a merged token is
+    # written as vLLM's own cache-write op writes it (no engine needed)
+    import functools as ft
+
+    import torch
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvtrim.integrations.vllm.backend import _encode, _layouts, _split
+    from kvtrim.integrations.vllm.storage import FP8_KINDS, CacheFormat, Compaction, PagedLayer, read_tokens
+
+    dt, nb, hkv, bs, d = torch.float32, 5, 2, 128, 64
+    isa = _get_attn_isa(dt, bs, d, kind)
+    layouts = _layouts(isa, bs, d, dt, kind)
+    fmt = CacheFormat(FP8_KINDS[kind], 0.05, 0.02, dt, ft.partial(_encode, isa, bs, kind, 0.05, 0.02, layouts))
+    g = torch.Generator().manual_seed(0)
+    kc, vc = _split(torch.zeros(nb, hkv, bs, 2 * d, dtype=torch.uint8))
+    key, value = 3 * torch.randn(3 * bs, hkv, d, generator=g), torch.randn(3 * bs, hkv, d, generator=g)
+    blocks = torch.tensor([4, 1, 3])
+    slots = blocks.repeat_interleave(bs) * bs + torch.arange(3 * bs) % bs
+    ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, k_scale=0.05, v_scale=0.02, kv_cache_dtype=kind)
+    raw_k, raw_v = read_tokens(kc, blocks, 3 * bs, layouts[0]), read_tokens(vc, blocks, 3 * bs, layouts[1])
+    keep = torch.stack([torch.arange(0, 2 * bs, 2), torch.arange(bs, 2 * bs)]).unsqueeze(0)  # [1, H, bs]
+    layer = PagedLayer(0, hkv, bs)
+    layer.append(0, 3 * bs)
+    layer.pending = Compaction(keep)
+    layer.compact(kc, vc, blocks, blocks[:1], layouts, fmt)
+    k0, v0 = read_tokens(kc, blocks[:1], bs, layouts[0]), read_tokens(vc, blocks[:1], bs, layouts[1])
+    for h in range(hkv):
+        assert torch.equal(k0[h], raw_k[h, keep[0, h]]) and torch.equal(v0[h], raw_v[h, keep[0, h]])
+    # a merge into the first block: the bytes vLLM's op writes for the merged keys and values at those slots
+    mk, mv = 3 * torch.randn(1, hkv, bs, d, generator=g), torch.randn(1, hkv, bs, d, generator=g)
+    layer.pending = Compaction(torch.arange(bs).expand(1, hkv, bs), mk, mv)
+    layer.compact(kc, vc, blocks[:1], blocks[:1], layouts, fmt)
+    wk, wv = _split(torch.zeros(nb, hkv, bs, 2 * d, dtype=torch.uint8))
+    ops.cpu_attn_reshape_and_cache(mk[0].transpose(0, 1).contiguous(), mv[0].transpose(0, 1).contiguous(), wk, wv,
+                                   4 * bs + torch.arange(bs), isa, k_scale=0.05, v_scale=0.02, kv_cache_dtype=kind)
+    assert torch.equal(kc[4], wk[4]) and torch.equal(vc[4], wv[4])
 
 
 # -- the OpenAI-compatible server -----------------------------------------------------------------------

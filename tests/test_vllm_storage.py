@@ -18,7 +18,7 @@ import torch
 
 from kvtrim.cache import KVTrimCache
 from kvtrim.integrations.vllm import plan
-from kvtrim.integrations.vllm.storage import PagedLayer, compose, read_tokens
+from kvtrim.integrations.vllm.storage import FP8_KINDS, PLAIN, CacheFormat, PagedLayer, compose, read_tokens
 from kvtrim.registry import create_policy
 from kvtrim.scores import window_probs
 
@@ -26,22 +26,49 @@ BS, D, HKV, HQ = 8, 16, 2, 6
 KEY_LAYOUT = torch.tensor([j * BS + t for t in range(BS) for j in range(D)])  # vLLM CPU: keys channel-major
 
 
-class Pool:
-    """A simulated paged KV cache: blocks ``[N, H, BS, D]`` for keys (in the kernel's layout) and values."""
+def fp8_format(kind: str, k_scale: float = 0.7, v_scale: float = 1.3) -> CacheFormat:
+    """vLLM's fp8 cache format with per-layer scales; ``encode`` here is torch's own cast (it stands in
+    for vLLM's cache-write op, whose rounding the vLLM tier checks)."""
+    f8 = FP8_KINDS[kind]
 
-    def __init__(self, n: int = 400, seed: int = 0, heads: int = HKV):
-        self.k = torch.zeros(n, heads, BS, D)
-        self.v = torch.zeros(n, heads, BS, D)
+    def encode(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (k.float() / k_scale).to(f8).view(torch.uint8), (v.float() / v_scale).to(f8).view(torch.uint8)
+
+    return CacheFormat(f8, k_scale, v_scale, torch.float32, encode)
+
+
+POISON = {torch.float32: float("nan"), torch.uint8: 0x7F}  # freed blocks: NaN (0x7f is NaN in e4m3fn and e5m2)
+
+
+class Pool:
+    """A simulated paged KV cache: blocks ``[N, H, BS, D]`` for keys (in the kernel's layout) and values,
+    float32 or the bytes of an fp8 format (``fmt``)."""
+
+    def __init__(self, n: int = 400, seed: int = 0, fmt: CacheFormat = PLAIN, heads: int = HKV):
+        self.fmt = fmt
+        dtype = torch.uint8 if fmt.quantized else torch.float32
+        self.k = torch.zeros(n, heads, BS, D, dtype=dtype)
+        self.v = torch.zeros(n, heads, BS, D, dtype=dtype)
         g = torch.Generator().manual_seed(seed)
         self.table = torch.randperm(n, generator=g)  # logical block -> physical block of the one request
 
-    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """What vLLM's cache write does for the token at stream position ``pos`` (``k, v [H, D]``)."""
+    def write(self, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What vLLM's cache write does for the token at stream position ``pos`` (``k, v [H, D]``);
+        returns the keys and values as the kernel then reads them (dequantized)."""
+        if self.fmt.quantized:
+            assert self.fmt.encode is not None
+            k, v = self.fmt.encode(k, v)
         b = self.table[pos // BS]
         tm = plan.token_major(self.k[b:b + 1], KEY_LAYOUT)
         tm[0, :, pos % BS] = k
         self.k[b:b + 1] = plan.stored(tm.contiguous(), KEY_LAYOUT)
         self.v[b, :, pos % BS] = v
+        return self.fmt.decode(k, "keys"), self.fmt.decode(v, "values")
+
+    def read(self, which: str, blocks: torch.Tensor, n: int, raw: bool = False) -> torch.Tensor:
+        cache, layout = (self.k, KEY_LAYOUT) if which == "keys" else (self.v, None)
+        data = read_tokens(cache, blocks, n, layout)
+        return data if raw else self.fmt.decode(data, which)
 
 
 def _steps(prompt: int, chunk: int, decode: int):
@@ -53,16 +80,13 @@ def _steps(prompt: int, chunk: int, decode: int):
     return out + [(c, 1) for c in range(prompt, prompt + decode)]
 
 
-def _forward(pool: Pool, ledger: plan.Ledger, layer: PagedLayer, policy, ctx: int, q: int, k, v, query) -> int:
-    """vLLM's side of one forward of ``q`` new tokens: their keys and values written into the pool,
-    the plan's kept count, then the policy's hook on the paged layer; returns the kept count."""
-    for i in range(q):
-        pool.write(ctx + i, k[0, :, i], v[0, :, i])
+def _decide(pool: Pool, ledger: plan.Ledger, layer: PagedLayer, policy, ctx: int, q: int, query) -> int:
+    """vLLM's side of a forward of ``q`` new tokens after the pool holds them: the plan's kept count,
+    then the policy's hook on the paged layer, reading the pool; returns the kept count."""
     kept = ledger.end_step(policy, ctx, q)
     live = pool.table[ledger.live]
     layer.append(ctx, q)
-    layer.reader = lambda which: read_tokens(
-        pool.k if which == "keys" else pool.v, live, layer.length, KEY_LAYOUT if which == "keys" else None).unsqueeze(0)
+    layer.reader = lambda which: pool.read(which, live, layer.length).unsqueeze(0)
     key_all = layer.reader("keys")
     if layer.phase == "decode" and policy.wants_decode_probs(layer.view):
         layer.decode_probs = window_probs(query, key_all, D ** -0.5, 1)
@@ -83,15 +107,23 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kind", [None, "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("chunk", [1000, 37])
 @pytest.mark.parametrize("name", list(CASES))
-def test_paged_storage_keeps_what_the_transformers_storage_keeps(model, name, chunk):
+def test_paged_storage_keeps_what_the_transformers_storage_keeps(model, name, chunk, kind):
+    """``kind``: vLLM's fp8 cache; the transformers storage is then fed the keys and values as the
+    kernel reads them back (dequantized), and the paged one must keep the same tokens with the same
+    bytes (compaction moves bytes, never re-quantizes)."""
     method = name.split("_")[0] if name.startswith(("snapkv", "elastic")) else name
+    if kind is not None and method == "elastic":
+        pytest.skip("a merge is quantized again in an fp8 cache, the transformers storage keeps it in float: "
+                    "test_fp8_compaction_moves_bytes_and_writes_merged_tokens_through_the_encoder checks merges")
+    fmt = PLAIN if kind is None else fp8_format(kind)
     params = {"position": "true", **CASES[name]}
     ref_policy, paged_policy = create_policy(method, **params), create_policy(method, **params)
     cache = KVTrimCache(model, ref_policy, block_size=BS)  # evictions rounded to whole blocks, as vLLM's
     ref = cache.compressed_layers[0]
-    pool = Pool()
+    pool = Pool(fmt=fmt)
     paged = PagedLayer(0, HKV, BS)
     ledger = plan.Ledger(BS)
     g = torch.Generator().manual_seed(3)
@@ -102,11 +134,11 @@ def test_paged_storage_keeps_what_the_transformers_storage_keeps(model, name, ch
         if freed:
             gone = set(freed)
             after = [i for i in before if i not in gone]
-            paged.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None))
+            paged.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None), fmt)
             compactions += 1
             live = pool.table[after]
-            got_k = read_tokens(pool.k, live, paged.length, KEY_LAYOUT)
-            got_v = read_tokens(pool.v, live, paged.length, None)
+            got_k = pool.read("keys", live, paged.length)
+            got_v = pool.read("values", live, paged.length)
             # the same tokens per head (H2O's storage may hold them in another slot order) and the same bits
             for h in range(HKV):
                 order_r, order_p = ref.positions[0, h].argsort(), paged.positions[0, h].argsort()
@@ -117,18 +149,86 @@ def test_paged_storage_keeps_what_the_transformers_storage_keeps(model, name, ch
                 for h in range(HKV):
                     order_r, order_p = ref.positions[0, h].argsort(), paged.positions[0, h].argsort()
                     assert torch.equal(ref.state_view(key)[0, h, order_r], paged.token_state[key][0, h, order_p])
-            pool.k[pool.table[freed]] = float("nan")  # freed blocks are never read again
-            pool.v[pool.table[freed]] = float("nan")
+            pool.k[pool.table[freed]] = POISON[pool.k.dtype]  # freed blocks are never read again
+            pool.v[pool.table[freed]] = POISON[pool.v.dtype]
         # -- the step's forward: new keys/values/queries for both storages
         k = torch.randn(1, HKV, q, D, generator=g)
         v = torch.randn(1, HKV, q, D, generator=g)
         query = torch.randn(1, HQ, q, D, generator=g)
+        read_back = [pool.write(ctx + i, k[0, :, i], v[0, :, i]) for i in range(q)]
+        k = torch.stack([kk for kk, _ in read_back], dim=1).unsqueeze(0)  # what the kernel attends to
+        v = torch.stack([vv for _, vv in read_back], dim=1).unsqueeze(0)
         keys_ref, _ = ref.update(k, v)
         cache.after_attention(ref, query, keys_ref, D ** -0.5)
-        kept = _forward(pool, ledger, paged, paged_policy, ctx, q, k, v, query)
+        kept = _decide(pool, ledger, paged, paged_policy, ctx, q, query)
         assert ref.length == kept  # the transformers storage applied at once what vLLM's applies next step
     if method != "full":
         assert compactions > 0
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_compaction_moves_bytes_and_writes_merged_tokens_through_the_encoder(kind):
+    from kvtrim.errors import KVTrimError
+    from kvtrim.integrations.vllm.storage import Compaction
+
+    fmt = fp8_format(kind)
+    pool = Pool(fmt=fmt)
+    g = torch.Generator().manual_seed(5)
+    n = 3 * BS + 5
+    for pos in range(n):
+        pool.write(pos, 3 * torch.randn(HKV, D, generator=g), torch.randn(HKV, D, generator=g))
+    before = pool.table[:4]
+    raw_k, raw_v = pool.read("keys", before, n, raw=True), pool.read("values", before, n, raw=True)
+    keep = torch.stack([torch.arange(0, 2 * (BS + 5), 2), torch.arange(BS, 2 * BS + 5)])  # [H, K]: two kept blocks' worth
+    after = before[[0, 3]]
+
+    # a plain keep: the kept tokens' bytes move as they are (no encoder needed, none is called)
+    layer = PagedLayer(0, HKV, BS)
+    layer.append(0, n)
+    layer.pending = Compaction(keep.unsqueeze(0))
+    bare = CacheFormat(fmt.fp8, fmt.k_scale, fmt.v_scale)  # no encode: a re-quantization would raise
+    layer.compact(pool.k, pool.v, before, after, (KEY_LAYOUT, None), bare)
+    got_k, got_v = pool.read("keys", after, BS + 5, raw=True), pool.read("values", after, BS + 5, raw=True)
+    for h in range(HKV):
+        assert torch.equal(got_k[h], raw_k[h, keep[h]]) and torch.equal(got_v[h], raw_v[h, keep[h]])
+
+    # a merge: the merged tokens are written as the encoder makes them, in the kernel's layout
+    mk, mv = torch.randn(1, HKV, BS + 5, D, generator=g), torch.randn(1, HKV, BS + 5, D, generator=g)
+    pool2 = Pool(fmt=fmt)
+    pool2.k[before], pool2.v[before] = pool.k[before], pool.v[before]
+    layer = PagedLayer(0, HKV, BS)
+    layer.append(0, BS + 5)
+    layer.pending = Compaction(torch.arange(BS + 5).expand(1, HKV, BS + 5), mk, mv)
+    with pytest.raises(KVTrimError, match="merged tokens cannot be written to an fp8 cache"):
+        layer.compact(pool2.k, pool2.v, after, after, (KEY_LAYOUT, None), bare)
+    layer.compact(pool2.k, pool2.v, after, after, (KEY_LAYOUT, None), fmt)
+    want_k, want_v = fmt.encode(mk[0], mv[0])
+    assert torch.equal(pool2.read("keys", after, BS + 5, raw=True), want_k)
+    assert torch.equal(pool2.read("values", after, BS + 5, raw=True), want_v)
+    assert torch.equal(pool2.read("keys", after, BS + 5), fmt.decode(want_k, "keys"))
+
+
+def test_fp8_decode_uses_the_format_and_each_halfs_scale():
+    fmt = fp8_format("fp8_e4m3", k_scale=0.5, v_scale=4.0)
+    raw = torch.tensor([0x38, 0xB8, 0x40, 0x7E], dtype=torch.uint8)  # e4m3fn: 1, -1, 2, 448
+    assert fmt.decode(raw, "keys").tolist() == [0.5, -0.5, 1.0, 224.0]
+    assert fmt.decode(raw, "values").tolist() == [4.0, -4.0, 8.0, 1792.0]
+    e5 = fp8_format("fp8_e5m2", k_scale=1.0)
+    assert e5.decode(torch.tensor([0x3C, 0x7B], dtype=torch.uint8), "keys").tolist() == [1.0, 57344.0]
+    assert PLAIN.decode(raw, "keys") is raw  # a float cache is read as it is
+
+
+def test_a_merge_into_a_byte_cache_without_its_format_is_refused():
+    from kvtrim.errors import KVTrimError
+    from kvtrim.integrations.vllm.storage import Compaction
+
+    pool = Pool(fmt=fp8_format("fp8_e4m3"))
+    layer = PagedLayer(0, HKV, BS)
+    layer.append(0, BS)
+    idx = torch.arange(BS).expand(1, HKV, BS)
+    layer.pending = Compaction(idx, torch.randn(1, HKV, BS, D), torch.randn(1, HKV, BS, D))
+    with pytest.raises(KVTrimError, match=r"torch\.float32 tokens cannot be written to a torch\.uint8 cache"):
+        layer.compact(pool.k, pool.v, pool.table[:1], pool.table[:1], (KEY_LAYOUT, None))
 
 
 class Ranks:
@@ -194,7 +294,9 @@ def test_under_tensor_parallelism_ranks_keep_what_one_storage_of_every_head_keep
             gone = set(freed)
             after = [b for b in before if b not in gone]
             layer.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None))
-        _forward(pool, ledger, layer, policy, ctx, q, k, v, query)
+        for j in range(q):
+            pool.write(ctx + j, k[0, :, j], v[0, :, j])
+        _decide(pool, ledger, layer, policy, ctx, q, query)
         return bool(freed)
 
     for ctx, q in _steps(150, 1000, 60):

@@ -49,7 +49,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 from kvtrim.errors import KVTrimError
 from kvtrim.integrations.vllm import plan
 from kvtrim.integrations.vllm.config import PluginConfig, check_engine, parse
-from kvtrim.integrations.vllm.storage import PagedLayer, read_tokens
+from kvtrim.integrations.vllm.storage import FP8_KINDS, CacheFormat, PagedLayer, read_tokens
 from kvtrim.scores import window_probs
 
 if TYPE_CHECKING:
@@ -119,6 +119,7 @@ def _build(cfg: PluginConfig, vc) -> Settings:
     check_engine(
         cfg, vllm_version=vllm.__version__, prefix_caching=bool(vc.cache_config.enable_prefix_caching),
         speculative=vc.speculative_config is not None, scheduler_cls=_qualname(vc.scheduler_config.scheduler_cls),
+        kv_cache_dtype=str(vc.cache_config.cache_dtype),
         platform="cpu" if current_platform.is_cpu() else str(current_platform.device_type),
     )
     prefill = None
@@ -264,36 +265,78 @@ def _layouts(isa: str, bs: int, d: int, dtype: torch.dtype, kv_cache_dtype: str)
     """Where vLLM's CPU kernel puts each (token, channel) of a block's keys and values.
 
     Learnt once per process by writing probe tokens with vLLM's own cache-write op into a scratch
-    block: one probe holds each token's index in all its channels, the other each channel's
-    index. Returns, for keys and values, the stored position of token-major element
-    ``t * d + j`` (:func:`plan.token_major`). The ``vec`` kernel stores keys channel-major and values
-    token-major; the op, not this module, decides, so other layouts are read the same way.
+    block (``dtype``: the model's dtype, which the op takes; the block is in the cache's own dtype,
+    bytes for the fp8 kinds). Each probe writes 1 or 2 (exact in every format, fp8 included) by one
+    bit of each element's token index, or of its channel index; read back, the bits give every
+    stored element's token and channel. Returns, for keys and values, the stored position of
+    token-major element ``t * d + j`` (:func:`plan.token_major`). The ``vec`` kernel stores keys
+    channel-major and values token-major, in its float and fp8 caches alike; the op, not this
+    module, decides, so other layouts are read the same way.
     """
     from vllm import _custom_ops as ops
 
+    fmt = CacheFormat(FP8_KINDS.get(kv_cache_dtype), dtype=dtype)
+    cache_dtype = torch.uint8 if fmt.quantized else dtype
+    codes = {which: [torch.zeros(bs * d, dtype=torch.long) for _ in range(2)] for which in ("keys", "values")}
+    for axis, n in ((0, bs), (1, d)):
+        index = torch.arange(n).view((n, 1, 1) if axis == 0 else (1, 1, n))
+        for bit in range(max(1, (n - 1).bit_length())):
+            probe = (1 + ((index >> bit) & 1)).expand(bs, 1, d).to(dtype).contiguous()
+            kv = torch.zeros(1, 1, bs, 2 * d, dtype=cache_dtype)
+            kc, vc = _split(kv)
+            ops.cpu_attn_reshape_and_cache(probe, probe.clone(), kc, vc, torch.arange(bs, dtype=torch.int64), isa,
+                                           k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
+            for which, cache in (("keys", kc), ("values", vc)):
+                got = fmt.decode(cache.reshape(-1), which).float()
+                if not bool(((got == 1) | (got == 2)).all()):
+                    raise KVTrimError(f"kvtrim: unknown KV cache layout of vLLM's CPU kernel (isa {isa}, kv_cache_dtype "
+                                      f"{kv_cache_dtype}); compaction cannot run")
+                codes[which][axis] += (got == 2).long() << bit
     out = []
-    codes = []
-    for probe in (torch.arange(bs).view(bs, 1, 1).expand(bs, 1, d), torch.arange(d).view(1, 1, d).expand(bs, 1, d)):
-        kv = torch.full((1, 1, bs, 2 * d), -1.0, dtype=dtype)
-        kc, vc = _split(kv)
-        x = probe.to(dtype).contiguous()
-        ops.cpu_attn_reshape_and_cache(x, x.clone(), kc, vc, torch.arange(bs, dtype=torch.int64), isa,
-                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype=kv_cache_dtype)
-        codes.append((kc.reshape(-1).long(), vc.reshape(-1).long()))
-    for which in (0, 1):
-        t, j = codes[0][which], codes[1][which]
-        if bool((t < 0).any() or (j < 0).any()):
-            raise KVTrimError(f"kvtrim: unknown KV cache layout of vLLM's CPU kernel (isa {isa}); compaction cannot run")
+    for which in ("keys", "values"):
+        t, j = codes[which]
         layout = torch.full((bs * d,), -1, dtype=torch.long)
         layout[t * d + j] = torch.arange(bs * d)
         if bool((layout < 0).any()):
-            raise KVTrimError(f"kvtrim: unknown KV cache layout of vLLM's CPU kernel (isa {isa}); compaction cannot run")
+            raise KVTrimError(f"kvtrim: unknown KV cache layout of vLLM's CPU kernel (isa {isa}, kv_cache_dtype "
+                              f"{kv_cache_dtype}); compaction cannot run")
         out.append(layout)
     return out[0], out[1]
 
 
-def _layouts_of(impl, layer, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layouts(layer.isa, kv_cache.shape[2], kv_cache.shape[3] // 2, kv_cache.dtype, impl.kv_cache_dtype)
+def _layouts_of(impl, layer, kv_cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _layouts(layer.isa, kv_cache.shape[2], kv_cache.shape[3] // 2, dtype, impl.kv_cache_dtype)
+
+
+def _format_of(impl, layer, kv_cache: torch.Tensor, dtype: torch.dtype) -> CacheFormat:
+    """How ``layer``'s keys and values are held (``dtype``: the model's): plain, or fp8 bytes with the
+    layer's own scales, merged tokens then written by vLLM's cache-write op."""
+    fp8 = FP8_KINDS.get(impl.kv_cache_dtype)
+    if fp8 is None:
+        if not kv_cache.is_floating_point():
+            raise KVTrimError(f"kvtrim: a {kv_cache.dtype} KV cache with kv_cache_dtype {impl.kv_cache_dtype!r}; "
+                              "the plugin reads float and fp8 caches only")
+        return CacheFormat(dtype=dtype)
+    k_scale, v_scale = float(layer._k_scale_float), float(layer._v_scale_float)
+    layouts = _layouts_of(impl, layer, kv_cache, dtype)
+    encode = functools.partial(_encode, layer.isa, kv_cache.shape[2], impl.kv_cache_dtype, k_scale, v_scale, layouts)
+    return CacheFormat(fp8, k_scale, v_scale, dtype, encode)
+
+
+def _encode(isa: str, bs: int, kv_cache_dtype: str, k_scale: float, v_scale: float,
+            layouts: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor, values: torch.Tensor):
+    """Token-major keys and values ``[H, K, D]`` as the bytes vLLM's cache-write op makes of them: written
+    into scratch blocks with the layer's scales, read back token-major (the kernel's rounding, not torch's)."""
+    from vllm import _custom_ops as ops
+
+    h, k, d = keys.shape
+    nb = -(-k // bs)
+    kc, vc = _split(torch.zeros(nb, h, bs, 2 * d, dtype=torch.uint8))
+    ops.cpu_attn_reshape_and_cache(keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous(), kc, vc,
+                                   torch.arange(k, dtype=torch.int64), isa, k_scale=k_scale, v_scale=v_scale,
+                                   kv_cache_dtype=kv_cache_dtype)
+    blocks = torch.arange(nb)
+    return read_tokens(kc, blocks, k, layouts[0]), read_tokens(vc, blocks, k, layouts[1])
 
 
 class KVTrimImpl(CPUAttentionBackendImpl):
@@ -306,7 +349,8 @@ class KVTrimImpl(CPUAttentionBackendImpl):
                 if rp.after is not None and rp.before is not None:
                     st = PROCESS.requests[rp.key]
                     kc, vc = _split(kv_cache)
-                    st.layers[li].compact(kc, vc, rp.before, rp.after, _layouts_of(self, layer, kv_cache))
+                    st.layers[li].compact(kc, vc, rp.before, rp.after, _layouts_of(self, layer, kv_cache, key.dtype),
+                                          _format_of(self, layer, kv_cache, key.dtype))
                     _once(f"{s.policy.name} compaction in use")
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
@@ -366,19 +410,23 @@ class KVTrimImpl(CPUAttentionBackendImpl):
         pl.append(rp.ctx, q_len)
         live = rp.live
         assert live is not None
-        layouts = _layouts_of(self, layer, kv_cache)
+        layouts = _layouts_of(self, layer, kv_cache, query.dtype)
+        fmt = _format_of(self, layer, kv_cache, query.dtype)
         read: dict[str, torch.Tensor] = {}
 
         def reader(which: str) -> torch.Tensor:
             if which not in read:
                 cache, lay = (kc, layouts[0]) if which == "keys" else (vc, layouts[1])
-                read[which] = read_tokens(cache, live, pl.length, lay).unsqueeze(0)
+                read[which] = fmt.decode(read_tokens(cache, live, pl.length, lay), which).unsqueeze(0)
             return read[which]
 
         q = query[rp.start:rp.stop].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
         wants = pl.phase == "decode" and policy.wants_decode_probs(pl.view)
         if pl.phase != "decode" or wants or rp.kept < pl.length:
-            k = key[rp.start:rp.stop].transpose(0, 1).unsqueeze(0) if rp.ctx == 0 else reader("keys")
+            # a first forward's keys are the step's own, unless the cache quantizes them: then the hook
+            # scores the keys vLLM's kernel attended to, read back from the cache
+            fresh = rp.ctx == 0 and not fmt.quantized
+            k = key[rp.start:rp.stop].transpose(0, 1).unsqueeze(0) if fresh else reader("keys")
         else:
             # the hook neither evicts nor scores this step: it gets no keys (a tensor that fails
             # loudly if read), which spares reading every stored key from the blocks

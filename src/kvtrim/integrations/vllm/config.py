@@ -36,6 +36,10 @@ KEYS = ("prefill", "pattern_config", "sizes", "min_length", "method")
 #: (kvtrim.integrations.prefill.DEFAULT_MIN_LENGTH; docs/minference.md says why), so both engines
 #: prefill the same prompts sparsely.
 DEFAULT_MIN_LENGTH = 4096
+#: vLLM ``kv_cache_dtype`` kinds the plugin runs with: those vLLM's CPU attention backend lists
+#: (``CPUAttentionBackend.supported_kv_cache_dtypes``). vLLM's CPU build does not check the others
+#: (``bfloat16``, ``float16``, ``int8_per_token_head``, ...) and decodes wrong tokens with them (docs/vllm.md).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -110,11 +114,14 @@ def parse(additional_config) -> PluginConfig | None:
 
 
 def check_engine(cfg: PluginConfig, *, vllm_version: str, prefix_caching: bool, speculative: bool,
-                 scheduler_cls: str | None, platform: str) -> None:
+                 scheduler_cls: str | None, platform: str, kv_cache_dtype: str = "auto") -> None:
     """Refuse engine settings the plugin cannot honour (one :class:`KVTrimError` line each)."""
     if vllm_version not in TESTED_VLLM:
         raise KVTrimError(f"kvtrim's vLLM plugin is tested on vLLM {', '.join(TESTED_VLLM)}, not {vllm_version}; "
                           "install a tested version (pip install -e '.[vllm]' in a clone of kvtrim)")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise KVTrimError(f"kvtrim's vLLM plugin runs with kv_cache_dtype {', '.join(KV_CACHE_DTYPES)} (the kinds vLLM's "
+                          f"CPU attention backend lists), not {kv_cache_dtype!r}")
     if platform != "cpu" and cfg.prefill not in (None, "dense"):
         raise KVTrimError(f"kvtrim's vLLM sparse prefill wraps the CPU backend only (this engine runs on {platform})")
     if cfg.method is None:

@@ -15,6 +15,11 @@ applied at the request's next step, before vLLM writes its new tokens (:meth:`Pa
 the kept tokens, in order, fill the blocks the request keeps, and only blocks whose content changes
 are written (dropping the tokens after the sinks rewrites the first block only). Every decision
 kind goes this way; the block arithmetic is the same for all (``kvtrim.integrations.vllm.plan``).
+
+vLLM's fp8 KV caches (``kv_cache_dtype`` ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) hold one byte per
+element. A :class:`CacheFormat` says how to read them: a moved token keeps its bytes (compaction
+never re-quantizes), a hook reads keys and values dequantized with the layer's own scale, and a
+merged token is quantized by vLLM's own cache-write op (the backend hands that in as ``encode``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,46 @@ from kvtrim.integrations.vllm.plan import phase_of, stored, token_major
 if TYPE_CHECKING:
     from kvtrim.rope import Rotary
     from kvtrim.spans import SpanSet
+
+
+#: vLLM's fp8 ``kv_cache_dtype`` kinds and the float8 format of their bytes (``fp8`` is e4m3 in vLLM's CPU kernel)
+FP8_KINDS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """How one attention layer's keys and values are held in vLLM's cache.
+
+    ``fp8=None``: in the model's dtype, exactly as the kernel reads them. Otherwise (vLLM's fp8
+    ``kv_cache_dtype`` kinds) one byte per element: the bits of ``fp8`` (``torch.float8_e4m3fn`` or
+    ``torch.float8_e5m2``) for ``value / scale``, one scale per layer for keys and one for values
+    (vLLM's ``_k_scale_float`` / ``_v_scale_float``: 1.0 unless the checkpoint ships scales).
+    ``dtype``: the model's dtype, which :meth:`decode` returns. ``encode``: token-major keys and
+    values ``[H, K, D]`` in the model's dtype -> their bytes as vLLM's cache-write op writes them
+    (round toward zero on the CPU build, not torch's round-to-nearest); needed for merged tokens
+    only, since a moved token keeps its bytes.
+    """
+
+    fp8: torch.dtype | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    dtype: torch.dtype = torch.float32
+    encode: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = field(
+        default=None, compare=False)
+
+    @property
+    def quantized(self) -> bool:
+        return self.fp8 is not None
+
+    def decode(self, raw: torch.Tensor, which: str) -> torch.Tensor:
+        """Stored elements (``which``: ``"keys"`` or ``"values"``) as the values the kernel attends to."""
+        if self.fp8 is None:
+            return raw
+        scale = self.k_scale if which == "keys" else self.v_scale
+        return (raw.view(self.fp8).to(torch.float32) * scale).to(self.dtype)
+
+
+PLAIN = CacheFormat()
 
 
 @dataclass
@@ -132,9 +177,11 @@ class PagedLayer:
             )
 
     def compact(self, key_cache: torch.Tensor, value_cache: torch.Tensor, before: torch.Tensor, after: torch.Tensor,
-                layouts: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+                layouts: tuple[torch.Tensor | None, torch.Tensor | None], fmt: CacheFormat = PLAIN) -> None:
         """Carry out the pending decision: the kept tokens move, in order, into the blocks ``after``
-        (physical ids; ``before``: the blocks that held the ``length`` stored tokens)."""
+        (physical ids; ``before``: the blocks that held the ``length`` stored tokens). A moved token
+        keeps its stored elements as they are (bytes of an fp8 cache included); merged tokens are
+        written in ``fmt``."""
         c = self.pending
         if c is None:
             raise KVTrimError(f"kvtrim: layer {self.layer_idx} frees blocks without a decision")
@@ -151,13 +198,22 @@ class PagedLayer:
         per_block = torch.zeros(after.numel(), dtype=torch.long, device=idx.device)
         changed = per_block.index_add_(0, j // bs, moved.any(dim=0).long()).nonzero().flatten()
         if changed.numel():
-            for cache, layout, merged in ((key_cache, layouts[0], c.keys), (value_cache, layouts[1], c.values)):
+            merged_k, merged_v = (None, None) if c.keys is None or c.values is None else (c.keys[0], c.values[0])
+            if merged_k is not None and merged_v is not None and fmt.quantized:
+                if fmt.encode is None:
+                    raise KVTrimError(f"kvtrim: layer {self.layer_idx}: merged tokens cannot be written to an fp8 cache "
+                                      "without vLLM's cache-write op")
+                merged_k, merged_v = fmt.encode(merged_k.to(fmt.dtype), merged_v.to(fmt.dtype))
+            for cache, layout, merged in ((key_cache, layouts[0], merged_k), (value_cache, layouts[1], merged_v)):
                 d = cache.shape[-1]
                 if merged is None:
                     src = read_tokens(cache, before, self.length, layout)  # [H, S, D]
                     new = torch.gather(src, 1, idx.unsqueeze(-1).expand(*idx.shape, d))
                 else:
-                    new = merged[0]
+                    new = merged
+                if new.dtype != cache.dtype and not (cache.is_floating_point() and new.is_floating_point()):
+                    raise KVTrimError(f"kvtrim: layer {self.layer_idx}: {new.dtype} tokens cannot be written to a "
+                                      f"{cache.dtype} cache")
                 full = new.new_zeros(self.heads, after.numel() * bs, d)
                 full[:, :k] = new.to(full.dtype)
                 blocks = full.view(self.heads, after.numel(), bs, d).permute(1, 0, 2, 3)[changed]
