@@ -78,10 +78,11 @@ def cmd_demo(args) -> int:
         r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16, kv_bits=args.kv_bits)
         rows.append((pol.name, key in r.answer, r))
     print()
-    print(f"{'method':<15}{'correct':<9}{'KV MiB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")
+    w = max(15, *(len(name) + 2 for name, _, _ in rows))  # a long method name keeps its column apart
+    print(f"{'method':<{w}}{'correct':<9}{'KV MiB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")
     for name, ok, r in rows:
         print(
-            f"{name:<15}{'yes' if ok else 'no':<9}{r.kv_bytes / 2**20:>8.1f}{r.kv_bytes / r.kv_bytes_full:>9.0%}"
+            f"{name:<{w}}{'yes' if ok else 'no':<9}{r.kv_bytes / 2**20:>8.1f}{r.kv_bytes / r.kv_bytes_full:>9.0%}"
             f"{r.prefill_seconds:>11.2f}{r.decode_tokens_per_s:>14.1f}  {r.answer[:40]!r}"
         )
     print(f"\npass key: {key}; KV MiB = resident key/value buffers at the end (1 MiB = 2^20 bytes); of full = that "
