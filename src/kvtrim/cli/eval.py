@@ -124,7 +124,7 @@ def cmd_calibrate(args) -> int:
     from kvtrim.budget import model_fingerprint
     from kvtrim.eval.calibrate import build_calibration, read_sweeps
     from kvtrim.eval.plan import make_plan
-    from kvtrim.eval.store import check_out_dir
+    from kvtrim.eval.store import check_out_dir, line_bits
     from kvtrim.eval.sweep import run_eval
     from kvtrim.files import check_output
 
@@ -158,7 +158,8 @@ def cmd_calibrate(args) -> int:
     model = {"key": ref.key if ref else source, "source": source, "fingerprint": model_fingerprint(net)}
     command = "kvtrim " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("kvtrim", "__main__.py")) else None
     made = {"runs": [runs, *(args.extra or [])], "seed": plan.seed, "plain_prompt": plan.plain} | ({"command": command} if command else {})
-    lines = [r for r in read_sweeps([runs, *(args.extra or [])], source) if r["task"] in plan.tasks]
+    lines = [r for r in read_sweeps([runs, *(args.extra or [])], source)
+             if r["task"] in plan.tasks and line_bits(r) in plan.kv_bits]
     cal = build_calibration(lines, model, made, methods=plan.methods)
     cal.save(out, force=args.force)
     print(f"kvtrim calibrate: wrote {out} ({len(cal.methods)} methods; lines in {runs})", file=sys.stderr)
