@@ -231,3 +231,24 @@ def test_chat_takes_the_picked_bit_width(bits_cal, given, want, capsys):
     args.kv_bits = 2
     with pytest.raises(KVTrimError, match="--kv-bits 2 and --quality"):
         _policy(args, streaming=False)
+
+
+def test_heldout_script_scores_the_pick_against_the_16_bit_pick():
+    """benchmarks/autobudget_bits_heldout.py on synthetic held-out lines: the pick's lines are the ones scored."""
+    from kvtrim.tools.docs_tables import load_script
+
+    h = load_script("benchmarks/autobudget_bits_heldout.py")
+    cal = cal_of([pt(2048, 0.25, 0.6, 16, 0.26), pt(2048, 0.5, 0.95, 16, 0.51), pt(2048, 0.25, 0.5, 4, 0.05),
+                  pt(2048, 0.5, 0.93, 4, 0.09)])
+    lines = []
+    for i in range(2):
+        lines.append(line("passkey", i, "full", None, 1.0, 100.0, 16) | {"length": 2048, "prompt_tokens": 2050, "seed": 100003 + i})
+        for keep, bits, score, kv in ((0.25, 16, 0.0, 26.0), (0.5, 16, 1.0, 51.0), (0.25, 4, 0.0, 5.0),
+                                      (0.5, 4, float(i == 0), 9.0)):
+            lines.append(line("passkey", i, "snapkv", keep, score, kv, bits) | {"length": 2048, "seed": 100003 + i})
+    r = {row["quality"]: row for row in h.evaluate(cal, lines, (0.9, 0.99))["rows"]}
+    assert r[0.9]["pick"]["picks"] == ["0.5@4"] and r[0.9]["pick"]["kv_share"] == 0.09
+    assert r[0.9]["pick"]["agreement"] == 0.5 and not r[0.9]["met"]  # one of two held-out samples kept the answer
+    assert r[0.9]["pick_16bit"]["picks"] == ["0.5@16"] and r[0.9]["pick_16bit"]["kv_share"] == 0.51 and r[0.9]["met_16bit"]
+    assert r[0.9]["hindsight_16bit_keep"] == 0.5
+    assert r[0.99]["pick"]["picks"] == ["full"] and r[0.99]["pick"]["kv_share"] == 1.0
