@@ -93,6 +93,17 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
                          "hindsight_16bit_keep": None if hind is None else hind.keep,
                          "hindsight_16bit_agreement": None if hind is None else round(hind.agreement, 4),
                          "hindsight_16bit_kv_share": None if hind is None or hind.kv_frac is None else round(hind.kv_frac, 4)})
+    grid_rows = []
+    for method in sorted(set(cal.methods) & set(held)):
+        hp = {(p.keep, p.bits): p for p in held[method]}
+        for p in sorted(cal.methods[method], key=lambda p: (-p.bits, p.keep, p.length)):
+            h = hp.get((p.keep, p.bits))
+            grid_rows.append({"method": method, "length": p.length, "keep": p.keep, "bits": p.bits,
+                              "calibrated_agreement": round(p.agreement, 4), "calibrated_worst_task": round(p.credit, 4),
+                              "calibrated_kv_share": p.kv_frac,
+                              "heldout_agreement": None if h is None else round(h.agreement, 4),
+                              "heldout_worst_task": None if h is None else round(h.credit, 4),
+                              "heldout_kv_share": None if h is None else h.kv_frac})
     return {"model": cal.model["key"],
             "calibration": {"tasks": cal.made.get("tasks"), "seed": cal.made.get("seed"), "lengths": cal.made.get("lengths"),
                             "samples": cal.made.get("samples"), "keeps": cal.made.get("keeps"),
@@ -101,7 +112,7 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
                         "seeds": sorted({int(r["seed"]) // SEED_STRIDE for r in fulls.values()}),
                         "lengths": sorted({int(r["length"]) for r in fulls.values()}), "samples": len(fulls),
                         "configs": sorted(f"{m} {k:g}@{b}" for m, k, b in grid)},
-            "rows": rows}
+            "rows": rows, "grid": grid_rows}
 
 
 def table(d: dict) -> str:
@@ -123,6 +134,18 @@ def table(d: dict) -> str:
         hs = "-" if r["hindsight_16bit_kv_share"] is None else f"{r['hindsight_16bit_kv_share']:.3f}"
         out.append(f"| {r['method']} | {r['quality']:g} | {'/'.join(a['picks'])} | {agr(a, r['met'])} | {a['kv_share']:.3f} "
                    f"| {'/'.join(b['picks'])} | {agr(b, r['met_16bit'])} | {b['kv_share']:.3f} | {hk} | {hs} |")
+    out += ["", "Per calibrated (keep, bits): agreement with the 16-bit full cache (mean over tasks, worst task in "
+            "brackets) and KV share (resident bytes over the 16-bit full cache's), calibration and held out:", "",
+            "| method | tokens | keep | bits | calibrated agreement | calibrated KV | held-out agreement | held-out KV |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def share(v) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    for g in m.get("grid", []):
+        held = "-" if g["heldout_agreement"] is None else f"{g['heldout_agreement']:.2f} ({g['heldout_worst_task']:.2f})"
+        out.append(f"| {g['method']} | {g['length']} | {g['keep']:g} | {g['bits']} | {g['calibrated_agreement']:.2f} "
+                   f"({g['calibrated_worst_task']:.2f}) | {share(g['calibrated_kv_share'])} | {held} | {share(g['heldout_kv_share'])} |")
     return "\n".join(out) + "\n"
 
 

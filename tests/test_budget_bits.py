@@ -252,3 +252,17 @@ def test_heldout_script_scores_the_pick_against_the_16_bit_pick():
     assert r[0.9]["pick_16bit"]["picks"] == ["0.5@16"] and r[0.9]["pick_16bit"]["kv_share"] == 0.51 and r[0.9]["met_16bit"]
     assert r[0.9]["hindsight_16bit_keep"] == 0.5
     assert r[0.99]["pick"]["picks"] == ["full"] and r[0.99]["pick"]["kv_share"] == 1.0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["calibrate", "passkey", "--kv-bits", "16,3", "--out", "x.json"], "--kv-bits takes comma-separated bit widths"),
+    (["calibrate", "passkey", "--kv-bits", "8,,4", "--out", "x.json"], "--kv-bits takes a comma-separated list"),
+    (["eval", "passkey", "--kv-bits", "sixteen", "--out", "x"], "--kv-bits takes comma-separated bit widths"),
+])
+def test_cli_refuses_bad_bit_lists(argv, message, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("kvtrim: error:") and message in err and err.count("\n") == 1
