@@ -266,3 +266,8 @@ def test_cli_refuses_bad_bit_lists(argv, message, capsys):
         code = e.code
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("kvtrim: error:") and message in err and err.count("\n") == 1
+
+
+def test_a_short_prompt_is_kept_whole_at_16_bits():
+    c = cal_of(MIXED).choose("snapkv", 0.9, 10)
+    assert c.full and c.kv_bits == 16 and c.bit_widths == (16, 8, 4) and "kept whole" in c.reason

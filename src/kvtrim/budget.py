@@ -308,9 +308,10 @@ class Calibration:
             prompt_tokens = validate.integer(prompt_tokens, "prompt_tokens", minimum=0, unit="tokens")
             probe = create_policy(method, keep=0.5)
             if probe.kept_whole(prompt_tokens):
+                widths = tuple(sorted({p.bits for p in self.methods.get(method, [])} | {16}, reverse=True))
                 return BudgetChoice(method, quality, prompt_tokens, 1.0, None, (), False,
                                     f"the prompt has {prompt_tokens} tokens, at most {probe.min_length}: too short for "
-                                    "compression to save memory, kept whole")
+                                    "compression to save memory, kept whole", bit_widths=widths)
         lengths = self.lengths(method)
         extrapolated = False
         if prompt_tokens is None:
