@@ -50,6 +50,7 @@ def test_least_memory_pair_meeting_the_target(quality, keep, bits):
     meeting = [(p["keep"], p["bits"]) for p in MIXED if _credited(MIXED, p) >= quality]
     assert min(mem[m] for m in meeting) == c.memory
     assert f"{bits}-bit KV" in c.reason and "measured" in c.reason
+    assert ("the smallest 16-bit keep reaching it is" in c.reason) == (quality <= 0.95)
 
 
 def _credited(points, p):

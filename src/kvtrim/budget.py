@@ -384,8 +384,8 @@ class Calibration:
         keep, bits, expected = min(meeting, key=lambda c: (round(memory(c[0], c[1]), 6), -c[1], -c[2]))
         mem = memory(keep, bits)
         smallest16 = next((k for k, b, _ in meeting if b == 16), None)
-        than = (f"; the smallest 16-bit keep reaching it is {smallest16:g}" if smallest16 is not None and smallest16 != keep
-                else "" if smallest16 is not None else "; no 16-bit keep reaches it")
+        than = ("" if bits == 16 else f"; the smallest 16-bit keep reaching it is {smallest16:g}" if smallest16 is not None
+                else "; no 16-bit keep reaches it")
         return BudgetChoice(method, quality, prompt_tokens, keep, expected, tuple(used), extrapolated,
                             f"calibrated agreement {expected:.3f} (worst task) >= {quality:g} at keep {keep:g}, {bits}-bit KV "
                             f"({where} tokens{'; outside the calibrated lengths, nearest used' if extrapolated else ''}), "
