@@ -6,7 +6,8 @@ directory of samples it did not see (another seed, other tasks, run at the calib
 bit widths), per method and target ``Q``:
 
 * **pick**: per held-out sample, the (keep, bits) pair ``kvtrim.budget`` picks for the sample's
-  prompt length (the full cache where it picks none); the agreement with the full cache (at 16 bits)
+  prompt length (the full cache where it picks none; keep 1 at a low bit width: the full cache
+  quantized, nothing evicted); the agreement with the full cache (at 16 bits)
   those picks achieve on the held-out samples (``kvtrim.budget``'s definition: the mean per task,
   then the mean over tasks; also the worst task's) and their resident KV bytes over the 16-bit full
   cache's, measured on the held-out lines;
@@ -49,8 +50,11 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
     lines = [r for r in lines if r.get("prefill", "dense") == "dense" and r["task"] != "ppl"]
     fulls = {(r["task"], int(r["length"]), int(r["sample"])): r for r in lines
              if r["method"] == REFERENCE and line_bits(r) == 16}
-    by = {(r["task"], int(r["length"]), int(r["sample"]), r["method"], round(float(r["keep"]), 6), line_bits(r)): r
-          for r in lines if r["method"] != REFERENCE and r.get("keep") is not None}
+    # the full cache at a low bit width is keep 1 (nothing evicted), as in the calibration
+    by = {(r["task"], int(r["length"]), int(r["sample"]), r["method"],
+           1.0 if r["method"] == REFERENCE else round(float(r["keep"]), 6), line_bits(r)): r
+          for r in lines if (r["method"] != REFERENCE and r.get("keep") is not None)
+          or (r["method"] == REFERENCE and line_bits(r) != 16)}
     grid = {key[3:] for key in by if key[3] in cal.methods}
     # a sample unit counts only when every configuration was written (an interrupted sweep leaves its last unit part-written)
     complete = {u for u in fulls if all((*u, *g) in by for g in grid)}
@@ -69,7 +73,8 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
                 a: float | None = None if task != "labelfree" and float(full["score"]) <= 0 else 1.0
                 kv.append(1.0)
             else:
-                r = by.get((task, length, sample, method, round(choice.keep, 6), choice.kv_bits))
+                r = by.get((task, length, sample, REFERENCE if choice.whole else method, round(choice.keep, 6),
+                            choice.kv_bits))
                 if r is None:
                     raise SystemExit(f"the held-out sweep has no {method} @ {choice.keep} at {choice.kv_bits} bits for "
                                      f"{task} #{sample}; run it at the calibration's budgets and bit widths")
@@ -83,7 +88,8 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
                 "kv_share": round(statistics.fmean(kv), 4), "n": sum(len(v) for v in per_task.values())}
 
     rows = []
-    for method in sorted(set(cal.methods) & set(held)):
+    methods = sorted(set(cal.methods) & set(held) - {REFERENCE})
+    for method in methods:
         points16 = sorted((p for p in held[method] if p.bits == 16), key=lambda p: p.keep)
         for q in qualities:
             auto, base = run(cal, method, q), run(only16, method, q)
@@ -94,7 +100,7 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
                          "hindsight_16bit_agreement": None if hind is None else round(hind.agreement, 4),
                          "hindsight_16bit_kv_share": None if hind is None or hind.kv_frac is None else round(hind.kv_frac, 4)})
     grid_rows = []
-    for method in sorted(set(cal.methods) & set(held)):
+    for method in [*methods, *([REFERENCE] if REFERENCE in cal.methods and REFERENCE in held else [])]:
         hp = {(p.keep, p.bits): p for p in held[method]}
         for p in sorted(cal.methods[method], key=lambda p: (-p.bits, p.keep, p.length)):
             h = hp.get((p.keep, p.bits))

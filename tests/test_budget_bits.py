@@ -168,6 +168,9 @@ def test_agreement_points_per_bit_width():
     assert set(pts) == {(0.5, 16), (0.5, 8)}
     assert pts[(0.5, 16)].agreement == 1.0 and pts[(0.5, 16)].kv_frac == 0.5 and pts[(0.5, 16)].n == 2
     assert pts[(0.5, 8)].agreement == 0.5 and pts[(0.5, 8)].kv_frac == 0.14
+    # the full cache at 8 bits: keep 1, scored against the 16-bit full cache (sample 0 lost the answer)
+    (full8,) = agreement_points(lines)["full"]
+    assert (full8.keep, full8.bits, full8.agreement, full8.n, full8.kv_frac) == (1.0, 8, 0.0, 1, 0.28)
     cal = build_calibration(lines, {"key": "k", "source": "S", "fingerprint": {}})
     assert cal.made["kv_bits"] == [16, 8]
     assert Calibration.from_dict(cal.to_dict()).methods == cal.methods
@@ -272,3 +275,50 @@ def test_cli_refuses_bad_bit_lists(argv, message, capsys):
 def test_a_short_prompt_is_kept_whole_at_16_bits():
     c = cal_of(MIXED).choose("snapkv", 0.9, 10)
     assert c.full and c.kv_bits == 16 and c.bit_widths == (16, 8, 4) and "kept whole" in c.reason
+
+
+
+def with_full(points, full_points):
+    d = {"format": 2, "model": {"key": "synthetic", "source": "Synthetic-1", "fingerprint": {}},
+         "methods": {"snapkv": copy.deepcopy(points), "full": copy.deepcopy(full_points)}}
+    return Calibration.from_dict(d)
+
+
+def test_the_full_cache_at_a_low_bit_width_is_a_candidate():
+    """Where no eviction budget meets Q, the full cache quantized may: less memory than the 16-bit full cache."""
+    cal = with_full(MIXED, [pt(1024, 1.0, 0.99, 8, 0.28), pt(1024, 1.0, 0.97, 4, 0.16)])
+    c = cal.choose("snapkv", 0.97, 1024)
+    assert (c.keep, c.kv_bits, c.memory) == (1.0, 4, 0.16) and c.whole and not c.full
+    assert "the full cache, nothing evicted" in c.reason and "4-bit KV" in c.reason
+    assert cal.choose("snapkv", 0.98, 1024).kv_bits == 8 and cal.choose("snapkv", 0.995, 1024).full
+    # below, an eviction budget with less memory still wins
+    assert (cal.choose("snapkv", 0.95, 1024).keep, cal.choose("snapkv", 0.95, 1024).kv_bits) == (0.5, 4)
+    # the full cache at 4 bits is the largest keep at 4 bits: a dip there lowers the 4-bit eviction budgets' credit
+    low = with_full(MIXED, [pt(1024, 1.0, 0.80, 4, 0.16)])
+    assert low.choose("snapkv", 0.9, 1024).kv_bits != 4
+    # a policy for the pick: the full cache, to be built at 4 bits
+    from kvtrim.budget import policy_for_quality
+
+    pol, choice = policy_for_quality("snapkv", None, 0.97, 1024, calibration=cal)
+    assert pol.name == "full" and choice.kv_bits == 4
+
+
+@pytest.mark.parametrize("bits, ok", [(16, False), (8, True)])
+def test_keep_1_only_at_a_low_bit_width(bits, ok):
+    if ok:
+        with_full(MIXED, [pt(1024, 1.0, 0.9, bits, 0.3)])
+    else:
+        with pytest.raises(KVTrimError, match="keep must be"):
+            with_full(MIXED, [pt(1024, 1.0, 0.9, bits, 1.0)])
+
+
+def test_generate_with_the_full_cache_quantized(tiny_dir, tmp_path, capsys):
+    d = {"format": 2, "model": {"key": "tiny", "source": "tiny", "fingerprint": {}},
+         "methods": {"snapkv": [pt(64, 0.5, 0.5, 16, 0.5)], "full": [pt(64, 1.0, 0.95, 4, 0.2)]}}
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps(d))
+    base = ["generate", "--model", tiny_dir, "--prompt", PROMPT]
+    got, err = _generate_json(base + ["--method", "snapkv", "--quality", "0.9", "--calibration", str(f)], capsys)
+    assert "kvtrim: --quality 0.9: snapkv full cache, 4-bit KV (" in err
+    want, _ = _generate_json(base + ["--method", "full", "--kv-bits", "4"], capsys)
+    assert got["kv_bytes"] == want["kv_bytes"] and got["answer"] == want["answer"] and got["method"] == "full"

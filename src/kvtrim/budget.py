@@ -45,7 +45,10 @@ sweep's resident bytes -- codes, scales, zero points, group ids and the full-pre
 over the uncompressed 16-bit cache's) when every candidate has one at the lengths used, else the
 formula :func:`lowbit_share` (``keep x`` the low-bit storage's bytes per element over 16 bits);
 ``BudgetChoice.memory_source`` says which. Ties go to more bits, then the higher credit. A method
-calibrated at 16 bits only is picked exactly as before (the smallest keep).
+calibrated at 16 bits only is picked exactly as before (the smallest keep). The full cache at a
+low bit width (the calibration's ``full`` points, keep 1: nothing evicted, every token quantized) is
+a candidate for every method too, so a target no eviction budget meets may still be met with less
+than the 16-bit full cache.
 
 Calibrations ship as package data, ``kvtrim/calibration/<model key>.json`` (one per reference
 model, ``kvtrim.reference_models``), made by ``kvtrim calibrate`` from a ``kvtrim eval`` sweep; a
@@ -82,6 +85,9 @@ LOWBIT_GROUP = 32
 AGREEMENT = ("per sample: min(1, score / full cache's score) on labelled tasks (samples the full cache gets "
              "wrong left out), ROUGE-L F1 against the full cache's answer on labelfree; mean per task, then "
              "mean over tasks")
+
+#: the full cache's method name: a calibration's points under it are the full cache at low bit widths (keep 1)
+FULL = "full"
 
 #: the command that makes a calibration (named in errors)
 CALIBRATE_COMMAND = "kvtrim calibrate --model MODEL --out FILE.json"
@@ -155,6 +161,11 @@ class BudgetChoice:
         """The full cache at 16 bits (no compression, no quantization)."""
         return self.keep >= 1.0 and self.kv_bits == 16
 
+    @property
+    def whole(self) -> bool:
+        """Nothing evicted: the full cache, at ``kv_bits`` (a pick at a low bit width may be the full cache quantized)."""
+        return self.keep >= 1.0
+
     def to_dict(self) -> dict:
         return {"method": self.method, "quality": self.quality, "prompt_tokens": self.prompt_tokens, "keep": self.keep,
                 "kv_bits": self.kv_bits, "expected_agreement": self.expected, "calibrated_lengths": list(self.lengths),
@@ -221,14 +232,16 @@ class Calibration:
                     raise bad(f"{at} is not an object")
                 try:
                     length = validate.integer(p.get("length"), f"{at}: length", minimum=1)
-                    keep = validate.number(p.get("keep"), f"{at}: keep", minimum=0, maximum=1, min_open=True, max_open=True)
+                    bits = 16 if fmt == 1 else p.get("bits", 16)  # format 1 predates bit widths: 16-bit points
+                    if isinstance(bits, bool) or bits not in (16, 8, 4, 2):  # kvtrim.cache.KV_BITS
+                        raise KVTrimError(f"{at}: bits must be one of 16, 8, 4, 2; got {bits!r}")
+                    # keep 1 (nothing evicted) is a point only at a low bit width: at 16 bits it is the reference
+                    keep = validate.number(p.get("keep"), f"{at}: keep", minimum=0, maximum=1, min_open=True,
+                                           max_open=bits == 16)
                     agreement = validate.number(p.get("agreement"), f"{at}: agreement", minimum=0, maximum=1)
                     n = validate.integer(p.get("n"), f"{at}: n", minimum=1)
                     kv = p.get("kv_frac")
                     kv = None if kv is None else validate.number(kv, f"{at}: kv_frac", minimum=0)
-                    bits = 16 if fmt == 1 else p.get("bits", 16)  # format 1 predates bit widths: 16-bit points
-                    if isinstance(bits, bool) or bits not in (16, 8, 4, 2):  # kvtrim.cache.KV_BITS
-                        raise KVTrimError(f"{at}: bits must be one of 16, 8, 4, 2; got {bits!r}")
                 except KVTrimError as e:
                     raise bad(str(e)) from None
                 tasks = p.get("tasks", {})
@@ -282,6 +295,12 @@ class Calibration:
                 f"--methods {method} --out FILE.json` and pass --calibration FILE.json")
         return self.methods[method]
 
+    def candidates(self, method: str) -> list[Point]:
+        """The points ``--quality`` chooses among for ``method``: its own, and the full cache's at low bit
+        widths (``FULL``'s points, keep 1: nothing evicted, every token quantized)."""
+        own = self.points(method)
+        return own + [p for p in self.methods.get(FULL, []) if p.bits != 16 and method != FULL]
+
     def lengths(self, method: str) -> list[int]:
         return sorted({p.length for p in self.points(method)})
 
@@ -308,7 +327,8 @@ class Calibration:
             prompt_tokens = validate.integer(prompt_tokens, "prompt_tokens", minimum=0, unit="tokens")
             probe = create_policy(method, keep=0.5)
             if probe.kept_whole(prompt_tokens):
-                widths = tuple(sorted({p.bits for p in self.methods.get(method, [])} | {16}, reverse=True))
+                widths = tuple(sorted({p.bits for p in [*self.methods.get(method, []), *self.methods.get(FULL, [])]}
+                                      | {16}, reverse=True))
                 return BudgetChoice(method, quality, prompt_tokens, 1.0, None, (), False,
                                     f"the prompt has {prompt_tokens} tokens, at most {probe.min_length}: too short for "
                                     "compression to save memory, kept whole", bit_widths=widths)
@@ -325,9 +345,9 @@ class Calibration:
             else:
                 used = sorted({*(below[-1:]), *(above[:1])})
                 extrapolated = not below or not above
-        if any(p.bits != 16 for p in self.points(method)):
+        if any(p.bits != 16 for p in self.candidates(method)):
             return replace(self._choose_bits(method, quality, prompt_tokens, used, extrapolated),
-                           bit_widths=tuple(sorted({p.bits for p in self.points(method)}, reverse=True)))
+                           bit_widths=tuple(sorted({p.bits for p in self.candidates(method)} | {16}, reverse=True)))
         picks = {n: self.pick_at_length(method, n, quality) for n in used}
         keep = max(k for k, _ in picks.values())
         if keep >= 1.0:
@@ -355,7 +375,7 @@ class Calibration:
                      extrapolated: bool) -> BudgetChoice:
         """The (keep, bits) pair with the least memory meeting ``quality`` at every length in ``used``
         (the module docstring's rule for calibrations with bit widths)."""
-        pts = self.points(method)
+        pts = self.candidates(method)
         meeting = []  # (keep, bits, credited agreement: the lowest over the lengths used)
         for keep, bits in sorted({(p.keep, p.bits) for p in pts}):
             credits = [_credit_at([p for p in pts if p.length == n and p.bits == bits], keep) for n in used]
@@ -387,7 +407,8 @@ class Calibration:
         than = ("" if bits == 16 else f"; the smallest 16-bit keep reaching it is {smallest16:g}" if smallest16 is not None
                 else "; no 16-bit keep reaches it")
         return BudgetChoice(method, quality, prompt_tokens, keep, expected, tuple(used), extrapolated,
-                            f"calibrated agreement {expected:.3f} (worst task) >= {quality:g} at keep {keep:g}, {bits}-bit KV "
+                            f"calibrated agreement {expected:.3f} (worst task) >= {quality:g} at keep {keep:g}"
+                            f"{' (the full cache, nothing evicted)' if keep >= 1.0 else ''}, {bits}-bit KV "
                             f"({where} tokens{'; outside the calibrated lengths, nearest used' if extrapolated else ''}), "
                             f"the least memory of the pairs reaching it: {mem:.3f} of the full cache ({source}){than}",
                             kv_bits=bits, memory=mem, memory_source=source)
@@ -497,5 +518,5 @@ def policy_for_quality(method: str, model, quality: float, prompt_tokens: int | 
     from kvtrim.registry import create_policy
 
     choice = keep_for_quality(method, model, quality, prompt_tokens, calibration=calibration)
-    pol = create_policy("full") if choice.full else create_policy(method, keep=choice.keep, **kwargs)
+    pol = create_policy(FULL) if choice.whole else create_policy(method, keep=choice.keep, **kwargs)
     return pol, choice

@@ -270,7 +270,7 @@ def quality_choice(args, method: str, model, prompt_tokens: int | None):
 
     choice = keep_for_quality(method, model, args.quality, prompt_tokens, calibration=getattr(args, "calibration", None))
     bits = "" if choice.kv_bits == 16 else f", {choice.kv_bits}-bit KV"
-    print(f"kvtrim: --quality {args.quality:g}: {method} {'full cache' if choice.full else f'keep {choice.keep:g}'}{bits} "
+    print(f"kvtrim: --quality {args.quality:g}: {method} {'full cache' if choice.whole else f'keep {choice.keep:g}'}{bits} "
           f"({choice.reason})", file=sys.stderr)
     return choice
 

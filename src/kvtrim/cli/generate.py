@@ -103,7 +103,7 @@ def cmd_generate(args) -> int:
         choice = quality_choice(args, args.method, lm, len(ids))
         args.kv_bits = quality_bits(args, choice)  # the calibration's bit width where it picks one
         kw = {"position": args.position} if args.position else {}
-        policy = create_policy("full") if choice.full else create_policy(args.method, keep=choice.keep, **kw)
+        policy = create_policy("full") if choice.whole else create_policy(args.method, keep=choice.keep, **kw)
     res = generate_ids(
         lm.model,
         lm.tokenizer,

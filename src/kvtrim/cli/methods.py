@@ -55,7 +55,7 @@ def cmd_demo(args) -> int:
         if args.quality is not None and get_policy_class(n).takes_budget:  # picked at the demo's length
             choice = quality_choice(args, n, args.model, args.length)
             bits = quality_bits(args, choice)
-            kw = {} if choice.full else {"keep": choice.keep}
+            kw = {} if choice.whole else {"keep": choice.keep}
             n = n if kw else "full"
         policies.append((check_text_prompt(create_policy(n, **kw)), bits))
     if not args.methods:

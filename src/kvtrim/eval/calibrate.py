@@ -13,7 +13,9 @@ same model (``--extra DIR``). ``ppl`` has no answer to agree with and is left ou
 A sweep with bit widths (``kvtrim eval --kv-bits 16,8,4``) gives one point per (method, length,
 keep, bits) (calibration format 2), every one scored against the full cache at 16 bits;
 ``kv_frac`` is the configuration's measured resident bytes over that full cache's, scales and
-residual included, which is what ``--quality`` compares pairs by (``kvtrim.budget``).
+residual included, which is what ``--quality`` compares pairs by (``kvtrim.budget``). The full
+cache's low-bit lines give points of method ``full`` at keep 1 (nothing evicted, every token
+quantized), a candidate for every method.
 """
 
 from __future__ import annotations
@@ -58,12 +60,17 @@ def agreement_points(lines: Iterable[dict], prefill: str = "dense") -> dict[str,
     per: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     kv: dict[tuple, list[float]] = defaultdict(list)
     for r in lines:
-        if r["method"] == REFERENCE or r.get("keep") is None:
+        bits = line_bits(r)
+        if r["method"] == REFERENCE and bits != 16:
+            keep = 1.0  # the full cache at a low bit width: nothing evicted, every token quantized
+        elif r["method"] == REFERENCE or r.get("keep") is None:
             continue
+        else:
+            keep = round(float(r["keep"]), 6)
         full = fulls.get((r["task"], int(r["length"]), int(r["sample"])))
         if full is None:
             continue
-        key = (r["method"], int(r["length"]), round(float(r["keep"]), 6), line_bits(r))
+        key = (r["method"], int(r["length"]), keep, bits)
         a = sample_agreement(r, full)
         if a is not None:
             per[key][r["task"]].append(a)
