@@ -135,7 +135,7 @@ def test_old_files_are_read_as_16_bit_and_written_as_format_2(tmp_path):
     assert Calibration.load(tmp_path / "new.json").methods == cal.methods
 
 
-@pytest.mark.parametrize("bits", [3, "8", True, None])
+@pytest.mark.parametrize("bits", [3, "8", True, None, 4.0])
 def test_a_bad_bit_width_is_refused(bits, tmp_path):
     d = {"format": 2, "model": {"key": "m"}, "methods": {"snapkv": [pt(1024, 0.5, 0.9, bits)]}}
     f = tmp_path / "c.json"
