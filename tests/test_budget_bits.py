@@ -322,3 +322,13 @@ def test_generate_with_the_full_cache_quantized(tiny_dir, tmp_path, capsys):
     assert "kvtrim: --quality 0.9: snapkv full cache, 4-bit KV (" in err
     want, _ = _generate_json(base + ["--method", "full", "--kv-bits", "4"], capsys)
     assert got["kv_bytes"] == want["kv_bytes"] and got["answer"] == want["answer"] and got["method"] == "full"
+
+
+def test_demo_runs_each_method_at_its_picked_bit_width(tiny_dir, bits_cal, capsys):
+    code = main(["demo", "--model", tiny_dir, "--methods", "snapkv,full", "--quality", "0.9",
+                 "--calibration", bits_cal, "--length", "512"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "snapkv keep 0.5, 8-bit KV" in err
+    names = [line.split()[0] for line in out.splitlines() if line.startswith(("snapkv", "full"))]
+    assert names == ["snapkv@8bit", "full"]  # a width --quality picked is named; full runs at --kv-bits (16)

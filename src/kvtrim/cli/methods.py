@@ -79,7 +79,8 @@ def cmd_demo(args) -> int:
     rows = []
     for pol, bits in tqdm(policies, desc="methods", unit="method", file=sys.stderr):
         r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16, kv_bits=bits)
-        rows.append((pol.name, key in r.answer, r))
+        # a bit width --quality picked (not the one --kv-bits gave every method) is named with the method
+        rows.append((pol.name if bits == args.kv_bits else f"{pol.name}@{bits}bit", key in r.answer, r))
     print()
     w = max(15, *(len(name) + 2 for name, _, _ in rows))  # a long method name keeps its column apart
     print(f"{'method':<{w}}{'correct':<9}{'KV MiB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")
