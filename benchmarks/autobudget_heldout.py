@@ -28,6 +28,7 @@ from kvtrim import harness
 from kvtrim.budget import Calibration
 from kvtrim.eval.calibrate import agreement_points, read_sweeps, sample_agreement
 from kvtrim.eval.plan import REFERENCE
+from kvtrim.eval.store import line_bits
 
 QUALITIES = (0.5, 0.7, 0.8, 0.9)
 #: a sample's seed is ``seed * SEED_STRIDE + index`` (``kvtrim.eval.tasks.sample_seed``)
@@ -36,7 +37,8 @@ SEED_STRIDE = 100003
 
 def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
     """The rows of one model (see the module docstring)."""
-    lines = [r for r in lines if r.get("prefill", "dense") == "dense" and r["task"] != "ppl"]
+    # 16-bit lines only (a sweep with bit widths: benchmarks/autobudget_bits_heldout.py)
+    lines = [r for r in lines if r.get("prefill", "dense") == "dense" and r["task"] != "ppl" and line_bits(r) == 16]
     fulls = {(r["task"], int(r["length"]), int(r["sample"])): r for r in lines if r["method"] == REFERENCE}
     by = {(r["task"], int(r["length"]), int(r["sample"]), r["method"], round(float(r["keep"]), 6)): r
           for r in lines if r["method"] != REFERENCE and r.get("keep") is not None}

@@ -132,7 +132,7 @@ def test_unknown_method_and_method_without_budget(cal):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda d: d.update(format=2), "format 2 is not 1"),
+    (lambda d: d.update(format=3), "format 3 is not one of 1, 2"),
     (lambda d: d.pop("model"), "'model' must be an object"),
     (lambda d: d["model"].update(key=""), "non-empty 'key'"),
     (lambda d: d.update(methods={}), "'methods' must be a non-empty object"),

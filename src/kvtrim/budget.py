@@ -34,6 +34,22 @@ tokens:
    between two calibrated lengths, the larger of their two picks; outside the calibrated range the
    nearest length's pick (``BudgetChoice.extrapolated`` says so).
 
+Bit widths (format 2): a calibration point may also name the bits per stored key and value
+element its cache held (``bits``: 16, the model's dtype, or 8, 4, 2, ``KVTrimCache(kv_bits=)``;
+points of a format-1 file are 16-bit). Where a method has points at more than one bit width,
+:meth:`Calibration.choose` picks the **(keep, bits) pair with the least resident memory** among the
+calibrated pairs whose credited agreement meets ``Q`` at every length used (rules 2 and 3, applied
+per bit width: at a length a pair is credited with the monotone credit of the largest calibrated
+keep <= its keep at its bit width). Memory is the pair's measured KV share (``Point.kv_frac``: the
+sweep's resident bytes -- codes, scales, zero points, group ids and the full-precision residual --
+over the uncompressed 16-bit cache's) when every candidate has one at the lengths used, else the
+formula :func:`lowbit_share` (``keep x`` the low-bit storage's bytes per element over 16 bits);
+``BudgetChoice.memory_source`` says which. Ties go to more bits, then the higher credit. A method
+calibrated at 16 bits only is picked exactly as before (the smallest keep). The full cache at a
+low bit width (the calibration's ``full`` points, keep 1: nothing evicted, every token quantized) is
+a candidate for every method too, so a target no eviction budget meets may still be met with less
+than the 16-bit full cache.
+
 Calibrations ship as package data, ``kvtrim/calibration/<model key>.json`` (one per reference
 model, ``kvtrim.reference_models``), made by ``kvtrim calibrate`` from a ``kvtrim eval`` sweep; a
 file made for another model is passed as ``calibration=PATH`` (``--calibration PATH``).
@@ -44,7 +60,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,12 +72,22 @@ from kvtrim.files import parse_json, read_bytes, write_atomic
 if TYPE_CHECKING:
     from kvtrim.policies.base import Policy
 
-FORMAT = 1
+#: the calibration file format written: 2 adds ``bits`` per point; format 1 files are read as 16-bit
+FORMAT = 2
+READ_FORMATS = (1, 2)
+
+#: the low-bit storage's bytes (``kvtrim.lowbit_storage``, docs/quantization.md): per quantized token and
+#: KV head, codes of ``2 * head_dim * bits / 8`` bytes, a 4-byte group id and 4 bytes of value scale and
+#: zero point; per key group of ``LOWBIT_GROUP`` tokens and KV head, 4 bytes per channel
+LOWBIT_GROUP = 32
 
 #: the definition recorded in every calibration file (the module docstring says it in full)
 AGREEMENT = ("per sample: min(1, score / full cache's score) on labelled tasks (samples the full cache gets "
              "wrong left out), ROUGE-L F1 against the full cache's answer on labelfree; mean per task, then "
              "mean over tasks")
+
+#: the full cache's method name: a calibration's points under it are the full cache at low bit widths (keep 1)
+FULL = "full"
 
 #: the command that makes a calibration (named in errors)
 CALIBRATE_COMMAND = "kvtrim calibrate --model MODEL --out FILE.json"
@@ -83,9 +109,20 @@ def model_fingerprint(model) -> dict:
     return {k: getattr(cfg, k, None) for k in FINGERPRINT_KEYS}
 
 
+def lowbit_share(bits: int, head_dim: int) -> float:
+    """Bytes per stored token of a ``bits``-bit cache over a 16-bit one's, from the low-bit storage's
+    layout (``LOWBIT_GROUP``; the residual's fewer than 32 full-precision tokens per layer left out);
+    1.0 at 16 bits. A float32 model's cache is twice a 16-bit one's, so there the share is half this."""
+    if bits == 16:
+        return 1.0
+    d = head_dim
+    return (2 * d * bits / 8 + 4 + 4 + 4 * d / LOWBIT_GROUP) / (2 * d * 2)
+
+
 @dataclass(frozen=True)
 class Point:
-    """One calibrated (method, length, keep): mean agreement over tasks, per task, samples used, KV share."""
+    """One calibrated (method, length, keep, bits): mean agreement over tasks, per task, samples used, KV share
+    (``kv_frac``: measured resident bytes over the uncompressed 16-bit cache's)."""
 
     length: int
     keep: float
@@ -93,6 +130,7 @@ class Point:
     n: int
     tasks: dict = field(default_factory=dict)
     kv_frac: float | None = None
+    bits: int = 16
 
     @property
     def credit(self) -> float:
@@ -113,15 +151,26 @@ class BudgetChoice:
     lengths: tuple[int, ...]  # the calibrated lengths the pick came from
     extrapolated: bool
     reason: str
+    kv_bits: int = 16  # the bits per stored key and value element to build the cache with (KVTrimCache(kv_bits=))
+    memory: float | None = None  # the pick's KV share of the uncompressed 16-bit cache (picks among bit widths only)
+    memory_source: str | None = None  # "measured" (the calibration's kv_frac) or "formula" (lowbit_share)
+    bit_widths: tuple[int, ...] = (16,)  # the bit widths the method's calibration holds (16 alone: keep picked as before)
 
     @property
     def full(self) -> bool:
+        """The full cache at 16 bits (no compression, no quantization)."""
+        return self.keep >= 1.0 and self.kv_bits == 16
+
+    @property
+    def whole(self) -> bool:
+        """Nothing evicted: the full cache, at ``kv_bits`` (a pick at a low bit width may be the full cache quantized)."""
         return self.keep >= 1.0
 
     def to_dict(self) -> dict:
         return {"method": self.method, "quality": self.quality, "prompt_tokens": self.prompt_tokens, "keep": self.keep,
-                "expected_agreement": self.expected, "calibrated_lengths": list(self.lengths),
-                "extrapolated": self.extrapolated, "reason": self.reason}
+                "kv_bits": self.kv_bits, "expected_agreement": self.expected, "calibrated_lengths": list(self.lengths),
+                "extrapolated": self.extrapolated, "reason": self.reason, "memory": self.memory,
+                "memory_source": self.memory_source}
 
 
 def _credited(points: list[Point]) -> list[tuple[float, float]]:
@@ -160,8 +209,9 @@ class Calibration:
 
         if not isinstance(d, dict):
             raise bad(f"not a JSON object (got {type(d).__name__})")
-        if d.get("format") != FORMAT:
-            raise bad(f"format {d.get('format')!r} is not {FORMAT}")
+        fmt = d.get("format")
+        if isinstance(fmt, bool) or fmt not in READ_FORMATS:
+            raise bad(f"format {fmt!r} is not one of {', '.join(map(str, READ_FORMATS))}")
         model = d.get("model")
         if not isinstance(model, dict) or not isinstance(model.get("key"), str) or not model["key"]:
             raise bad("'model' must be an object with a non-empty 'key'")
@@ -182,7 +232,12 @@ class Calibration:
                     raise bad(f"{at} is not an object")
                 try:
                     length = validate.integer(p.get("length"), f"{at}: length", minimum=1)
-                    keep = validate.number(p.get("keep"), f"{at}: keep", minimum=0, maximum=1, min_open=True, max_open=True)
+                    bits = 16 if fmt == 1 else p.get("bits", 16)  # format 1 predates bit widths: 16-bit points
+                    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (16, 8, 4, 2):  # cache.KV_BITS
+                        raise KVTrimError(f"{at}: bits must be one of 16, 8, 4, 2; got {bits!r}")
+                    # keep 1 (nothing evicted) is a point only at a low bit width: at 16 bits it is the reference
+                    keep = validate.number(p.get("keep"), f"{at}: keep", minimum=0, maximum=1, min_open=True,
+                                           max_open=bits == 16)
                     agreement = validate.number(p.get("agreement"), f"{at}: agreement", minimum=0, maximum=1)
                     n = validate.integer(p.get("n"), f"{at}: n", minimum=1)
                     kv = p.get("kv_frac")
@@ -199,17 +254,17 @@ class Calibration:
                         validate.number(t.get("agreement"), f"{at}: task {task!r} agreement", minimum=0, maximum=1)
                     except KVTrimError as e:
                         raise bad(str(e)) from None
-                if (length, keep) in seen:
-                    raise bad(f"{at}: a second point for length {length}, keep {keep}")
-                seen.add((length, keep))
-                parsed.append(Point(length, keep, agreement, n, tasks, kv))
-            out[name] = sorted(parsed, key=lambda p: (p.length, p.keep))
+                if (length, keep, bits) in seen:
+                    raise bad(f"{at}: a second point for length {length}, keep {keep}, {bits} bits")
+                seen.add((length, keep, bits))
+                parsed.append(Point(length, keep, agreement, n, tasks, kv, bits))
+            out[name] = sorted(parsed, key=lambda p: (p.length, -p.bits, p.keep))
         return cls(model=model, methods=out, made=d.get("made", {}) if isinstance(d.get("made"), dict) else {})
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "agreement": AGREEMENT, "model": self.model, "made": self.made,
                 "methods": {m: [{"length": p.length, "keep": p.keep, "agreement": round(p.agreement, 6), "n": p.n,
-                                 "tasks": p.tasks, "kv_frac": p.kv_frac} for p in pts]
+                                 "tasks": p.tasks, "kv_frac": p.kv_frac, "bits": p.bits} for p in pts]
                             for m, pts in sorted(self.methods.items())}}
 
     @classmethod
@@ -240,13 +295,19 @@ class Calibration:
                 f"--methods {method} --out FILE.json` and pass --calibration FILE.json")
         return self.methods[method]
 
+    def candidates(self, method: str) -> list[Point]:
+        """The points ``--quality`` chooses among for ``method``: its own, and the full cache's at low bit
+        widths (``FULL``'s points, keep 1: nothing evicted, every token quantized)."""
+        own = self.points(method)
+        return own + [p for p in self.methods.get(FULL, []) if p.bits != 16 and method != FULL]
+
     def lengths(self, method: str) -> list[int]:
         return sorted({p.length for p in self.points(method)})
 
     def pick_at_length(self, method: str, length: int, quality: float) -> tuple[float, float | None]:
         """(keep, credited agreement) at one calibrated length: the smallest calibrated keep whose credited
         agreement is >= ``quality``; (1.0, None) -- the full cache -- when none is."""
-        pts = [p for p in self.points(method) if p.length == length]
+        pts = [p for p in self.points(method) if p.length == length and p.bits == 16]
         for keep, credit in _credited(pts):
             if credit >= quality - 1e-12:
                 return keep, credit
@@ -266,9 +327,11 @@ class Calibration:
             prompt_tokens = validate.integer(prompt_tokens, "prompt_tokens", minimum=0, unit="tokens")
             probe = create_policy(method, keep=0.5)
             if probe.kept_whole(prompt_tokens):
+                widths = tuple(sorted({p.bits for p in [*self.methods.get(method, []), *self.methods.get(FULL, [])]}
+                                      | {16}, reverse=True))
                 return BudgetChoice(method, quality, prompt_tokens, 1.0, None, (), False,
                                     f"the prompt has {prompt_tokens} tokens, at most {probe.min_length}: too short for "
-                                    "compression to save memory, kept whole")
+                                    "compression to save memory, kept whole", bit_widths=widths)
         lengths = self.lengths(method)
         extrapolated = False
         if prompt_tokens is None:
@@ -282,6 +345,9 @@ class Calibration:
             else:
                 used = sorted({*(below[-1:]), *(above[:1])})
                 extrapolated = not below or not above
+        if any(p.bits != 16 for p in self.candidates(method)):
+            return replace(self._choose_bits(method, quality, prompt_tokens, used, extrapolated),
+                           bit_widths=tuple(sorted({p.bits for p in self.candidates(method)} | {16}, reverse=True)))
         picks = {n: self.pick_at_length(method, n, quality) for n in used}
         keep = max(k for k, _ in picks.values())
         if keep >= 1.0:
@@ -297,6 +363,55 @@ class Calibration:
         return BudgetChoice(method, quality, prompt_tokens, keep, expected, tuple(used), extrapolated,
                             f"calibrated agreement {expected:.3f} (worst task) >= {quality:g} at keep {keep:g} ({where} tokens"
                             f"{'; outside the calibrated lengths, nearest used' if extrapolated else ''})")
+
+
+    def head_dim(self) -> int | None:
+        """The model's head dimension from the fingerprint (hidden size over attention heads), if recorded."""
+        fp = self.model.get("fingerprint") or {}
+        h, n = fp.get("hidden_size"), fp.get("num_attention_heads")
+        return h // n if isinstance(h, int) and isinstance(n, int) and n > 0 else None
+
+    def _choose_bits(self, method: str, quality: float, prompt_tokens: int | None, used: list[int],
+                     extrapolated: bool) -> BudgetChoice:
+        """The (keep, bits) pair with the least memory meeting ``quality`` at every length in ``used``
+        (the module docstring's rule for calibrations with bit widths)."""
+        pts = self.candidates(method)
+        meeting = []  # (keep, bits, credited agreement: the lowest over the lengths used)
+        for keep, bits in sorted({(p.keep, p.bits) for p in pts}):
+            credits = [_credit_at([p for p in pts if p.length == n and p.bits == bits], keep) for n in used]
+            if all(c is not None and c >= quality - 1e-12 for c in credits):
+                meeting.append((keep, bits, min(c for c in credits if c is not None)))
+        where = ", ".join(f"{n}" for n in used)
+        if not meeting:
+            best = max(pts, key=lambda p: (p.credit, -p.keep))
+            return BudgetChoice(method, quality, prompt_tokens, 1.0, None, tuple(used), extrapolated,
+                                f"no calibrated (keep, bits) of {method} reaches agreement {quality:g} on every calibrated "
+                                f"task at {where} tokens (best worst-task agreement: {best.credit:.3f} at keep {best.keep:g}, "
+                                f"{best.bits} bits, {best.length} tokens): full cache")
+
+        def measured(keep: float, bits: int) -> float | None:
+            at = [p.kv_frac for p in pts if p.keep == keep and p.bits == bits and p.length in used]
+            return sum(at) / len(at) if len(at) == len(used) and None not in at else None  # type: ignore[arg-type]
+
+        shares = {(k, b): measured(k, b) for k, b, _ in meeting}
+        source = "measured" if all(v is not None for v in shares.values()) else "formula"
+        hd = self.head_dim() or 64
+
+        def memory(keep: float, bits: int) -> float:
+            v = shares[(keep, bits)]
+            return v if source == "measured" and v is not None else keep * lowbit_share(bits, hd)
+
+        keep, bits, expected = min(meeting, key=lambda c: (round(memory(c[0], c[1]), 6), -c[1], -c[2]))
+        mem = memory(keep, bits)
+        smallest16 = next((k for k, b, _ in meeting if b == 16), None)
+        than = ("" if bits == 16 else f"; the smallest 16-bit keep reaching it is {smallest16:g}" if smallest16 is not None
+                else "; no 16-bit keep reaches it")
+        return BudgetChoice(method, quality, prompt_tokens, keep, expected, tuple(used), extrapolated,
+                            f"calibrated agreement {expected:.3f} (worst task) >= {quality:g} at keep {keep:g}"
+                            f"{' (the full cache, nothing evicted)' if keep >= 1.0 else ''}, {bits}-bit KV "
+                            f"({where} tokens{'; outside the calibrated lengths, nearest used' if extrapolated else ''}), "
+                            f"the least memory of the pairs reaching it: {mem:.3f} of the full cache ({source}){than}",
+                            kv_bits=bits, memory=mem, memory_source=source)
 
 
 def check_quality(quality) -> float:
@@ -385,7 +500,10 @@ def keep_for_quality(method: str, model, quality: float, prompt_tokens: int | No
 
     Returns a :class:`BudgetChoice`; its ``keep`` is 1.0 (the full cache) for a prompt too short to
     compress and when no calibrated budget is expected to reach ``quality``. ``prompt_tokens`` None
-    takes the largest pick over the calibrated lengths.
+    takes the largest pick over the calibrated lengths. Where the calibration holds bit widths, the
+    choice is the (keep, bits) pair with the least memory: build the cache with
+    ``KVTrimCache(model, policy, kv_bits=choice.kv_bits)`` (``generate_ids(..., kv_bits=)``,
+    ``Session(..., kv_bits=)``).
     """
     check_quality(quality)
     return calibration_for(model, calibration).choose(method, quality, prompt_tokens)
@@ -395,9 +513,10 @@ def policy_for_quality(method: str, model, quality: float, prompt_tokens: int | 
                        calibration: str | os.PathLike | Calibration | None = None,
                        **kwargs) -> tuple[Policy, BudgetChoice]:
     """The policy :func:`keep_for_quality` picks, with the choice: ``method`` at the chosen ``keep``
-    (``kwargs``, e.g. ``position``, passed on), or ``full`` when the choice is the full cache."""
+    (``kwargs``, e.g. ``position``, passed on), or ``full`` when the choice is the full cache. The
+    bit width is the cache's, not the policy's: pass ``kv_bits=choice.kv_bits`` where the cache is made."""
     from kvtrim.registry import create_policy
 
     choice = keep_for_quality(method, model, quality, prompt_tokens, calibration=calibration)
-    pol = create_policy("full") if choice.full else create_policy(method, keep=choice.keep, **kwargs)
+    pol = create_policy(FULL) if choice.whole else create_policy(method, keep=choice.keep, **kwargs)
     return pol, choice

@@ -269,9 +269,24 @@ def quality_choice(args, method: str, model, prompt_tokens: int | None):
     from kvtrim.budget import keep_for_quality
 
     choice = keep_for_quality(method, model, args.quality, prompt_tokens, calibration=getattr(args, "calibration", None))
-    print(f"kvtrim: --quality {args.quality:g}: {method} {'full cache' if choice.full else f'keep {choice.keep:g}'} "
+    bits = "" if choice.kv_bits == 16 else f", {choice.kv_bits}-bit KV"
+    print(f"kvtrim: --quality {args.quality:g}: {method} {'full cache' if choice.whole else f'keep {choice.keep:g}'}{bits} "
           f"({choice.reason})", file=sys.stderr)
     return choice
+
+
+def quality_bits(args, choice) -> int:
+    """The cache's ``kv_bits`` under --quality: the calibration's pick where it holds bit widths for the
+    method (``BudgetChoice.bit_widths``), else --kv-bits as given. A --kv-bits other than 16 that
+    differs from the pick is refused: the calibration picks the width with the keep."""
+    given = getattr(args, "kv_bits", None)
+    if choice.bit_widths == (16,):
+        return 16 if given is None else given
+    if given not in (None, 16) and given != choice.kv_bits:
+        raise KVTrimError(f"--kv-bits {given} and --quality: the calibration picks the bit width with the budget "
+                          f"({choice.method} keep {choice.keep:g} at {choice.kv_bits} bits for agreement >= "
+                          f"{choice.quality:g}); drop --kv-bits, or give --keep instead of --quality")
+    return choice.kv_bits
 
 
 # ----------------------------------------------------------------------------- sparse prefill

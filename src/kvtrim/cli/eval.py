@@ -26,7 +26,7 @@ def cmd_eval(args) -> int:
     from kvtrim.eval.sweep import run_eval
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
-                     prefill=args.prefill, haystack=args.haystack, plain=args.plain_prompt)
+                     prefill=args.prefill, haystack=args.haystack, plain=args.plain_prompt, kv_bits=args.kv_bits)
     shard = args.shard or (0, 1)  # I/N, checked as the command line is parsed
     if args.haystack is not None:
         from kvtrim.eval.common import haystack_text
@@ -124,12 +124,12 @@ def cmd_calibrate(args) -> int:
     from kvtrim.budget import model_fingerprint
     from kvtrim.eval.calibrate import build_calibration, read_sweeps
     from kvtrim.eval.plan import make_plan
-    from kvtrim.eval.store import check_out_dir
+    from kvtrim.eval.store import check_out_dir, line_bits
     from kvtrim.eval.sweep import run_eval
     from kvtrim.files import check_output
 
     plan = make_plan(args.tasks, args.length, args.methods, args.keep, samples=args.samples, seed=args.seed,
-                     plain=args.plain_prompt)
+                     plain=args.plain_prompt, kv_bits=args.kv_bits)
     check_model_options(args)
     if "ppl" in plan.tasks:
         raise KVTrimError("ppl has no answer to compare with the full cache's; calibrate on tasks with answers "
@@ -158,7 +158,8 @@ def cmd_calibrate(args) -> int:
     model = {"key": ref.key if ref else source, "source": source, "fingerprint": model_fingerprint(net)}
     command = "kvtrim " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith(("kvtrim", "__main__.py")) else None
     made = {"runs": [runs, *(args.extra or [])], "seed": plan.seed, "plain_prompt": plan.plain} | ({"command": command} if command else {})
-    lines = [r for r in read_sweeps([runs, *(args.extra or [])], source) if r["task"] in plan.tasks]
+    lines = [r for r in read_sweeps([runs, *(args.extra or [])], source)
+             if r["task"] in plan.tasks and line_bits(r) in plan.kv_bits]
     cal = build_calibration(lines, model, made, methods=plan.methods)
     cal.save(out, force=args.force)
     print(f"kvtrim calibrate: wrote {out} ({len(cal.methods)} methods; lines in {runs})", file=sys.stderr)
@@ -183,6 +184,9 @@ def add_eval_commands(sub) -> None:
                    help="comma-separated methods, each with parameters if wanted (snapkv:layers=adaptive); "
                         "full is always included")
     m.add_argument("--keep", type=keeps, default=",".join(map(str, DEFAULT_KEEPS)), metavar="R1,R2", help="budgets")
+    m.add_argument("--kv-bits", default="16", metavar="B1,B2",
+                   help="bits per stored key and value element, comma-separated from 16, 8, 4, 2: every configuration "
+                        "runs at each (16 always runs: the full cache at 16 bits is the reference) [default: 16]")
     m.add_argument("--prefill", default="dense", metavar="MODE", help=f"prefill attention: {', '.join(PREFILL_MODES)}")
     t = e.add_argument_group("samples")
     t.add_argument("--length", type=lengths, default="2048", metavar="N1,N2", help="prompt lengths in tokens")
@@ -231,6 +235,9 @@ def add_eval_commands(sub) -> None:
     m = c.add_argument_group("methods and budgets")
     m.add_argument("--methods", default=",".join(CAL_METHODS), metavar="A,B", help="comma-separated methods")
     m.add_argument("--keep", type=keeps, default=",".join(map(str, CAL_KEEPS)), metavar="R1,R2", help="budgets to measure")
+    m.add_argument("--kv-bits", default="16", metavar="B1,B2",
+                   help="bit widths of the KV cache to calibrate too, comma-separated from 16, 8, 4, 2 (16 always); "
+                        "--quality then picks the (keep, bits) pair with the least memory [default: 16]")
     t = c.add_argument_group("samples")
     t.add_argument("--length", type=lengths, default="2048", metavar="N1,N2", help="prompt lengths in tokens")
     t.add_argument("--samples", type=int_arg(1), default=6, metavar="N", help="samples per task and length")

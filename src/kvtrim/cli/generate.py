@@ -20,6 +20,7 @@ from kvtrim.cli.common import (
     load_from_args,
     model_options,
     prefill_from_args,
+    quality_bits,
     quality_choice,
     read_context,
     sampling_options,
@@ -100,8 +101,9 @@ def cmd_generate(args) -> int:
     choice = None
     if policy is None:  # --quality: the budget calibrated for this prompt's length
         choice = quality_choice(args, args.method, lm, len(ids))
+        args.kv_bits = quality_bits(args, choice)  # the calibration's bit width where it picks one
         kw = {"position": args.position} if args.position else {}
-        policy = create_policy("full") if choice.full else create_policy(args.method, keep=choice.keep, **kw)
+        policy = create_policy("full") if choice.whole else create_policy(args.method, keep=choice.keep, **kw)
     res = generate_ids(
         lm.model,
         lm.tokenizer,

@@ -13,6 +13,7 @@ from kvtrim.cli.common import (
     kv_bits_option,
     load_from_args,
     model_options,
+    quality_bits,
     quality_choice,
     seed_arg,
 )
@@ -47,14 +48,16 @@ def cmd_demo(args) -> int:
 
         held = calibration_for(args.model, args.calibration).methods
         names = [n for n in names if n in held or not get_policy_class(n).takes_budget]
-    policies = []
+    policies = []  # (policy, kv_bits)
     for n in names:
         kw = {"keep": args.keep} if get_policy_class(n).takes_budget else {}
+        bits = args.kv_bits
         if args.quality is not None and get_policy_class(n).takes_budget:  # picked at the demo's length
             choice = quality_choice(args, n, args.model, args.length)
-            kw = {} if choice.full else {"keep": choice.keep}
+            bits = quality_bits(args, choice)
+            kw = {} if choice.whole else {"keep": choice.keep}
             n = n if kw else "full"
-        policies.append(check_text_prompt(create_policy(n, **kw)))
+        policies.append((check_text_prompt(create_policy(n, **kw)), bits))
     if not args.methods:
         skipped = [n for n in method_names() if get_policy_class(n).needs_spans]
         print(f"kvtrim demo: {', '.join(skipped)} act on image tokens, not in this text demo "
@@ -74,9 +77,10 @@ def cmd_demo(args) -> int:
         file=sys.stderr,
     )
     rows = []
-    for pol in tqdm(policies, desc="methods", unit="method", file=sys.stderr):
-        r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16, kv_bits=args.kv_bits)
-        rows.append((pol.name, key in r.answer, r))
+    for pol, bits in tqdm(policies, desc="methods", unit="method", file=sys.stderr):
+        r = generate_ids(lm.model, lm.tokenizer, ids, pol, max_new_tokens=16, kv_bits=bits)
+        # a bit width --quality picked (not the one --kv-bits gave every method) is named with the method
+        rows.append((pol.name if bits == args.kv_bits else f"{pol.name}@{bits}bit", key in r.answer, r))
     print()
     w = max(15, *(len(name) + 2 for name, _, _ in rows))  # a long method name keeps its column apart
     print(f"{'method':<{w}}{'correct':<9}{'KV MiB':>8}{'of full':>9}{'prefill s':>11}{'decode tok/s':>14}  answer")

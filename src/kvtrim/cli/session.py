@@ -25,6 +25,7 @@ from kvtrim.cli.common import (
     load_from_args,
     model_options,
     print_error,
+    quality_bits,
     quality_choice,
     sampling_options,
 )
@@ -47,6 +48,7 @@ def _policy(args, streaming: bool):
         # a conversation's length is not known in advance: the largest pick over the calibrated lengths
         choice = quality_choice(args, args.method, args.model, None)
         kw["keep"] = choice.keep
+        args.kv_bits = quality_bits(args, choice)  # the calibration's bit width where it picks one
     if args.max_tokens is not None:
         kw["max_tokens"] = args.max_tokens
     if args.position:

@@ -9,6 +9,13 @@ It is built from the lines of an ordinary sweep (``DIR/runs/*.jsonl``), so ``kvt
 runs :func:`kvtrim.eval.sweep.run_eval` (resumable, one shared prefill per sample for all methods
 and budgets) and then :func:`build_calibration` on its lines and on those of any other sweep of the
 same model (``--extra DIR``). ``ppl`` has no answer to agree with and is left out.
+
+A sweep with bit widths (``kvtrim eval --kv-bits 16,8,4``) gives one point per (method, length,
+keep, bits) (calibration format 2), every one scored against the full cache at 16 bits;
+``kv_frac`` is the configuration's measured resident bytes over that full cache's, scales and
+residual included, which is what ``--quality`` compares pairs by (``kvtrim.budget``). The full
+cache's low-bit lines give points of method ``full`` at keep 1 (nothing evicted, every token
+quantized), a candidate for every method.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from pathlib import Path
 from kvtrim.budget import AGREEMENT, Calibration, Point
 from kvtrim.errors import KVTrimError
 from kvtrim.eval.plan import REFERENCE
-from kvtrim.eval.store import result_files
+from kvtrim.eval.store import line_bits, result_files
 from kvtrim.files import read_json
 
 #: tasks without an answer to compare with the full cache's
@@ -48,28 +55,35 @@ def sample_agreement(line: dict, full: dict) -> float | None:
 def agreement_points(lines: Iterable[dict], prefill: str = "dense") -> dict[str, list[Point]]:
     """Method -> calibration points (one per length and keep) from result lines (see the module docstring)."""
     lines = [r for r in lines if r.get("prefill", "dense") == prefill and r["task"] not in NO_AGREEMENT]
-    fulls = {(r["task"], int(r["length"]), int(r["sample"])): r for r in lines if r["method"] == REFERENCE}
+    fulls = {(r["task"], int(r["length"]), int(r["sample"])): r for r in lines
+             if r["method"] == REFERENCE and line_bits(r) == 16}
     per: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     kv: dict[tuple, list[float]] = defaultdict(list)
     for r in lines:
-        if r["method"] == REFERENCE or r.get("keep") is None:
+        bits = line_bits(r)
+        if r["method"] == REFERENCE and bits != 16:
+            keep = 1.0  # the full cache at a low bit width: nothing evicted, every token quantized
+        elif r["method"] == REFERENCE or r.get("keep") is None:
             continue
+        else:
+            keep = round(float(r["keep"]), 6)
         full = fulls.get((r["task"], int(r["length"]), int(r["sample"])))
         if full is None:
             continue
-        key = (r["method"], int(r["length"]), round(float(r["keep"]), 6))
+        key = (r["method"], int(r["length"]), keep, bits)
         a = sample_agreement(r, full)
         if a is not None:
             per[key][r["task"]].append(a)
         if r.get("kv_bytes_full"):
             kv[key].append(float(r["kv_bytes"]) / float(r["kv_bytes_full"]))
     out: dict[str, list[Point]] = defaultdict(list)
-    for (method, length, keep), tasks in sorted(per.items()):
+    for (method, length, keep, bits), tasks in sorted(per.items()):
         means = {t: round(statistics.fmean(v), 6) for t, v in sorted(tasks.items())}
+        share = kv[(method, length, keep, bits)]
         out[method].append(Point(length, keep, statistics.fmean(means.values()), sum(len(v) for v in tasks.values()),
                                  {t: {"agreement": means[t], "n": len(tasks[t])} for t in means},
-                                 round(statistics.fmean(kv[(method, length, keep)]), 6) if kv[(method, length, keep)] else None))
-    return dict(out)
+                                 round(statistics.fmean(share), 6) if share else None, bits))
+    return {m: sorted(pts, key=lambda p: (p.length, -p.bits, p.keep)) for m, pts in out.items()}  # as a file reads back
 
 
 def read_sweeps(dirs: Iterable[str | Path], model_source: str | None = None) -> list[dict]:
@@ -111,6 +125,7 @@ def build_calibration(lines: list[dict], model: dict, made: dict | None = None, 
     used = sorted({r["task"] for r in lines if r["task"] not in NO_AGREEMENT})
     made = {"agreement": AGREEMENT, "tasks": used, "lengths": sorted({int(r["length"]) for r in lines}),
             "keeps": sorted({p.keep for pts in points.values() for p in pts}),
+            "kv_bits": sorted({p.bits for pts in points.values() for p in pts}, reverse=True),
             "samples": len({(r["task"], r["length"], r["sample"]) for r in lines if r["method"] == REFERENCE}),
             "date": time.strftime("%Y-%m-%d"), **(made or {})}
     return Calibration(model=model, methods=points, made=made)

@@ -4,7 +4,11 @@ any model loads, and the per-task token limits.
 Every method in a plan must be replayable on a text prompt: a method that changes the forward pass
 (``Policy.rewrites_forward``) or acts only on tagged modality spans (``Policy.needs_spans``) is
 refused with a pointer to ``kvtrim generate --image``. ``full`` is always part of a plan: it is
-every score's reference (and ``labelfree``'s reference answer).
+every score's reference (and ``labelfree``'s reference answer); at 16 bits, the model's dtype.
+
+``kv_bits`` (``--kv-bits 16,8,4``) runs every configuration at each bit width
+(``KVTrimCache(kv_bits=)``, ``kvtrim.lowbit_storage``); 16 alone (the default) is the sweep as it
+was before bit widths, with the same lines and keys.
 """
 
 from __future__ import annotations
@@ -51,6 +55,11 @@ class EvalPlan:
     haystack: str | None = None
     configs: list[tuple[str, float | None]] = field(default_factory=list)
     plain: bool = False  # prompts in kvtrim's plain format even when the tokenizer has a chat template
+    kv_bits: list[int] = field(default_factory=lambda: [16])  # bit widths each configuration runs at
+
+    def bit_configs(self) -> list[tuple[str, float | None, int]]:
+        """(method, keep, kv_bits) for every configuration at every bit width, 16 bits first."""
+        return [(m, k, b) for b in self.kv_bits for m, k in self.configs]
 
     def units(self) -> list[tuple[str, int, int]]:
         """(task, length, sample index) in the order they run: by length, then sample (even indices
@@ -60,7 +69,7 @@ class EvalPlan:
 
 
 def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, prefill: str = "dense",
-              haystack: str | None = None, plain: bool = False) -> EvalPlan:
+              haystack: str | None = None, plain: bool = False, kv_bits="16") -> EvalPlan:
     """Validate a sweep (names, ranges) before any model loads; raises ``KVTrimError`` naming the problem."""
     from kvtrim.eval.common import MIN_LENGTH
     from kvtrim.integrations.prefill import PREFILL_MODES
@@ -99,6 +108,7 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
             raise KVTrimError(f"--keep must be a fraction in (0, 1) (1 is the full cache, run as method 'full'); got {k}")
     validate.integer(samples, "--samples", minimum=1)
     validate.integer(seed, "--seed", minimum=0)
+    bits_list = check_bit_list(kv_bits)
     if prefill not in PREFILL_MODES:
         raise KVTrimError(f"unknown --prefill {prefill!r}; choose one of: {', '.join(PREFILL_MODES)}")
     if REFERENCE not in method_list:
@@ -110,7 +120,23 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
         else:
             configs.append((m, None))
     return EvalPlan(task_list, list(dict.fromkeys(length_list)), list(dict.fromkeys(method_list)),
-                    list(dict.fromkeys(keep_list)), samples, seed, prefill, haystack, configs, bool(plain))
+                    list(dict.fromkeys(keep_list)), samples, seed, prefill, haystack, configs, bool(plain), bits_list)
+
+
+def check_bit_list(kv_bits) -> list[int]:
+    """``--kv-bits`` of a sweep: comma-separated bit widths (text, an int or a sequence), each in
+    ``kvtrim.cache.KV_BITS``; 16 is always added, first (the full cache at 16 bits is every score's
+    reference). ``KVTrimError`` naming what is allowed."""
+    from kvtrim.cache import KV_BITS
+
+    given = kv_bits if isinstance(kv_bits, (str, list, tuple)) else [kv_bits]
+    out = []
+    for b in comma_list(given, "--kv-bits"):
+        if isinstance(kv_bits, bool) or not b.isdigit() or int(b) not in KV_BITS:
+            raise KVTrimError(f"--kv-bits takes comma-separated bit widths from {', '.join(map(str, KV_BITS))}, "
+                              f"e.g. 16,8,4; got {b!r}")
+        out.append(int(b))
+    return [16] + [b for b in dict.fromkeys(out) if b != 16]
 
 
 def check_lengths(plan: EvalPlan, tokenizer, max_context: int) -> None:

@@ -54,20 +54,21 @@ def turn_tail(tokenizer, question: str, plain: bool = False) -> list[int]:
 
 def config_program(model, tokenizer, sample, recording, method: str, keep: float | None, memo: dict | None,
                    reference: list[int] | None = None, reference_key=None, plain: bool = False,
-                   params: dict | None = None):
+                   params: dict | None = None, kv_bits: int = 16):
     """Program (``kvtrim.decoding``) for one (method, keep) on one recorded sample: replay, then
     decode/teacher-force and score; returns the line's fields. For ``labelfree`` a compressed
     configuration needs the full cache's answer: ``reference``, or the result of the program
     registered under ``reference_key``. ``plain``: later turns in kvtrim's plain format (as the
     prompt, :func:`prompt_ids`). ``params``: further policy parameters (a benchmark's variants;
-    ``kvtrim eval`` runs every method with its defaults)."""
+    ``kvtrim eval`` runs every method with its defaults). ``kv_bits``: the bits per stored key and
+    value element of the configuration's cache (``KVTrimCache(kv_bits=)``; 16: the model's dtype)."""
     from kvtrim.eval.replay import make_policy, replay
 
     params = ({} if keep is None else {"keep": keep}) | dict(params or {})
     eos = getattr(tokenizer, "eos_token_id", None)
     stop = () if eos is None else (eos,)
     t0 = time.perf_counter()
-    cache = replay(model, make_policy(method, params, memo), recording)
+    cache = replay(model, make_policy(method, params, memo), recording, kv_bits=kv_bits)
     compress = time.perf_counter() - t0
     logits = recording.logits
     extra: dict = {}
@@ -139,7 +140,7 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
         ref_nll = None
         # perplexity of the full cache's answer under this method's cache: a fresh replay (the greedy run moved it)
         if reference:
-            cache2 = replay(model, make_policy(method, params, memo), recording)
+            cache2 = replay(model, make_policy(method, params, memo), recording, kv_bits=kv_bits)
             ref_nll = yield from teacher_forced_nll(cache2, recording.logits, list(reference))
             del cache2
         extra.update({"ref_nll_sum": ref_nll, "ref_tokens": len(reference or [])})

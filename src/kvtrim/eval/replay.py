@@ -125,14 +125,17 @@ def record_prefill(model, ids: list[int], prefill=None, keep_cache: bool = False
                      cache if keep_cache else None, rec.sums if column_sums else None)
 
 
-def replay(model, policy: Policy, recording: "Recording | dict", *, block_size: int | None = None) -> KVTrimCache:
+def replay(model, policy: Policy, recording: "Recording | dict", *, block_size: int | None = None,
+           kv_bits: int = 16) -> KVTrimCache:
     """A fresh cache for ``policy`` whose prefill hook ran on the recorded q/k/v of every layer
-    (``recording``: a :class:`Recording` or its ``record`` dict; ``block_size``: the cache's, see
-    :class:`~kvtrim.cache.KVTrimCache`)."""
+    (``recording``: a :class:`Recording` or its ``record`` dict; ``block_size`` and ``kv_bits``: the
+    cache's, see :class:`~kvtrim.cache.KVTrimCache`). A low-bit cache (``kv_bits`` < 16) takes the
+    recorded prompt into its full-precision residual, so the policy decides on the prompt in full
+    precision and the kept tokens are quantized after the decision, as in a live prefill."""
     record = recording.record if isinstance(recording, Recording) else recording
     if not replayable(policy):
         raise KVTrimError(f"method {policy.name!r} prunes hidden states during the forward pass; it cannot be replayed")
-    cache = KVTrimCache(model, policy, block_size=block_size)
+    cache = KVTrimCache(model, policy, block_size=block_size, kv_bits=kv_bits)
     with torch.inference_mode():
         for i, layer in enumerate(cache.layers):
             q, k, v, scaling = record[i]

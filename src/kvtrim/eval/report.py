@@ -12,6 +12,11 @@
 - ``prefill_s``: median prefill seconds; ``decode_ms``: median decode milliseconds per token over
   the lines decoded alone (``decode_rows`` 1 or absent); None when all were batch rows.
 
+A line whose cache held fewer than 16 bits per element (``kv_bits``, ``kvtrim eval --kv-bits``) is
+its own cell, whose ``method`` is labelled with the bit width (``snapkv@4bit``; ``base_method`` and
+``kv_bits`` give the two apart), so every table and plot shows it as a method of its own; the
+reference of ``rel_full`` and ``kv_frac`` is the full cache at 16 bits.
+
 :func:`write_report` writes ``report.md`` and PNG plots (matplotlib): score vs budget per task
 (one panel per task, one line per method, the full cache dashed), KV bytes vs budget, prefill
 and decode time vs length. ``--readme FILE`` replaces the block between
@@ -32,6 +37,7 @@ from typing import Any
 
 from kvtrim.errors import CorruptResultsError, KVTrimError
 from kvtrim.eval.plan import REFERENCE
+from kvtrim.eval.store import line_bits
 from kvtrim.files import read_text, write_atomic
 
 START = "<!-- kvtrim-report:start -->"
@@ -49,14 +55,17 @@ def summarize(lines: Iterable[dict]) -> dict:
     lines = list(lines)
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in lines:
-        groups[(r["task"], int(r["length"]), r["method"], _keep(r.get("keep")), r.get("prefill", "dense"))].append(r)
+        groups[(r["task"], int(r["length"]), bits_label(r["method"], line_bits(r)), _keep(r.get("keep")),
+                r.get("prefill", "dense"))].append(r)
     full_by_sample: dict[tuple, dict] = {}
     for r in lines:
-        if r["method"] == REFERENCE:
+        if r["method"] == REFERENCE and line_bits(r) == 16:
             full_by_sample[(r["task"], int(r["length"]), r.get("prefill", "dense"), int(r["sample"]))] = r
     cells = []
     for (task, length, method, keep, prefill), rows in sorted(groups.items(), key=lambda kv: _sort_key(kv[0])):
         cell = {"task": task, "length": length, "method": method, "keep": keep, "prefill": prefill, "n": len(rows)}
+        if (bits := line_bits(rows[0])) != 16:
+            cell |= {"base_method": rows[0]["method"], "kv_bits": bits}
         cell["score"] = _score(task, rows)
         fulls = [full_by_sample.get((task, length, prefill, int(r["sample"]))) for r in rows]
         paired = [(r, f) for r, f in zip(rows, fulls) if f is not None]
@@ -85,6 +94,11 @@ def summarize(lines: Iterable[dict]) -> dict:
         cell["decode_ms_any"] = 1000 * statistics.median(any_tok) if any_tok else None
         cells.append(cell)
     return {"cells": cells, "n_lines": len(lines)}
+
+
+def bits_label(method: str, bits: int) -> str:
+    """A method's name in a report: ``snapkv`` at 16 bits, ``snapkv@4bit`` with a 4-bit cache."""
+    return method if bits == 16 else f"{method}@{bits}bit"
 
 
 def _exp(x: float) -> float:

@@ -65,12 +65,22 @@ def _keep(v) -> float | None:
 
 def line_key(d: dict) -> tuple:
     """What identifies a result line: (task, length, sample, the sample's seed, haystack, samples,
-    weight digest, method, keep, prefill, the policy's parameters as sorted JSON). A line written
-    before the later fields were recorded has None in their places."""
+    weight digest, method, keep, prefill, the policy's parameters as sorted JSON), then the KV bit
+    width where it is not 16 (:func:`line_bits`): a 16-bit line's key is the one it had before bit
+    widths were recorded, so sweeps made then resume unchanged. A line written before the later
+    fields were recorded has None in their places."""
     params = d.get("params")
-    return (d["task"], int(d["length"]), int(d["sample"]), d.get("seed"), d.get("haystack"), d.get("samples"),
-            d.get("weights"), d["method"], _keep(d.get("keep")), d.get("prefill", "dense"),
-            None if params is None else json.dumps(params, sort_keys=True))
+    key = (d["task"], int(d["length"]), int(d["sample"]), d.get("seed"), d.get("haystack"), d.get("samples"),
+           d.get("weights"), d["method"], _keep(d.get("keep")), d.get("prefill", "dense"),
+           None if params is None else json.dumps(params, sort_keys=True))
+    bits = line_bits(d)
+    return key if bits == 16 else (*key, bits)
+
+
+def line_bits(d: dict) -> int:
+    """The bits per stored key and value element a line's cache held (``kv_bits``; 16, the model's
+    dtype, for a line written before sweeps had bit widths)."""
+    return int(d.get("kv_bits", 16))
 
 
 def config_params(method: str, keep: float | None) -> dict:
@@ -252,7 +262,7 @@ def check_pool(dirs: Sequence[str | os.PathLike], rows: list[list[dict]], *, all
             problems.append(f"{str(dirs[i])!r} and {str(dirs[j])!r} are the same directory: its lines would count twice; "
                             "name it once")
     idents = [dir_identity(d) for d in dirs]
-    cells = [{(r["task"], int(r["length"]), r["method"], _keep(r.get("keep")), r.get("prefill", "dense")): r
+    cells = [{(r["task"], int(r["length"]), r["method"], _keep(r.get("keep")), r.get("prefill", "dense"), line_bits(r)): r
               for r in rs} for rs in rows]
     for j in range(len(dirs)):
         for i in range(j):
@@ -261,7 +271,7 @@ def check_pool(dirs: Sequence[str | os.PathLike], rows: list[list[dict]], *, all
             shared = cells[i].keys() & cells[j].keys()
             if not shared:
                 continue
-            task, length, method, keep, _ = min(shared, key=str)
+            task, length, method, keep, _, _ = min(shared, key=str)
             where = f"{task} at {length} tokens, {method}" + ("" if keep is None else f" @{keep:g}")
             diff = [k for k in (*_MODEL_KEYS, *_TASK_KEYS) if k in idents[i] and k in idents[j]
                     and idents[i][k] != idents[j][k]]
@@ -298,7 +308,7 @@ _REQUIRED = {"task": (str,), "length": (int,), "sample": (int,), "method": (str,
 _OPTIONAL = {"keep": (float, type(None)), "prefill": (str,), "decode_seconds": (float, type(None)),
              "decode_steps": (int, type(None)), "nll_sum": (float,), "n_target": (int,),
              "ref_nll_sum": (float, type(None)), "ref_tokens": (int, type(None)), "decode_rows": (float, type(None)),
-             "kv_bytes_full": (float, type(None))}
+             "kv_bytes_full": (float, type(None)), "kv_bits": (int,)}
 #: numeric fields that cannot be negative (a count, a time, a size); ``n_target`` of a ppl line is >= 1
 _NON_NEGATIVE = ("length", "sample", "kv_bytes", "prefill_seconds", "decode_seconds", "decode_steps", "nll_sum",
                  "n_target", "ref_nll_sum", "ref_tokens", "kv_bytes_full")
@@ -332,6 +342,8 @@ def line_problem(raw: bytes) -> tuple[dict | None, str | None]:
     for k in _NON_NEGATIVE:
         if isinstance(d.get(k), (int, float)) and d[k] < 0:
             return None, f"{k} is {d[k]!r}"
+    if "kv_bits" in d and d["kv_bits"] not in (16, 8, 4, 2):  # kvtrim.cache.KV_BITS
+        return None, f"kv_bits is {d['kv_bits']!r}"
     if d.get("task") == "ppl" and d["n_target"] < 1:
         return None, f"n_target is {d['n_target']!r}"
     if d.get("decode_steps") and d.get("decode_seconds") is None:

@@ -41,6 +41,15 @@ number of rows per step, 1 when unbatched -- lone-generation decode speed is ``k
 job) / ``decode_steps``, ``kv_bytes``
 (resident key/value buffers at the end, ``KVTrimCache.kv_bytes``), ``kv_bytes_full`` (what an
 uncompressed cache holds for the same tokens).
+
+Bit widths (``--kv-bits 16,8,4``, ``EvalPlan.kv_bits``): every configuration also runs with its
+cache at each bit width (``KVTrimCache(kv_bits=)``): the replay builds a low-bit cache, whose
+prefill hook sees the recorded prompt in full precision and quantizes what it keeps, as the live
+path does (``tests/test_sweep_bits.py`` checks the two agree token for token). A line records
+``kv_bits``; its key (:func:`kvtrim.eval.store.line_key`) carries it only where it is not 16, so a
+16-bit line has the key it had before bit widths. ``kv_bytes`` is the low-bit storage's resident
+bytes (codes, group ids, scales and zero points, and the residual tokens in the model's dtype);
+``kv_bytes_full`` stays what a 16-bit uncompressed cache holds.
 """
 
 from __future__ import annotations
@@ -97,22 +106,24 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
              "samples": plan.samples}
     out_path = check_out_dir(out, lm.source, plain=plan.plain, dtype=dtype, sweep=sweep, force=force)
     params = {(m, k): config_params(m, k) for m, k in plan.configs}
+    configs = plan.bit_configs()  # (method, keep, kv_bits); 16 bits alone: the sweep as before bit widths
     # move corrupted lines (cut short by an interruption, overwritten) into FILE.corrupt, then see what is done
     done = {line_key(r) for r in read_lines(result_files(out_path), repair=(n_shards == 1))}
 
-    def key_of(task, length, i, m, k):
-        """The line key the configuration (m, k) of sample i will have (:func:`kvtrim.eval.store.line_key`)."""
+    def key_of(task, length, i, m, k, b=16):
+        """The line key the configuration (m, k) at b bits of sample i will have (:func:`kvtrim.eval.store.line_key`)."""
         return line_key({"task": task, "length": length, "sample": i, "seed": sample_seed(plan.seed, i),
-                         "method": m, "keep": k, "prefill": plan.prefill, "params": params[(m, k)]} | sweep)
+                         "method": m, "keep": k, "prefill": plan.prefill, "params": params[(m, k)], "kv_bits": b}
+                        | sweep)
 
     units = [u for j, u in enumerate(plan.units()) if j % n_shards == idx]
     todo = []
     for task, length, i in units:
-        need = [(m, k) for m, k in plan.configs if key_of(task, length, i, m, k) not in done]
+        need = [(m, k, b) for m, k, b in configs if key_of(task, length, i, m, k, b) not in done]
         if need:
             todo.append((task, length, i, need))
     n_cfg = sum(len(n) for *_, n in todo)
-    skipped = len(units) * len(plan.configs) - n_cfg
+    skipped = len(units) * len(configs) - n_cfg
     prefill_hook = None
     if plan.prefill != "dense":
         from kvtrim.integrations.prefill import make_prefill
@@ -128,7 +139,7 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
         ids = prompt_ids(lm.tokenizer, sample, plan.plain)
         bar.set_postfix_str(f"{task}@{length} #{i}")
         # the column sums H2O and Elastic Cache share, computed by the recorded forward's own attention
-        sums_shared = any(get_policy_class(split_method(m)[0]).shares_prefill_scores for m, _ in need)
+        sums_shared = any(get_policy_class(split_method(m)[0]).shares_prefill_scores for m, _, _ in need)
         recording = record_prefill(lm.model, ids, prefill_hook, column_sums=sums_shared)
         memo: dict = recording.score_memo()
         reference = None
@@ -139,16 +150,17 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
             if prev:
                 reference = prev[-1]["answer_ids"]
             need = sorted(need, key=lambda c: c[0] != REFERENCE)
-        ref_key = (REFERENCE, None) if (REFERENCE, None) in need else None
-        programs = {(m, k): config_program(lm.model, lm.tokenizer, sample, recording, m, k, memo, reference, ref_key,
-                                     plain=plan.plain)
-                    for m, k in need}
+        ref_key = (REFERENCE, None, 16) if (REFERENCE, None, 16) in need else None
+        # every labelfree answer is compared with the full cache's at 16 bits (the model's dtype)
+        programs = {(m, k, b): config_program(lm.model, lm.tokenizer, sample, recording, m, k, memo, reference, ref_key,
+                                              plain=plan.plain, kv_bits=b)
+                    for m, k, b in need}
 
         def write(key, row, task=task, length=length, i=i, sample=sample, ids=ids, recording=recording):
-            method, keep = key
+            method, keep, bits = key
             line = {"task": task, "length": length, "sample": i, "seed": sample.seed, "depth": sample.depth,
-                    "method": method, "keep": keep, "prefill": plan.prefill, "prompt_tokens": len(ids),
-                    "max_new_tokens": MAX_NEW_TOKENS[task], **row, **sweep, "params": params[key]}
+                    "method": method, "keep": keep, "kv_bits": bits, "prefill": plan.prefill, "prompt_tokens": len(ids),
+                    "max_new_tokens": MAX_NEW_TOKENS[task], **row, **sweep, "params": params[(method, keep)]}
             if recording.prefill_stats is not None:
                 line["prefill_stats"] = {k: v for k, v in recording.prefill_stats.items() if isinstance(v, (int, float, str)) or v is None}
             append_line(runs_file(out_path, task, length), line)
