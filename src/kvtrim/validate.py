@@ -38,6 +38,13 @@ def integer(value, what: str, *, minimum: int | None = None, maximum: int | None
     return int(value)
 
 
+def odd_integer(value, what: str) -> int:
+    """A positive odd ``int`` (a pooling kernel's width, centred on its token)."""
+    if not _is_int(value) or value < 1 or value % 2 == 0:
+        raise KVTrimError(f"{what} must be a positive odd integer, got {value!r}")
+    return int(value)
+
+
 def optional_integer(value, what: str, *, minimum: int | None = None, maximum: int | None = None,
                      unit: str | None = None) -> int | None:
     """``None``, or an integer as :func:`integer` checks it."""

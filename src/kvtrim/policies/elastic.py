@@ -184,9 +184,7 @@ class Elastic(Policy):
         validate.choice(self.eviction, "elastic: eviction", EVICTION)
         self.ema_decay = validate.number(self.ema_decay, "elastic: ema_decay", minimum=0.0, maximum=1.0, min_open=True, max_open=True)
         self.window = validate.integer(self.window, "elastic: window", minimum=0)
-        self.kernel = validate.integer(self.kernel, "elastic: kernel", minimum=1)
-        if self.kernel % 2 == 0:
-            raise KVTrimError(f"elastic: kernel must be a positive odd integer, got {self.kernel!r}")
+        self.kernel = validate.odd_integer(self.kernel, "elastic: kernel")
         if self.proportional and self.combine != "merge":
             raise KVTrimError("elastic: proportional=True needs combine='merge' (it weighs merged tokens by their bucket size)")
         self.chunk = validate.integer(self.chunk, "elastic: chunk", minimum=1)

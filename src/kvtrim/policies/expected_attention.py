@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from kvtrim import validate
-from kvtrim.errors import KVTrimError
 from kvtrim.policies.layer_budgets import LayerBudgets
 from kvtrim.rope import partner_of, rotation_moments
 from kvtrim.scores import ScoreRequest, group_reduce, grouped_queries
@@ -80,9 +79,7 @@ class ExpectedAttention(LayerBudgets):
         self.future = validate.integer(self.future, "expected_attention: future", minimum=1)
         self.covariance = validate.boolean(self.covariance, "expected_attention: covariance")
         self.vnorm = validate.boolean(self.vnorm, "expected_attention: vnorm")
-        self.kernel = validate.integer(self.kernel, "expected_attention: kernel", minimum=1)
-        if self.kernel % 2 == 0:
-            raise KVTrimError(f"expected_attention: kernel must be a positive odd integer, got {self.kernel!r}")
+        self.kernel = validate.odd_integer(self.kernel, "expected_attention: kernel")
         self.question = validate.number(self.question, "expected_attention: question", minimum=0.0, maximum=1.0)
         self.check_layers()
         super().__post_init__()

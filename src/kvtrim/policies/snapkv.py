@@ -18,7 +18,6 @@ from typing import ClassVar
 import torch.nn.functional as F
 
 from kvtrim import validate
-from kvtrim.errors import KVTrimError
 from kvtrim.policies.layer_budgets import LayerBudgets
 from kvtrim.scores import ScoreRequest, chunk_selection, group_reduce
 
@@ -43,9 +42,7 @@ class SnapKV(LayerBudgets):
 
     def __post_init__(self) -> None:
         self.window = validate.integer(self.window, "snapkv: window", minimum=1)
-        self.kernel = validate.integer(self.kernel, "snapkv: kernel", minimum=1)
-        if self.kernel % 2 == 0:
-            raise KVTrimError(f"snapkv: kernel must be a positive odd integer, got {self.kernel!r}")
+        self.kernel = validate.odd_integer(self.kernel, "snapkv: kernel")
         validate.choice(self.pooling, "snapkv: pooling", ("avg", "max"))
         self.chunk = validate.integer(self.chunk, "snapkv: chunk", minimum=1)
         self.check_layers()
