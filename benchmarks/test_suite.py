@@ -45,7 +45,8 @@ def table(r: dict) -> str:
         f"{_minutes(fast['seconds'])} |", "",
         f"Measured by `benchmarks/test_suite.py` on {m['cpus']} cores of an {m.get('cpu_model') or m['machine']} "
         f"with OMP_NUM_THREADS={r['omp_num_threads'] or 'unset'}, load average {m['loadavg_start'][0]:.1f} -> "
-        f"{m['loadavg_end'][0]:.1f} (the machine was shared), {m['date'][:10]}, "
+        f"{m['loadavg_end'][0]:.1f} ({'quiet at the start' if m['loadavg_start'][0] < 0.5 else 'the machine was shared'}), "
+        f"{m['date'][:10]}, "
         f"{'with' if r['qwen_installed'] else 'without'} the reference model installed; the fast tier's time is the "
         "collection's plus its tests' durations in that run."])
 
