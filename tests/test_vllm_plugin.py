@@ -90,8 +90,16 @@ def run(kvtrim: str | None, scheduler: bool = False, tp: int = 1, max_tokens: in
 
 
 def _ok(r: dict) -> dict:
-    assert r["rc"] == 0 and "tokens" in r, r["log"][-4000:]
+    assert r["rc"] == 0 and "tokens" in r, _failure(r["log"])
     return r
+
+
+def _failure(log: str) -> str:
+    """A failed engine's log, shortened: the first traceback (a worker's root cause, which vLLM's
+    own re-raise in the parent would push out of a plain tail) and the last 3,000 characters."""
+    first = log.find("Traceback (most recent call last)")
+    head = log[first:first + 4000] + "\n[...]\n" if first != -1 and first < len(log) - 3000 else ""
+    return head + log[-3000:]
 
 
 def cfg(**kw) -> str:
