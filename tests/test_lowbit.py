@@ -346,6 +346,14 @@ def test_resident_bytes_are_the_formula(model, bits):
     assert cache.kv_bytes() == total
     full, _ = _run(model, prompt, "full", 16, steps=0)
     assert cache.kv_bytes() < full.kv_bytes()
+    # the layout formula --quality ranks by (byte_share): the quantized part's bytes per slot and head,
+    # key-group scales spread over their GROUP slots, over a 16-bit slot's
+    from kvtrim.lowbit_storage import byte_share
+
+    residual = sum(2 * h * GROUP * d * 4 for _ in cache.compressed_layers)  # float32 buffers of one group
+    quantized = cache.kv_bytes() - residual  # measured
+    slots = sum(layer.n_quantized for layer in cache.compressed_layers) * h
+    assert quantized / slots / (2 * d * 2) == pytest.approx(byte_share(bits, d))
 
 
 def test_bytes_fall_with_the_bit_width(model):

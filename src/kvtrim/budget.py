@@ -76,11 +76,6 @@ if TYPE_CHECKING:
 FORMAT = 2
 READ_FORMATS = (1, 2)
 
-#: the low-bit storage's bytes (``kvtrim.lowbit_storage``, docs/quantization.md): per quantized token and
-#: KV head, codes of ``2 * head_dim * bits / 8`` bytes, a 4-byte group id and 4 bytes of value scale and
-#: zero point; per key group of ``LOWBIT_GROUP`` tokens and KV head, 4 bytes per channel
-LOWBIT_GROUP = 32
-
 #: the definition recorded in every calibration file (the module docstring says it in full)
 AGREEMENT = ("per sample: min(1, score / full cache's score) on labelled tasks (samples the full cache gets "
              "wrong left out), ROUGE-L F1 against the full cache's answer on labelfree; mean per task, then "
@@ -110,13 +105,13 @@ def model_fingerprint(model) -> dict:
 
 
 def lowbit_share(bits: int, head_dim: int) -> float:
-    """Bytes per stored token of a ``bits``-bit cache over a 16-bit one's, from the low-bit storage's
-    layout (``LOWBIT_GROUP``; the residual's fewer than 32 full-precision tokens per layer left out);
-    1.0 at 16 bits. A float32 model's cache is twice a 16-bit one's, so there the share is half this."""
+    """Bytes per stored token of a ``bits``-bit cache over a 16-bit one's: the low-bit storage's own
+    layout formula (``kvtrim.lowbit_storage.byte_share``); 1.0 at 16 bits."""
     if bits == 16:
         return 1.0
-    d = head_dim
-    return (2 * d * bits / 8 + 4 + 4 + 4 * d / LOWBIT_GROUP) / (2 * d * 2)
+    from kvtrim.lowbit_storage import byte_share  # the storage knows its layout (imports torch: only here)
+
+    return byte_share(bits, head_dim)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,17 @@ from kvtrim.storage import CompressedLayer, Owner
 GROUP = 32
 
 
+def byte_share(bits: int, head_dim: int) -> float:
+    """Bytes per stored token and KV head of a ``bits``-bit layer over a 16-bit one's, from this
+    storage's layout: codes of ``2 * head_dim * bits / 8`` bytes, a 4-byte group id and 4 bytes of
+    value scale and zero point per token; 4 bytes per key channel per ``GROUP`` tokens (the residual's
+    fewer than ``GROUP`` full-precision tokens left out). A float32 model's cache is twice a 16-bit
+    one's, so there the share is half this. ``--quality`` ranks (keep, bits) by it where a
+    calibration has no measured bytes (``kvtrim.budget``)."""
+    d = head_dim
+    return (2 * d * bits / 8 + 4 + 4 + 4 * d / GROUP) / (2 * d * 2)
+
+
 class LowBitLayer(CompressedLayer):
     """One full-attention layer's KV storage in ``bits`` (8, 4 or 2) bits (see the module docstring).
 
