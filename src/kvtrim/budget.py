@@ -228,7 +228,7 @@ class Calibration:
                 try:
                     length = validate.integer(p.get("length"), f"{at}: length", minimum=1)
                     bits = 16 if fmt == 1 else p.get("bits", 16)  # format 1 predates bit widths: 16-bit points
-                    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (16, 8, 4, 2):  # cache.KV_BITS
+                    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in validate.KV_BITS:
                         raise KVTrimError(f"{at}: bits must be one of 16, 8, 4, 2; got {bits!r}")
                     # keep 1 (nothing evicted) is a point only at a low bit width: at 16 bits it is the reference
                     keep = validate.number(p.get("keep"), f"{at}: keep", minimum=0, maximum=1, min_open=True,

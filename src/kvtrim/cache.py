@@ -121,7 +121,7 @@ def _decoder_config(model):
 
 
 #: the bit widths ``kv_bits`` takes (16: the model's dtype)
-KV_BITS = (16, 8, 4, 2)
+KV_BITS = validate.KV_BITS
 
 
 def check_kv_bits(kv_bits) -> int:

@@ -12,6 +12,10 @@ import math
 
 from kvtrim.errors import KVTrimError
 
+#: the bit widths a KV cache's ``kv_bits`` takes (16: the model's dtype); here, below every layer that
+#: checks them (the cache, eval lines, calibration points), without importing torch
+KV_BITS = (16, 8, 4, 2)
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from kvtrim import validate
 from kvtrim.errors import KVTrimError
 from kvtrim.files import append, probe_directory, read_bytes, read_json, write_atomic
 
@@ -342,7 +343,7 @@ def line_problem(raw: bytes) -> tuple[dict | None, str | None]:
     for k in _NON_NEGATIVE:
         if isinstance(d.get(k), (int, float)) and d[k] < 0:
             return None, f"{k} is {d[k]!r}"
-    if "kv_bits" in d and d["kv_bits"] not in (16, 8, 4, 2):  # kvtrim.cache.KV_BITS
+    if "kv_bits" in d and d["kv_bits"] not in validate.KV_BITS:
         return None, f"kv_bits is {d['kv_bits']!r}"
     if d.get("task") == "ppl" and d["n_target"] < 1:
         return None, f"n_target is {d['n_target']!r}"
