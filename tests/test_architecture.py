@@ -198,7 +198,7 @@ RANKS = [
     ("leaves", ("kvtrim.errors", "kvtrim.validate")),
     ("kernels", ("kvtrim.attention",)),
     ("base helpers", ("kvtrim.scores", "kvtrim.rope", "kvtrim.spans", "kvtrim.decisions", "kvtrim.cpu_linear",
-                      "kvtrim.files")),
+                      "kvtrim.mixed_precision", "kvtrim.files")),
     ("policies", ("kvtrim.policies", "kvtrim.registry")),
     ("core", ("kvtrim.storage", "kvtrim.lowbit_storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache",
               "kvtrim.decoding")),

@@ -114,7 +114,7 @@ def test_every_command_that_loads_a_model_takes_dtype_and_device():
     assert loads == set(MODEL_COMMANDS), "a command that takes --model must take --dtype and --device too"
     for name in MODEL_COMMANDS:
         opts = {a.dest: a for a in sub.choices[name]._actions}
-        assert opts["dtype"].choices == list(DTYPES) and opts["dtype"].default == "float32", name
+        assert opts["dtype"].choices == [*DTYPES, "auto"] and opts["dtype"].default == "float32", name
         assert opts["device"].default == "cpu", name
 
 

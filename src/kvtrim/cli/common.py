@@ -187,13 +187,14 @@ def model_options(sp, *, threads: bool = True):
     """The options group ``model`` of a command that loads one: ``--model``, ``--dtype``, ``--device`` and
     (with ``threads``) ``--threads``, read by :func:`check_model_options` and :func:`load_from_args`.
     Returns the group, for a command's own model options."""
-    from kvtrim.models import DTYPES
+    from kvtrim.models import DTYPE_CHOICES
 
     g = sp.add_argument_group("model")
     g.add_argument("--model", help=MODEL_HELP)
-    g.add_argument("--dtype", choices=list(DTYPES), default="float32",
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="weight and KV-cache dtype (bfloat16 halves the KV bytes and runs the matrix work in bf16 where "
-                        "the CPU has it; kvtrim's scores stay float32)")
+                        "the CPU has it; auto: bfloat16 weights and KV, computed per phase in what measures fastest "
+                        "here, float32 prefill on a CPU without bf16 arithmetic; kvtrim's scores stay float32)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     if threads:
         g.add_argument("--threads", type=int_arg(1, MAX_THREADS), metavar="N",
@@ -226,12 +227,12 @@ def sampling_options(g, *, temperature: float) -> None:
 
 def check_model_options(args) -> None:
     """Refuse a bad --dtype/--device before anything slow runs, and keep them resolved on ``args``
-    (a ``torch.dtype`` and a ``torch.device``), so the rest of the command does not parse them again;
+    (a ``torch.dtype`` or ``"auto"``, and a ``torch.device``), so the rest of the command does not parse them again;
     apply ``--threads`` (``torch.set_num_threads``)."""
-    from kvtrim.models import resolve_device, resolve_dtype
+    from kvtrim.models import check_dtype, resolve_device
 
     if hasattr(args, "dtype"):
-        args.dtype = resolve_dtype(args.dtype)
+        args.dtype = check_dtype(args.dtype)  # a torch.dtype, or "auto" (resolved per phase when the model loads)
     if hasattr(args, "device"):
         args.device = resolve_device(args.device)
     if getattr(args, "threads", None) is not None:

@@ -46,7 +46,7 @@ def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dens
                     dtype="float32", device="cpu", kv_bits: int = 16) -> BenchPlan:
     from kvtrim.cache import check_kv_bits
     from kvtrim.integrations.prefill import PREFILL_MODES
-    from kvtrim.models import resolve_device, resolve_dtype
+    from kvtrim.models import check_dtype, resolve_device
     from kvtrim.registry import check_text_prompt, get_policy_class
 
     names = comma_list(methods, "--methods")
@@ -66,7 +66,7 @@ def make_bench_plan(methods, keep, lengths, reps=3, new_tokens=32, prefill="dens
     threads = validate.optional_integer(threads, "--threads", minimum=1)
     if prefill not in PREFILL_MODES:
         raise KVTrimError(f"unknown --prefill {prefill!r}; choose one of: {', '.join(PREFILL_MODES)}")
-    dtype_name = str(resolve_dtype(dtype)).removeprefix("torch.")
+    dtype_name = str(check_dtype(dtype)).removeprefix("torch.")  # "auto" stays "auto": resolved on load (result["dtypes"])
     device_name = str(resolve_device(device))
     return BenchPlan(list(dict.fromkeys(names)), float(keep), lens, reps, new_tokens, prefill, threads, dtype_name, device_name,
                      check_kv_bits(kv_bits))
@@ -154,7 +154,8 @@ def run_bench(model: str | None, plan: BenchPlan, rss: bool = True, progress: bo
     info["loadavg_before"] = load_before
     return {"what": "kvtrim bench: prefill and decode time (medians after a warm-up, methods interleaved), resident "
                     "KV bytes, peak RSS per run (fresh subprocess)",
-            "model": lm.source, "plan": asdict(plan), "machine": info, "rows": rows}
+            "model": lm.source, "plan": asdict(plan), "dtypes": lm.dtypes.names() if lm.dtypes else None,
+            "machine": info, "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -171,6 +172,10 @@ def table(result: dict) -> str:
                    f"| {frac} | {rss} |")
     m = result["machine"]
     bits = result["plan"].get("kv_bits", 16)
+    dts = result.get("dtypes")
+    if dts and (result["plan"].get("dtype") == "auto" or len({dts["storage"], dts["prefill"], dts["decode"]}) > 1):
+        out.append(f"\ndtype {result['plan'].get('dtype')}: storage {dts['storage']}, prefill {dts['prefill']}, "
+                   f"decode {dts['decode']} ({dts['reason']}).")
     out.append(f"\n{f'kv_bits {bits}; ' if bits != 16 else ''}{m['cores']} cores, {m['threads']} threads, torch {m['torch']}, {m['date']}; load "
                f"{m['loadavg_before'][0]:.1f} before, {m['loadavg'][0]:.1f} after.")
     return "\n".join(out)

@@ -113,6 +113,10 @@ def kvtrim_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 def _attend(base, att: Attachment | None, module, binding, query, key, value, attention_mask, dropout, scaling,
             is_causal, kwargs):
     layer_idx = getattr(module, "layer_idx", None)
+    if key.dtype != query.dtype and query.dtype == torch.float32:
+        # a float32 forward of a bfloat16-stored model (kvtrim.mixed_precision): the cache handed back
+        # its stored keys and values, rounded to bfloat16; the attention runs in float32 on them
+        key, value = key.float(), value.float()
     if binding is None or binding.layer.layer_idx != layer_idx:
         return base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     ACTIVE.set(None)
