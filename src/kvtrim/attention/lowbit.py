@@ -335,8 +335,8 @@ def lowbit_decode_attention(query: torch.Tensor, kv: LowBitKV, keys: torch.Tenso
     ``probs [B, Hkv, G, 1, S]`` float32), as ``kvtrim.scores.decode_attention`` does for a plain cache.
 
     ``backend``: ``"torch"`` (the loop above, any device), ``"native"`` (the quantized slots in
-    kvtrim's C++ CPU kernel, ``csrc/lowbit_decode.cpp``: two passes reading each code once, nothing
-    larger than one key in float32), ``"triton"`` (the quantized slots in one Triton kernel,
+    kvtrim's C++ CPU kernel, ``csrc/lowbit_decode.cpp``: two passes reading each code once, 64 slots
+    at a time with one matrix product each, nothing larger than 64 keys in float32), ``"triton"`` (the quantized slots in one Triton kernel,
     ``kvtrim.attention.triton.lowbit``; head dims powers of two >= 16) or ``"auto"`` (default: Triton
     on a CUDA device where it applies, the native kernel on CPU where it is built, else torch).
     """

@@ -7,20 +7,27 @@
 //
 // One task = one (sequence, KV head); the G query heads sharing it are handled together, so every
 // slot's codes are read once for all of them. Two passes over the slots, each reading one kind of
-// code once: the first unpacks each key into a float32 buffer of D elements (code * scale + zero of
-// its group), forms the G logits and stores them (the probabilities a method reads are returned
-// from them); the second, with each row's maximum known, weighs every slot's value codes by
-// p * scale and sums p * zero apart, so no value is ever dequantized as a vector. Nothing larger
-// than one key is ever held in float32. Returns each row's maximum, its sum of exp(logit - max) and
-// the unnormalised output, in float32, which the caller folds with the tokens still held in the
-// model's dtype. A key whose rotation changed since it was packed (kvtrim's ``reassigned`` positions)
-// is turned as it is unpacked, by the (cos, sin) row its slot names in a table of the distinct turns.
+// code once, kChunk (64) slots at a time: the first unpacks the chunk's keys into a float32 tile of
+// kChunk x D (code * scale + zero of each slot's group) and forms the G rows of logits with one
+// matrix product (BLAS sgemm, common.h), storing them (the probabilities a method reads are returned
+// from them); the second, with each row's maximum known, unpacks the chunk's value codes into a tile
+// as they are (integers in float32) and weighs them with one product by p * scale, summing p * zero
+// apart, so no value is ever dequantized as a vector. Nothing larger than one tile (64 keys or value
+// codes, 16 KiB at D = 64) is ever held in float32. (One product per chunk, not a dot product per
+// slot and head with its horizontal sum and a pass over the G accumulators per slot: the latter left
+// the kernel compute-bound at a few times the bytes' cost.) Returns each row's maximum, its sum of
+// exp(logit - max) and the unnormalised output, in float32, which the caller folds with the tokens
+// still held in the model's dtype. A key whose rotation changed since it was packed (kvtrim's
+// ``reassigned`` positions) is turned as it is unpacked, by the (cos, sin) row its slot names in a
+// table of the distinct turns.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <c10/util/Half.h>
+
+#include "common.h"
 
 #include <cmath>
 #include <algorithm>
@@ -41,7 +48,7 @@ inline void unpack_codes(const uint8_t* src, int d, float* out) {
   }
 }
 
-constexpr int64_t kChunk = 64;  // slots summed in float32 before the float64 totals take them
+constexpr int64_t kChunk = 64;  // slots per product (a float32 tile), summed in float32 before the float64 totals take them
 
 inline void flush(const std::vector<float>& part, const std::vector<float>& wpart, const std::vector<float>& zpart,
                   std::vector<double>& acc, std::vector<double>& wsum, std::vector<double>& zsum) {
@@ -80,7 +87,7 @@ void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   const float sc = static_cast<float>(scale);
 
   at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> key(d), code(dv), rowmax(g);
+    std::vector<float> tile(kChunk * std::max(d, dv)), prob(g * kChunk), vsf(kChunk), vzf(kChunk), rowmax(g);
     std::vector<double> wsum(g), zsum(g), acc(g * dv);
     std::vector<float> part(g * dv), wpart(g), zpart(g);
     for (int64_t r = begin; r < end; ++r) {
@@ -88,55 +95,70 @@ void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
       const float* tab = tp + r * ng * 2 * d;
       float* lr = lp + r * g * s_log;
       for (int64_t j = 0; j < g; ++j) rowmax[j] = -std::numeric_limits<float>::infinity();
-      // pass 1: keys -> logits
-      for (int64_t t = 0; t < s; ++t) {
-        unpack_codes<BITS>(kcp + (r * s + t) * pk, static_cast<int>(d), key.data());
-        const float* row = tab + static_cast<int64_t>(kgp[r * s + t]) * 2 * d;
-        for (int64_t i = 0; i < d; ++i) key[i] = key[i] * row[i] + row[d + i];
-        if (rip && rip[r * s + t] >= 0) {  // a key re-rotated since it was packed: turn it (kvtrim.rope.rotate)
-          const float* cs = rtp + static_cast<int64_t>(rip[r * s + t]) * nf * 2;
-          for (int64_t i = 0; i < nf; ++i) {
-            const int64_t a = interleaved ? 2 * i : i, b2 = interleaved ? 2 * i + 1 : i + nf;
-            const float x1 = key[a], x2 = key[b2], c = cs[2 * i], sn = cs[2 * i + 1];
-            key[a] = x1 * c - x2 * sn;
-            key[b2] = x2 * c + x1 * sn;
+      // pass 1: keys -> logits, kChunk slots at a time: the chunk's keys unpacked and scaled into a
+      // float32 tile, then one product with the G queries writes their logits
+      for (int64_t t0 = 0; t0 < s; t0 += kChunk) {
+        const int n = static_cast<int>(std::min(kChunk, s - t0));
+        for (int u = 0; u < n; ++u) {
+          const int64_t t = t0 + u;
+          float* key = tile.data() + static_cast<int64_t>(u) * d;
+          unpack_codes<BITS>(kcp + (r * s + t) * pk, static_cast<int>(d), key);
+          const float* row = tab + static_cast<int64_t>(kgp[r * s + t]) * 2 * d;
+          for (int64_t i = 0; i < d; ++i) key[i] = key[i] * row[i] + row[d + i];
+          if (rip && rip[r * s + t] >= 0) {  // a key re-rotated since it was packed: turn it (kvtrim.rope.rotate)
+            const float* cs = rtp + static_cast<int64_t>(rip[r * s + t]) * nf * 2;
+            for (int64_t i = 0; i < nf; ++i) {
+              const int64_t a = interleaved ? 2 * i : i, b2 = interleaved ? 2 * i + 1 : i + nf;
+              const float x1 = key[a], x2 = key[b2], c = cs[2 * i], sn = cs[2 * i + 1];
+              key[a] = x1 * c - x2 * sn;
+              key[b2] = x2 * c + x1 * sn;
+            }
           }
         }
-        const float b = bp ? bp[r * s + t] : 0.0f;
+        // logits[j, t0 + u] = scale * q_j . key_u (row-major; column-major it is tile^T-by-q)
+        gemm('T', 'N', n, static_cast<int>(g), static_cast<int>(d), sc, tile.data(), static_cast<int>(d), qr,
+             static_cast<int>(d), 0.0f, lr + t0, static_cast<int>(s_log));
         for (int64_t j = 0; j < g; ++j) {
-          const float* qj = qr + j * d;
-          float dot = 0.0f;
-          for (int64_t i = 0; i < d; ++i) dot += qj[i] * key[i];
-          const float x = dot * sc + b;
-          lr[j * s_log + t] = x;
-          rowmax[j] = std::max(rowmax[j], x);
+          float* lj = lr + j * s_log + t0;
+          if (bp) {
+            const float* bt = bp + r * s + t0;
+            for (int u = 0; u < n; ++u) lj[u] += bt[u];
+          }
+          rowmax[j] = row_max(lj, n, rowmax[j]);
         }
       }
-      // pass 2: values, weighed by exp(logit - max) * scale; the zero points summed apart. Sums run
-      // in float32 over kChunk slots and are then added in float64: thousands of float32 terms added
-      // in order would lose more than the tolerance rule allows (a matmul's blocked sums lose less)
+      // pass 2: values, weighed by exp(logit - max) * scale; the zero points summed apart. Each chunk's
+      // sums run in float32 (a product over the chunk) and are then added in float64: thousands of
+      // float32 terms added in order would lose more than the tolerance rule allows
       for (int64_t j = 0; j < g * dv; ++j) acc[j] = 0.0;
       for (int64_t j = 0; j < g; ++j) wsum[j] = zsum[j] = 0.0;
-      for (int64_t t = 0; t < s; ++t) {
-        if (t % kChunk == 0) {
-          if (t) flush(part, wpart, zpart, acc, wsum, zsum);
-          std::fill(part.begin(), part.end(), 0.0f);
-          std::fill(wpart.begin(), wpart.end(), 0.0f);
-          std::fill(zpart.begin(), zpart.end(), 0.0f);
+      for (int64_t t0 = 0; t0 < s; t0 += kChunk) {
+        const int n = static_cast<int>(std::min(kChunk, s - t0));
+        for (int u = 0; u < n; ++u) {
+          vsf[u] = static_cast<float>(vsp[r * s + t0 + u]);
+          vzf[u] = static_cast<float>(vzp[r * s + t0 + u]);
+          unpack_codes<BITS>(vcp + (r * s + t0 + u) * pv, static_cast<int>(dv), tile.data() + static_cast<int64_t>(u) * dv);
         }
-        unpack_codes<BITS>(vcp + (r * s + t) * pv, static_cast<int>(dv), code.data());
-        const float vsc = static_cast<float>(vsp[r * s + t]);
-        const float vze = static_cast<float>(vzp[r * s + t]);
         for (int64_t j = 0; j < g; ++j) {
-          const float p = std::exp(lr[j * s_log + t] - rowmax[j]);
-          wpart[j] += p;
-          zpart[j] += p * vze;
-          const float w = p * vsc;
-          float* aj = part.data() + j * dv;
-          for (int64_t i = 0; i < dv; ++i) aj[i] += w * code[i];
+          const float* lj = lr + j * s_log + t0;
+          float* pj = prob.data() + j * kChunk;
+          const float mx = rowmax[j];
+          float ws = 0.0f, zs = 0.0f;
+#pragma omp simd reduction(+ : ws, zs)
+          for (int u = 0; u < n; ++u) {
+            const float p = exp_neg(lj[u] - mx);
+            ws += p;
+            zs += p * vzf[u];
+            pj[u] = p * vsf[u];
+          }
+          wpart[j] = ws;
+          zpart[j] = zs;
         }
+        // part[j, :] = sum_u (p_ju * scale_u) * codes_u (row-major; column-major it is codes-by-weights)
+        gemm('N', 'N', static_cast<int>(dv), static_cast<int>(g), n, 1.0f, tile.data(), static_cast<int>(dv),
+             prob.data(), static_cast<int>(kChunk), 0.0f, part.data(), static_cast<int>(dv));
+        flush(part, wpart, zpart, acc, wsum, zsum);
       }
-      flush(part, wpart, zpart, acc, wsum, zsum);
       float* out = ap + r * g * dv;
       for (int64_t j = 0; j < g; ++j) {
         for (int64_t i = 0; i < dv; ++i) out[j * dv + i] = static_cast<float>(acc[j * dv + i] + zsum[j]);
