@@ -22,6 +22,15 @@ quantized slots move to the residual as their dequantized values (exact: a dequa
 the quantized one stands for) until the next full group is packed with them. A ``Merge`` rewrites
 every kept key and value, so they all go to the residual and are packed again.
 
+A decode step's few drops of quantized slots are carried out in place instead, as the plain keep
+would leave them: ``DropLead`` (StreamingLLM) and a front-half ``DropSlot`` (Elastic Cache) move the
+lead slots and view every per-slot tensor from one slot later (:meth:`LowBitLayer.drop_lead`),
+``DropSlots`` (H2O) under ``true`` positions moves each head's last quantized slots into its holes
+(:meth:`LowBitLayer.fill_dropped`); a key group whose last slot leaves is freed as the gather frees
+it. The freed slots stay in the quantized part's allocation (and in ``nbytes``) until the next group
+is packed, which allocates it anew; at most a group's slots (or twice the slack), else the step
+gathers and the memory is returned.
+
 Under the ``reassigned`` position policy kept keys are re-rotated after an eviction
 (``kvtrim.rerotation``). A quantized key is not re-quantized for that: the layer records the
 rotation each quantized key was packed at and turns it to its current rotation when it is read
