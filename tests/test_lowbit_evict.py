@@ -149,7 +149,7 @@ def test_h2o_in_place_keeps_the_gathers_set(one_layer, bits):
             decoding.run(model, decoding.prefill(c, _prompt(200, 3)))
         for step, tok in enumerate(_prompt(60, 4)):
             logits = [decoding.run(model, decoding.prefill(c, [tok])) for c in (fast, ref)]
-            torch.testing.assert_close(logits[0], logits[1], atol=2e-5, rtol=0)  # float32 reordering, measured below 3e-6
+            torch.testing.assert_close(logits[0], logits[1], atol=2e-6, rtol=0)  # slot order only: measured <= 3e-7
             for a, b in zip(fast.compressed_layers, ref.compressed_layers):
                 assert (a.length, a.n_quantized, a.lowbit.groups) == (b.length, b.n_quantized, b.lowbit.groups), step
                 assert all(torch.equal(x, y) for x, y in zip(_by_position(a), _by_position(b))), step
