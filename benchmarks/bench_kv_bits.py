@@ -25,9 +25,11 @@ from kvtrim import harness
 
 def formula_bytes(cache) -> int | None:
     """The bytes a low-bit cache's key/value storage holds by the storage's formula, from its layers'
-    counts: per quantized slot and KV head the packed codes, a 4-byte group id and a float16 value
-    scale and zero, per key group and KV head a float16 scale and zero per channel, and the residual's
-    allocated slots in the model's dtype. None for a 16-bit cache (its buffers' bytes are the count)."""
+    counts: per allocated quantized slot and KV head the packed codes, a 4-byte group id and a float16
+    value scale and zero (the slots an in-place decode drop freed stay allocated until the next group
+    is packed: ``LowBitKV.allocated``), per key group and KV head a float16 scale and zero per channel,
+    and the residual's allocated slots in the model's dtype. None for a 16-bit cache (its buffers'
+    bytes are the count)."""
     if cache.kv_bits == 16:
         return None
     total = 0
@@ -37,7 +39,7 @@ def formula_bytes(cache) -> int | None:
         d = cache.head_dim
         kv, bits = layer.lowbit, layer.bits
         res_slots = layer.residual[0].untyped_storage().nbytes() // (b * h * d * el)
-        total += b * h * (kv.length * (2 * d * bits // 8 + 4 + 4) + kv.groups * d * 4 + res_slots * 2 * d * el)
+        total += b * h * (kv.allocated() * (2 * d * bits // 8 + 4 + 4) + kv.groups * d * 4 + res_slots * 2 * d * el)
     return total
 
 

@@ -22,6 +22,15 @@ quantized slots move to the residual as their dequantized values (exact: a dequa
 the quantized one stands for) until the next full group is packed with them. A ``Merge`` rewrites
 every kept key and value, so they all go to the residual and are packed again.
 
+A decode step's few drops of quantized slots are carried out in place instead, as the plain keep
+would leave them: ``DropLead`` (StreamingLLM) and a front-half ``DropSlot`` (Elastic Cache) move the
+lead slots and view every per-slot tensor from one slot later (:meth:`LowBitLayer.drop_lead`),
+``DropSlots`` (H2O) under ``true`` positions moves each head's last quantized slots into its holes
+(:meth:`LowBitLayer.fill_dropped`); a key group whose last slot leaves is freed as the gather frees
+it. The freed slots stay in the quantized part's allocation (and in ``nbytes``) until the next group
+is packed, which allocates it anew; at most a group's slots (or twice the slack), else the step
+gathers and the memory is returned.
+
 Under the ``reassigned`` position policy kept keys are re-rotated after an eviction
 (``kvtrim.rerotation``). A quantized key is not re-quantized for that: the layer records the
 rotation each quantized key was packed at and turns it to its current rotation when it is read
@@ -39,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from kvtrim.attention.lowbit import BITS, KeyRotation, LowBitKV, lowbit_decode_attention, take_slots
-from kvtrim.decisions import Decision, Keep, Merge, as_keep
+from kvtrim.decisions import Decision, DropLead, DropSlot, DropSlots, Keep, Merge, as_keep
 from kvtrim.errors import KVTrimError
 from kvtrim.rerotation import reassign_plan
 from kvtrim.storage import CompressedLayer, Owner
@@ -253,11 +262,114 @@ class LowBitLayer(CompressedLayer):
         elif isinstance(decision, Keep):
             self.keep_indices(decision.idx)
             self.write_states(decision.states)
-        else:
+        elif not self._drop_in_place(decision):
             assert self._pos is not None
             self.keep_indices(as_keep(decision, self.length, self._pos.shape[0], self._pos.shape[1],
                                       self._pos.device).idx)
         self.settle()
+
+    def _drop_in_place(self, decision: Decision) -> bool:
+        if isinstance(decision, DropLead):
+            return self.drop_lead(decision.lead, decision.count)
+        if isinstance(decision, DropSlot):
+            return self.drop_slot(decision.slot)
+        if isinstance(decision, DropSlots):
+            return self.fill_dropped(decision.slots)
+        return False
+
+    # --- in-place drops ------------------------------------------------------------------------------
+    def _in_place_ok(self, dropped: int) -> bool:
+        """Whether a decode step may drop ``dropped`` quantized slots in place: batch 1, and the freed
+        slots the quantized part's allocation would then hold beyond its kept ones at most a group (what
+        the residual holds anyway; a method that drops a slot per step packs a group, which allocates
+        the quantized part anew and frees them, every ``group`` steps) or twice the slack
+        ``CompressedLayer`` keeps; otherwise ``keep_indices`` gathers the kept slots into a new
+        allocation and the memory is returned."""
+        kv = self.lowbit
+        if kv is None or self._pos is None or self._pos.shape[0] != 1 or self.phase != "decode" or dropped < 1:
+            return False
+        kept = kv.length - dropped
+        return kept >= 0 and kv.allocated() - kept <= max(self.group, 2 * self.slack(kept))
+
+    def drop_lead(self, lead: int, count: int) -> bool:
+        """Drop slots ``lead:lead + count`` (in every head) during decoding, in place: what
+        ``keep_indices`` does for that index set (StreamingLLM's step: the oldest tokens after the sinks
+        leave), without gathering the quantized part. The ``lead`` first slots move up by ``count`` and
+        every per-slot tensor (codes, group ids, value scales and zero points, packed rotations, stream
+        indices, rotations, policy states) becomes a view that starts ``count`` slots later in the same
+        allocation (``LowBitKV.drop_lead``); a key group no slot uses any more is freed, as the gather
+        frees it. Under ``reassigned`` the later keys keep their rotation (``rot_offset`` grows by
+        ``count``) and the ``lead`` keys' recorded rotation grows by ``count`` (quantized keys turn when
+        read, none is re-quantized), which is the offset ``keep_indices`` chooses when ``5 * lead`` is
+        at most what stays. Returns False, having changed nothing, where that does not hold, where a
+        dropped or lead slot is in the residual, or where :meth:`_in_place_ok` says no; the caller then
+        uses ``keep_indices``."""
+        if not self._in_place_ok(count) or lead < 0:
+            return False
+        assert self.lowbit is not None and self._pos is not None
+        k = self.length - count
+        if lead + count > self.lowbit.length:
+            return False
+        reassign = self._rot is not None and self.cache.position_policy == "reassigned"
+        if reassign and lead and 5 * lead > k:
+            return False  # keep_indices keeps the oldest key's rotation here and turns the rest
+
+        def shift(t: torch.Tensor) -> torch.Tensor:
+            new = t[:, :, count:]
+            if lead:
+                new[:, :, :lead] = t[:, :, :lead].clone()
+            return new
+
+        self.lowbit.drop_lead(lead, count)
+        if self._qrot is not None:
+            self._qrot = shift(self._qrot)
+        self._pos = shift(self._pos)
+        self.token_state = {n: shift(t) for n, t in self.token_state.items()}
+        if self._rot is not None:
+            self._rot = shift(self._rot)
+            if reassign:
+                if lead:
+                    self._rot[:, :, :lead] += count
+                self.rot_offset += count
+        self.length = k
+        return True
+
+    def drop_after_lead(self, lead: int) -> bool:
+        """``drop_lead(lead, 1)`` (the name ``CompressedLayer`` gives this step)."""
+        return self.drop_lead(lead, 1)
+
+    def drop_slot(self, slot: int) -> bool:
+        """Drop slot ``slot`` (the same in every head) in place where it is in the front half of the
+        stored slots (:meth:`drop_lead`); else False (``keep_indices`` then gathers)."""
+        k = self.length - 1
+        return slot >= 0 and 2 * slot < k and self.drop_lead(slot, 1)
+
+    def fill_dropped(self, drop: torch.Tensor) -> bool:
+        """Remove the quantized slots ``drop`` (``[1, H, m]``, distinct per head, each before the
+        residual) during decoding by moving each head's last quantized slots into its holes
+        (``LowBitKV.fill_holes``; the stream indices and policy states move with them), and the
+        residual's bookkeeping down by ``m``. The kept set and the quantized part's length per head
+        are those ``keep_indices`` leaves (every head drops quantized slots only, so none moves to the
+        residual); the slots no longer hold the quantized tokens in stream order, so this is for a
+        ``DropSlots`` decision (its policy reads no meaning into the slot order) under the ``true``
+        position policy (re-assigned rotations follow the slot order), as ``CompressedLayer.drop_slots``.
+        Returns False, having changed nothing, where that does not hold (a drop in the residual,
+        rotated keys) or where :meth:`_in_place_ok` says no."""
+        m = int(drop.shape[-1])
+        if self._rot is not None or drop.shape[0] != 1 or not self._in_place_ok(m):
+            return False
+        assert self.lowbit is not None and self._pos is not None
+        lq = self.lowbit.length
+        if bool((drop >= lq).any()):
+            return False
+        meta = (self._pos, *self.token_state.values())
+        self.lowbit.fill_holes(drop, also=meta)
+        n = self.length
+        if n > lq:  # the residual's slots follow the quantized part's
+            for t in meta:
+                t[:, :, lq - m: n - m] = t[:, :, lq:n].clone()
+        self.length = n - m
+        return True
 
     def _replace(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Every stored key and value replaced (``[B, H, stored, D]``): all of them go to the residual."""

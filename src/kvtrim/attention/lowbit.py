@@ -27,6 +27,7 @@ softmax: no full-precision copy of the cache exists at any time. Its plain refer
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -207,6 +208,56 @@ class LowBitKV:
                         self.key_zero, take_slots(self.value_codes, idx), take_slots(self.value_scale, idx),
                         take_slots(self.value_zero, idx))
 
+    def allocated(self) -> int:
+        """Slots per head that the per-slot tensors' allocation holds: :attr:`length`, or more after
+        :meth:`drop_lead` / :meth:`fill_holes` (dropped in place, freed by the next :meth:`append_groups`
+        or :meth:`take`, which allocate anew)."""
+        b, h, _, w = self.key_codes.shape
+        return self.key_codes.untyped_storage().nbytes() // max(1, b * h * w)
+
+    def drop_lead(self, lead: int, count: int) -> None:
+        """Drop slots ``lead:lead + count`` of every head in place, the others kept in order: the
+        ``lead`` first slots move up by ``count`` and every per-slot tensor becomes a view that starts
+        ``count`` slots later in its allocation (``take`` of the same slots, without copying the
+        rest); then the groups no slot uses any more are freed (:meth:`compact`)."""
+        for name in self.SLOT_FIELDS:
+            t = getattr(self, name)
+            new = t[:, :, count:]
+            if lead:
+                new[:, :, :lead] = t[:, :, :lead].clone()  # a copy: the two ranges overlap when count < lead
+            setattr(self, name, new)
+        self.compact()
+
+    def fill_holes(self, drop: torch.Tensor, also: Sequence[torch.Tensor] = ()) -> None:
+        """Drop the slots ``drop`` (``[1, H, m]``, distinct per head, each ``< length``) in place by
+        moving each head's last kept slots into its holes (the slot order changes; the kept set is that
+        of ``take``); the per-slot tensors become their first ``length - m`` slots (views of the same
+        allocation), and groups no slot uses any more are freed (:meth:`compact`). ``also``: the
+        caller's own per-slot tensors (``[1, H, C]``, their first ``length`` slots these), whose slots
+        move the same way (they are not narrowed)."""
+        h, m = drop.shape[1], drop.shape[2]
+        n = self.length
+        k = n - m
+        fields = [getattr(self, name) for name in self.SLOT_FIELDS]
+        if m == 1:
+            # a decode step's usual drop: each head's last slot moves into its hole (onto itself where
+            # it is the one dropped), one scatter per tensor
+            hole = drop[0, :, 0]
+            for t in (*fields, *also):
+                t0 = t[0]
+                last = t0[:, k:k + 1].clone()
+                t0.scatter_(1, hole.view((h, 1) + (1,) * (t0.dim() - 2)).expand_as(last), last)
+        else:
+            dropped = torch.zeros(h, n, dtype=torch.bool, device=drop.device).scatter_(-1, drop[0], True)
+            holes = dropped[:, :k].nonzero()  # [r, 2] (head, slot), head-major; per head as many as
+            fill = (~dropped[:, k:]).nonzero()  # kept slots at or after k, also head-major
+            if len(holes):
+                for t in (*fields, *also):
+                    t[0, holes[:, 0], holes[:, 1]] = t[0, fill[:, 0], fill[:, 1] + k]
+        for name, t in zip(self.SLOT_FIELDS, fields):
+            setattr(self, name, t[:, :, :k])
+        self.compact()
+
     def compact(self) -> None:
         """Drop the groups no slot uses any more (their scales and zero points), renumbering the rest
         in order. Heads that keep fewer groups than the most pad their tables with unused rows."""
@@ -223,7 +274,8 @@ class LowBitKV:
         ix = order.unsqueeze(-1).expand(b, h, live, self.key_scale.shape[-1])
         self.key_scale = torch.gather(self.key_scale, 2, ix)
         self.key_zero = torch.gather(self.key_zero, 2, ix)
-        self.key_group = torch.gather(new_id, 2, self.key_group.long())
+        # written in place: the ids may be a view into a larger allocation (drop_lead, fill_holes)
+        self.key_group.copy_(torch.gather(new_id, 2, self.key_group.long()))
 
     # --- reading -----------------------------------------------------------------------------------
     def key_table(self) -> torch.Tensor:

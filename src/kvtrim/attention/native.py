@@ -280,6 +280,13 @@ def native_lowbit_decode(query: torch.Tensor, kv, logits: torch.Tensor, scale: f
     def flat(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(b * hkv, *t.shape[2:]).contiguous()
 
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        # a per-slot tensor as [B * Hkv, S, ...] rows without a copy where it is a view into a larger
+        # allocation (a storage that dropped slots in place): the kernel steps from row to row by stride
+        r = t.reshape(b * hkv, *t.shape[2:])
+        inner = r.stride(-1) == 1 and (r.dim() == 2 or r.stride(1) == r.shape[2])
+        return r if inner else r.contiguous()
+
     q = query.reshape(b * hkv, g, d).float().contiguous()
     bias_t = flat(bias.float()) if bias is not None else torch.empty(0)
     if rotation is not None:
@@ -287,7 +294,7 @@ def native_lowbit_decode(query: torch.Tensor, kv, logits: torch.Tensor, scale: f
     else:
         rot_index, rot_table, interleaved = torch.empty(0, dtype=torch.int32), torch.empty(0), False
     m, lsum, acc = torch.ops.kvtrim_native.lowbit_decode(
-        q, flat(kv.key_codes), flat(kv.key_group), kv.key_table().contiguous(), flat(kv.value_codes),
-        flat(kv.value_scale), flat(kv.value_zero), bias_t, rot_index, rot_table, bool(interleaved), int(kv.bits),
+        q, rows(kv.key_codes), rows(kv.key_group), kv.key_table().contiguous(), rows(kv.value_codes),
+        rows(kv.value_scale), rows(kv.value_zero), bias_t, rot_index, rot_table, bool(interleaved), int(kv.bits),
         float(scale), logits.view(b * hkv, g, -1))
     return m.view(b, hkv, g, 1), lsum.view(b, hkv, g, 1), acc.view(b, hkv, g, -1)

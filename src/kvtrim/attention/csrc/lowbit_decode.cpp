@@ -85,6 +85,9 @@ void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
   float* sp = l_out.data_ptr<float>();
   float* ap = acc_out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  // rows (one per sequence and KV head) of the per-slot tensors may lie further apart than s slots: a
+  // storage that drops slots in place hands views into larger allocations (kvtrim.lowbit_storage)
+  const int64_t kcs = kc.stride(0), kgs = kg.stride(0), vcs = vc.stride(0), vss = vs.stride(0), vzs = vz.stride(0);
 
   at::parallel_for(0, bh, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(kChunk * std::max(d, dv)), prob(g * kChunk), vsf(kChunk), vzf(kChunk), rowmax(g);
@@ -102,8 +105,8 @@ void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
         for (int u = 0; u < n; ++u) {
           const int64_t t = t0 + u;
           float* key = tile.data() + static_cast<int64_t>(u) * d;
-          unpack_codes<BITS>(kcp + (r * s + t) * pk, static_cast<int>(d), key);
-          const float* row = tab + static_cast<int64_t>(kgp[r * s + t]) * 2 * d;
+          unpack_codes<BITS>(kcp + r * kcs + t * pk, static_cast<int>(d), key);
+          const float* row = tab + static_cast<int64_t>(kgp[r * kgs + t]) * 2 * d;
           for (int64_t i = 0; i < d; ++i) key[i] = key[i] * row[i] + row[d + i];
           if (rip && rip[r * s + t] >= 0) {  // a key re-rotated since it was packed: turn it (kvtrim.rope.rotate)
             const float* cs = rtp + static_cast<int64_t>(rip[r * s + t]) * nf * 2;
@@ -135,9 +138,9 @@ void lowbit_decode_impl(const at::Tensor& q, const at::Tensor& kc, const at::Ten
       for (int64_t t0 = 0; t0 < s; t0 += kChunk) {
         const int n = static_cast<int>(std::min(kChunk, s - t0));
         for (int u = 0; u < n; ++u) {
-          vsf[u] = static_cast<float>(vsp[r * s + t0 + u]);
-          vzf[u] = static_cast<float>(vzp[r * s + t0 + u]);
-          unpack_codes<BITS>(vcp + (r * s + t0 + u) * pv, static_cast<int>(dv), tile.data() + static_cast<int64_t>(u) * dv);
+          vsf[u] = static_cast<float>(vsp[r * vss + t0 + u]);
+          vzf[u] = static_cast<float>(vzp[r * vzs + t0 + u]);
+          unpack_codes<BITS>(vcp + r * vcs + (t0 + u) * pv, static_cast<int>(dv), tile.data() + static_cast<int64_t>(u) * dv);
         }
         for (int64_t j = 0; j < g; ++j) {
           const float* lj = lr + j * s_log + t0;
@@ -174,18 +177,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> lowbit_decode(
     const at::Tensor& vs, const at::Tensor& vz, const at::Tensor& bias, const at::Tensor& rot_index,
     const at::Tensor& rot_table, bool interleaved, int64_t bits, double scale, at::Tensor& logits) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float32 [BH, G, D], contiguous");
-  TORCH_CHECK(kc.dim() == 3 && kc.scalar_type() == at::kByte && kc.is_contiguous() && kc.size(0) == q.size(0),
-              "key codes must be uint8 [BH, S, P], contiguous");
-  TORCH_CHECK(kg.dim() == 2 && kg.scalar_type() == at::kInt && kg.is_contiguous() && kg.size(1) == kc.size(1),
-              "key groups must be int32 [BH, S], contiguous");
+  // the per-slot tensors: each row contiguous, rows any distance apart (in place drops, kvtrim.lowbit_storage)
+  auto rows_ok = [](const at::Tensor& t) {
+    return t.stride(t.dim() - 1) == 1 && (t.dim() == 2 || t.stride(1) == t.size(2)) && t.stride(0) >= 0;
+  };
+  TORCH_CHECK(kc.dim() == 3 && kc.scalar_type() == at::kByte && rows_ok(kc) && kc.size(0) == q.size(0),
+              "key codes must be uint8 [BH, S, P], each row contiguous");
+  TORCH_CHECK(kg.dim() == 2 && kg.scalar_type() == at::kInt && rows_ok(kg) && kg.size(1) == kc.size(1) &&
+                  kg.size(0) == kc.size(0),
+              "key groups must be int32 [BH, S], each row contiguous");
   TORCH_CHECK(table.dim() == 2 && table.scalar_type() == at::kFloat && table.is_contiguous() &&
                   table.size(1) == 2 * q.size(2) && table.size(0) % q.size(0) == 0,
               "the key table must be float32 [BH * NG, 2 * D], contiguous");
-  TORCH_CHECK(vc.dim() == 3 && vc.scalar_type() == at::kByte && vc.is_contiguous() && vc.size(1) == kc.size(1),
-              "value codes must be uint8 [BH, S, Pv], contiguous");
-  TORCH_CHECK(vs.scalar_type() == at::kHalf && vz.scalar_type() == at::kHalf && vs.is_contiguous() && vz.is_contiguous() &&
-                  vs.numel() == kg.numel() && vz.numel() == kg.numel(),
-              "value scales and zero points must be float16 [BH, S], contiguous");
+  TORCH_CHECK(vc.dim() == 3 && vc.scalar_type() == at::kByte && rows_ok(vc) && vc.size(1) == kc.size(1) &&
+                  vc.size(0) == kc.size(0),
+              "value codes must be uint8 [BH, S, Pv], each row contiguous");
+  TORCH_CHECK(vs.scalar_type() == at::kHalf && vz.scalar_type() == at::kHalf && vs.dim() == 2 && vz.dim() == 2 &&
+                  rows_ok(vs) && rows_ok(vz) && vs.sizes() == kg.sizes() && vz.sizes() == kg.sizes(),
+              "value scales and zero points must be float16 [BH, S], each row contiguous");
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == kg.numel()),
               "bias must be empty or float32 [BH, S], contiguous");
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "bits must be 8, 4 or 2");
