@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -44,14 +43,6 @@ def linears(name: str) -> list[tuple[str, int, int, bool, int]]:
             ("up_proj", inter, h, False, layers), ("down_proj", h, inter, False, layers), ("lm_head", vocab, h, False, 1)]
 
 
-def timed(fn, calls: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls
-
-
 @torch.inference_mode()
 def kernel_rows(args) -> list[dict]:
     rows = []
@@ -67,7 +58,7 @@ def kernel_rows(args) -> list[dict]:
                 fns = {"plain": lambda x=x, lin=lin: lin(x), "packed": lambda x=x, p=packed: p(x)}
                 err = {c: float((f().double() - ref).abs().max()) for c, f in fns.items()}
                 calls = max(1, args.calls // rows_in)
-                samples = harness.interleave(list(fns), lambda c, r: timed(fns[c], calls), reps=args.reps, warmup=1)
+                samples = harness.interleave(list(fns), lambda c, r: harness.per_call(fns[c], calls), reps=args.reps, warmup=1)
                 med = {c: harness.median([s.value for s in samples[c]]) for c in fns}
                 rows.append({"shape": name, "linear": lin_name, "out": n_out, "in": n_in, "rows": rows_in,
                              "per_forward": times, "plain_ms": 1000 * med["plain"], "packed_ms": 1000 * med["packed"],

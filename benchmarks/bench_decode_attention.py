@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -46,14 +45,6 @@ def kvtrim_decode(q, k, v, scale):
     return decode_attention(q, k, v, scale)[0]
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps
-
-
 def kernel_rows(args) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -69,7 +60,7 @@ def kernel_rows(args) -> list[dict]:
                 fns = {"sdpa": lambda q=q, k=k, v=v: sdpa(q, k, v, scale),
                        "kvtrim": lambda q=q, k=k, v=v: kvtrim_decode(q, k, v, scale)}
                 err = {c: float((f().double() - ref).abs().max()) for c, f in fns.items()}
-                samples = harness.interleave(list(fns), lambda c, r: timed(fns[c], args.calls), reps=args.reps, warmup=1)
+                samples = harness.interleave(list(fns), lambda c, r: harness.per_call(fns[c], args.calls), reps=args.reps, warmup=1)
                 med = {c: harness.median([s.value for s in samples[c]]) for c in fns}
                 row = {"shape": name, "stored": n, "dtype": str(dtype).removeprefix("torch."), "layers": layers,
                        "sdpa_ms": 1000 * med["sdpa"], "kvtrim_ms": 1000 * med["kvtrim"],

@@ -99,15 +99,6 @@ def profiled_step(model, cache, logits) -> dict:
             if e.key in ATTENTION_OPS}
 
 
-def timed(fn, calls: int) -> float:
-    """Seconds per call of ``fn``, over ``calls`` calls after one untimed call."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls
-
-
 @torch.inference_mode()
 def measure(args, lm, threads: int, stored: int) -> list[dict]:
     """Rows of one (thread count, stored length): one per bit width."""
@@ -145,7 +136,7 @@ def measure(args, lm, threads: int, stored: int) -> list[dict]:
         f, p = attention_fns(c, next(model.parameters()).dtype)
         fns |= {f"{b}:{n}": fn for n, fn in f.items()}
         paths |= {f"{b}:{n}": desc for n, desc in p.items()}
-    att_samples = harness.interleave(list(fns), lambda n, r: timed(fns[n], args.calls), reps=args.reps, warmup=1)
+    att_samples = harness.interleave(list(fns), lambda n, r: harness.per_call(fns[n], args.calls), reps=args.reps, warmup=1)
 
     rows = []
     layers = len(caches[args.bits[0]].compressed_layers)

@@ -249,6 +249,16 @@ def median(values: Iterable[float] | Iterable[Sample], key: str | Callable[[Any]
     return stats(values, key)["median"]
 
 
+def per_call(fn: Callable[[], Any], calls: int) -> float:
+    """Seconds per call of ``fn``: one untimed call, then ``calls`` calls timed together (for calls
+    too short to time one at a time; repetitions and their order are :func:`interleave`'s)."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
 # ----------------------------------------------------------------------------- machine record
 
 
