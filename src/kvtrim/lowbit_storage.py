@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 
 from kvtrim.attention.lowbit import BITS, KeyRotation, LowBitKV, lowbit_decode_attention, take_slots
-from kvtrim.decisions import Decision, DropLead, DropSlot, DropSlots, Keep, Merge, as_keep
+from kvtrim.decisions import Decision, Keep, Merge, as_keep
 from kvtrim.errors import KVTrimError
 from kvtrim.rerotation import reassign_plan
 from kvtrim.storage import CompressedLayer, Owner
@@ -262,20 +262,11 @@ class LowBitLayer(CompressedLayer):
         elif isinstance(decision, Keep):
             self.keep_indices(decision.idx)
             self.write_states(decision.states)
-        elif not self._drop_in_place(decision):
+        elif not self.drop_in_place(decision):
             assert self._pos is not None
             self.keep_indices(as_keep(decision, self.length, self._pos.shape[0], self._pos.shape[1],
                                       self._pos.device).idx)
         self.settle()
-
-    def _drop_in_place(self, decision: Decision) -> bool:
-        if isinstance(decision, DropLead):
-            return self.drop_lead(decision.lead, decision.count)
-        if isinstance(decision, DropSlot):
-            return self.drop_slot(decision.slot)
-        if isinstance(decision, DropSlots):
-            return self.fill_dropped(decision.slots)
-        return False
 
     # --- in-place drops ------------------------------------------------------------------------------
     def _in_place_ok(self, dropped: int) -> bool:

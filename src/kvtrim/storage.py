@@ -527,17 +527,9 @@ class CompressedLayer(CacheLayerMixin):
     # --- applying a policy's decisions ------------------------------------------------------------
     def apply(self, decision: Decision) -> None:
         """Carry out one decision of this layer's policy (see the module docstring for the paths)."""
-        if isinstance(decision, DropLead):
-            if decision.count == 1 and self.drop_after_lead(decision.lead):
-                return
-        elif isinstance(decision, DropSlot):
-            if self.drop_slot(decision.slot):
-                return
-        elif isinstance(decision, DropSlots):
-            if self._rot is None and decision.slots.shape[0] == 1:
-                self.drop_slots(decision.slots)
-                return
-        elif isinstance(decision, Merge):
+        if self.drop_in_place(decision):
+            return
+        if isinstance(decision, Merge):
             self.keep_indices(decision.idx)
             assert self._k is not None and self._v is not None
             self._k[:, :, : self.length] = decision.keys
@@ -550,6 +542,30 @@ class CompressedLayer(CacheLayerMixin):
             return
         assert self._k is not None
         self.keep_indices(as_keep(decision, self.length, self._k.shape[0], self._k.shape[1], self._k.device).idx)
+
+    def drop_in_place(self, decision: Decision) -> bool:
+        """Carry out a drop decision by this storage's fast path for its kind (``DropLead``,
+        ``DropSlot``, ``DropSlots``: :meth:`drop_lead`, :meth:`drop_slot`, :meth:`fill_dropped`, which
+        a subclass overrides with its own layout's); False, having changed nothing, where the path
+        does not apply (any other decision too): the caller then keeps the plain keep of its slots."""
+        if isinstance(decision, DropLead):
+            return self.drop_lead(decision.lead, decision.count)
+        if isinstance(decision, DropSlot):
+            return self.drop_slot(decision.slot)
+        if isinstance(decision, DropSlots):
+            return self.fill_dropped(decision.slots)
+        return False
+
+    def drop_lead(self, lead: int, count: int) -> bool:
+        """Slots ``lead:lead + count`` dropped in place: one slot (:meth:`drop_after_lead`); else False."""
+        return count == 1 and self.drop_after_lead(lead)
+
+    def fill_dropped(self, drop: torch.Tensor) -> bool:
+        """:meth:`drop_slots` where it applies (batch 1, no re-assigned rotations); else False."""
+        if self._rot is not None or drop.shape[0] != 1:
+            return False
+        self.drop_slots(drop)
+        return True
 
     def write_states(self, states) -> None:
         """Set per-token states ``{name: [B, H, stored]}`` (created where new)."""
