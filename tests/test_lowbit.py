@@ -178,6 +178,39 @@ def test_key_rotation_turns_keys_as_rope_does(layout):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_kept_turn_table_gives_the_same_rotation_as_the_distinct_turns(backend):
+    """The rotation read from the rotary embedding's kept table of integer turns (what the low-bit
+    storage uses each decode step) is bit for bit the one built from the distinct turns: the same
+    (cos, sin) per key, so the same decode attention; the table grows to cover a later range and
+    keeps every row it had."""
+    from kvtrim.attention.lowbit import KeyRotation
+    from kvtrim.attention.native import kernel_for
+    from kvtrim.rope import Rotary
+
+    if backend == "native" and kernel_for(torch.zeros(1)) != "native":
+        pytest.skip("kvtrim's native CPU kernel is not built here (KVTRIM_CPU_KERNEL=torch, or no compiler)")
+    kv, rk, rv = _random_lowbit(4, 2, 300, 64)
+    rot, delta, inv_freq = _rotation(kv, seed=3)
+    rotary = Rotary(inv_freq)
+    kept = KeyRotation.from_kept(delta, lambda lo, hi: rotary.turn_table(lo, hi, delta.device), False)
+    table, base = rotary.turn_table(int(delta.min()), int(delta.max()), delta.device)
+    assert kept.table is table
+    k = kv.keys()
+    assert torch.equal(kept.apply(k, 0, 300), rot.apply(k, 0, 300))
+    q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(5))
+    a = lowbit_decode_attention(q, kv, rk, rv, 0.125, rotation=rot, backend=backend)
+    b = lowbit_decode_attention(q, kv, rk, rv, 0.125, rotation=kept, backend=backend)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # a later, wider range: the table grows (at least doubles) and its old rows stay as they were
+    bigger, base2 = rotary.turn_table(base - 5, base + table.shape[0] + 3, delta.device)
+    assert base2 <= base - 5 and bigger.shape[0] >= 2 * table.shape[0]
+    assert torch.equal(bigger[base - base2: base - base2 + table.shape[0]], table)
+    assert rotary.turn_table(base, base + 1, delta.device)[0] is bigger  # kept, not rebuilt
+    assert KeyRotation.from_kept(torch.zeros_like(delta), lambda lo, hi: rotary.turn_table(lo, hi, delta.device),
+                                 False) is None
+
+
 @pytest.mark.parametrize("backend", ["torch", "native", "triton"])
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_decode_attention_with_turned_keys_matches_the_reference(backend, layout):

@@ -469,8 +469,10 @@ class LowBitLayer(CompressedLayer):
         if self._qrot is not None and self._rot is not None and self.lowbit.length:
             rotary = self.cache.rotary
             assert rotary is not None  # found whenever keys are re-rotated (_rot exists)
-            rotation = KeyRotation.from_turns(self._rot[:, :, : self.lowbit.length] - self._qrot, rotary.inv_freq,
-                                              rotary.layout == "interleaved")
+            # (cos, sin) per turn from one table kept on the rotary embedding for every layer and step
+            delta = self._rot[:, :, : self.lowbit.length] - self._qrot
+            rotation = KeyRotation.from_kept(delta, lambda lo, hi: rotary.turn_table(lo, hi, delta.device),
+                                             rotary.layout == "interleaved")
         return lowbit_decode_attention(query, self.lowbit, rk, rv, scaling, bias=bias, rotation=rotation)
 
     # --- what persistence reads and restores -----------------------------------------------------------

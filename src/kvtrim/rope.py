@@ -125,11 +125,34 @@ class Rotary:
         got = self._memo.get(key)
         if got is None:
             if len(self._memo) >= 256:
-                self._memo.clear()
+                for k in [k for k in self._memo if k[0] != "turns"]:
+                    del self._memo[k]
             ang = expand(torch.tensor(float(delta), dtype=torch.float64, device=x.device).unsqueeze(-1)
                          * self.inv_freq.to(device=x.device, dtype=torch.float64))
             got = self._memo[key] = (ang.cos().to(x.dtype), ang.sin().to(x.dtype))
         return _apply(x, got[0], got[1], partner)
+
+    def turn_table(self, lo: int, hi: int, device: torch.device) -> tuple[torch.Tensor, int]:
+        """``(table, base)``: the float32 ``(cos, sin)`` of every integer turn from ``base`` on, covering
+        ``lo..hi`` (row ``t - base`` is turn ``t``; ``[rows, F, 2]`` for the ``F`` frequencies), each from
+        its float64 angles rounded once, as :func:`rotate` rounds them. Kept and grown (at least doubled)
+        when a later range falls outside, so every layer of a cache and every decode step shares one
+        table: a low-bit storage's quantized keys turn by the same few amounts step after step
+        (``kvtrim.attention.lowbit.KeyRotation``)."""
+        key = ("turns", device)
+        got = self._memo.get(key)
+        if got is not None and got[1] <= lo and hi < got[1] + got[0].shape[0]:
+            return got
+        if got is not None:  # grow to cover both ranges, at least twice as many rows
+            old_lo, old_hi = got[1], got[1] + got[0].shape[0] - 1
+            lo, hi = min(lo, old_lo), max(hi, old_hi)
+            extra = max(0, got[0].shape[0] * 2 - (hi - lo + 1))
+            lo, hi = lo - extra // 2, hi + extra - extra // 2
+        turns = torch.arange(lo, hi + 1, dtype=torch.float64, device=device).unsqueeze(-1)
+        ang = turns * self.inv_freq.to(device=device, dtype=torch.float64)
+        table = torch.stack([ang.cos(), ang.sin()], dim=-1).float().contiguous()
+        self._memo[key] = (table, lo)
+        return table, lo
 
 
 def find_rotary(model: torch.nn.Module) -> Rotary | None:

@@ -27,7 +27,7 @@ softmax: no full-precision copy of the cache exists at any time. Its plain refer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -339,6 +339,20 @@ class KeyRotation:
         index = torch.full(delta.shape, -1, dtype=torch.int32, device=delta.device)
         index[turned] = inverse.to(torch.int32)
         return cls(index, torch.stack([ang.cos(), ang.sin()], dim=-1).float().contiguous(), interleaved)
+
+    @classmethod
+    def from_kept(cls, delta: torch.Tensor, turn_table: Callable[[int, int], tuple[torch.Tensor, int]],
+                  interleaved: bool) -> "KeyRotation | None":
+        """:meth:`from_turns` read from a kept table of every integer turn: ``turn_table(lo, hi)`` returns
+        ``(table, base)`` covering the turns ``lo..hi`` (row ``t - base`` is turn ``t``;
+        ``kvtrim.rope.Rotary.turn_table``). No distinct turns to find and no angles to compute each
+        decode step, the same ``(cos, sin)`` per key; None when no key turned."""
+        lo, hi = (int(v) for v in torch.aminmax(delta))
+        if lo == hi == 0:
+            return None
+        table, base = turn_table(lo, hi)
+        index = torch.where(delta != 0, delta - base, -1).to(torch.int32)
+        return cls(index, table, interleaved)
 
     def apply(self, k: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Keys ``k [B, H, n, D]`` (float32) of slots ``start:stop``, turned."""
