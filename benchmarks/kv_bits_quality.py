@@ -114,11 +114,59 @@ def table(summary: dict) -> str:
     return "\n".join(parts)
 
 
+def full_bits_table(dirs: list[str]) -> str:
+    """The full cache at each bit width against 16 bits, sample by sample, from the result lines of
+    ``kvtrim eval`` directories (``--kv-bits 16,8,4`` sweeps): per task the samples, the score at
+    each width, and how many samples give the 16-bit answer at that width (target: equal at 8 bits)."""
+    from kvtrim.eval.store import line_bits, result_files, scan_lines
+
+    per: dict[tuple[str, int], dict[int, dict[int, dict]]] = {}  # (task, seed) -> bits -> sample -> line
+    for d in dirs:
+        rows, bad = scan_lines(result_files(d))
+        if bad:
+            raise SystemExit(f"{d}: {len(bad)} corrupted result lines (first: {bad[0][0]} line {bad[0][1]}, {bad[0][2]})")
+        for r in rows:
+            if r["method"] == "full" and r["task"] != "ppl":
+                per.setdefault((r["task"], int(r["seed"] if "sweep_seed" not in r else r["sweep_seed"])), {}) \
+                    .setdefault(line_bits(r), {})[int(r["sample"])] = r
+    widths = sorted({b for v in per.values() for b in v if b != 16}, reverse=True)
+    out = ["| task (seed) | samples | full @16 | " + " | ".join(f"full @{b} | same answer as @16 at {b} bits" for b in widths)
+           + " |", "|---|---:|---:|" + "---:|---:|" * len(widths)]
+    equal_at = dict.fromkeys(widths, 0)
+    total = 0
+    for (task, seed), by_bits in sorted(per.items()):
+        ref = by_bits.get(16, {})
+        cells = []
+        for b in widths:
+            got = {s: r for s, r in by_bits.get(b, {}).items() if s in ref}
+            same = sum(_answers(r) == _answers(ref[s]) for s, r in got.items())
+            equal_at[b] += same
+            if not got:
+                cells.append("- | -")
+                continue
+            cells.append(f"{sum(float(r['score']) for r in got.values()) / len(got):.2f} | {same}/{len(got)}")
+        n = len(ref)
+        total += n
+        out.append(f"| {task} ({seed}) | {n} | {sum(float(r['score']) for r in ref.values()) / max(n, 1):.2f} | "
+                   + " | ".join(cells) + " |")
+    out += ["", "Measured: " + "; ".join(f"{equal_at[b]} of {total} samples give the 16-bit answer at {b} bits"
+                                          for b in widths) + "."]
+    return "\n".join(out)
+
+
+def _answers(line: dict) -> list[str]:
+    return list(line.get("answers") or [line.get("answer")])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--table", metavar="SUMMARY", required=True, help="a kvtrim eval directory's summary.json")
+    ap.add_argument("--table", metavar="SUMMARY", help="a kvtrim eval directory's summary.json")
+    ap.add_argument("--full-bits", metavar="DIR", nargs="+",
+                    help="kvtrim eval directories: the full cache at each bit width against 16 bits, per sample")
     args = ap.parse_args(argv)
-    print(table(harness.read_result(args.table)))
+    if bool(args.table) == bool(args.full_bits):
+        ap.error("give one of --table and --full-bits")
+    print(full_bits_table(args.full_bits) if args.full_bits else table(harness.read_result(args.table)))
     return 0
 
 

@@ -332,3 +332,26 @@ def test_demo_runs_each_method_at_its_picked_bit_width(tiny_dir, bits_cal, capsy
     assert "snapkv keep 0.5, 8-bit KV" in err
     names = [line.split()[0] for line in out.splitlines() if line.startswith(("snapkv", "full"))]
     assert names == ["snapkv@8bit", "full"]  # a width --quality picked is named; full runs at --kv-bits (16)
+
+
+def test_full_bits_table_compares_each_width_with_16_bits_sample_by_sample(tmp_path):
+    """kv_bits_quality.py --full-bits: per task the full cache's score at each width and how many
+    samples give the 16-bit answer (a changed answer counts even when it scores the same)."""
+    import json
+
+    from kvtrim.tools.docs_tables import load_script
+
+    q = load_script("benchmarks/kv_bits_quality.py")
+    runs = tmp_path / "sweep" / "runs"
+    runs.mkdir(parents=True)
+    lines = []
+    for s in range(3):
+        for bits, ans, score in ((16, f"a{s}", 1.0), (8, f"a{s}", 1.0), (4, {1: "x", 2: "y"}.get(s, f"a{s}"), 1.0 if s != 2 else 0.0)):
+            lines.append({"task": "passkey", "length": 64, "sample": s, "seed": 0, "sweep_seed": 0, "method": "full",
+                          "keep": None, "kv_bits": bits, "prefill": "dense", "answer": ans, "score": score, "kv_bytes": 100 * bits,
+                          "prefill_seconds": 0.1})
+    (runs / "passkey-64.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    out = q.full_bits_table([str(tmp_path / "sweep")])
+    row = next(x for x in out.splitlines() if x.startswith("| passkey"))
+    assert row == "| passkey (0) | 3 | 1.00 | 1.00 | 3/3 | 0.67 | 1/3 |"
+    assert "3 of 3 samples give the 16-bit answer at 8 bits; 1 of 3 samples give the 16-bit answer at 4 bits" in out
