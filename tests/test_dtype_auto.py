@@ -134,6 +134,18 @@ def test_auto_on_a_cpu_without_bf16_arithmetic_loads_bfloat16_with_a_float32_pre
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # auto chose it: nothing to warn about
 
 
+def test_pack_linears_asked_under_the_mixed_plan_is_not_silently_dropped(tmp_path, no_bf16_cpu, caplog):
+    """An explicit pack_linears=True that auto's mixed plan cannot honour says so in one warning line;
+    the plan's record names the float32 prefill, so its results are never pooled with bfloat16's."""
+    with caplog.at_level(logging.INFO, logger="kvtrim.models"):
+        lm = load_model(save_tiny_llama(tmp_path / "m"), dtype="auto", pack_linears=True)
+    assert not [m for m in lm.model.modules() if isinstance(m, PackedLinear)]
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "pack_linears=True not applied" in warned[0].getMessage()
+    assert lm.dtypes is not None and lm.dtypes.label() == "bfloat16, prefill float32"
+    assert plan_dtype("bfloat16", "cpu").label() == "bfloat16"
+
+
 # ---- what the mixed plan computes --------------------------------------------------------------------
 def _pair(seed=0):
     """A bfloat16 model with mixed precision installed, and the float32 model with the same (bfloat16-rounded) weights."""

@@ -374,6 +374,12 @@ class DtypePlan:
         return {"storage": name(self.storage), "prefill": name(self.prefill), "decode": name(self.decode),
                 "reason": self.reason}
 
+    def label(self) -> str:
+        """The dtype a record names: the storage dtype, with the prefill's where it differs
+        (``bfloat16, prefill float32``), so results of the two plans are never pooled as one."""
+        n = self.names()
+        return n["storage"] if not self.mixed else f"{n['storage']}, prefill {n['prefill']}"
+
     def describe(self) -> str:
         """One line: ``storage bfloat16, prefill float32, decode bfloat16 (why)``."""
         n = self.names()
@@ -529,6 +535,9 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
 
         mixed_precision.install(m)
         logger.info("dtype auto: %s", plan.describe())
+        if pack_linears:
+            logger.warning("pack_linears=True not applied: dtype auto chose a float32 prefill over bfloat16 "
+                           "weights on this CPU, and that prefill reads the plain weights")
     elif pack_linears is not False and dev.type == "cpu":
         from kvtrim.cpu_linear import pack_linears as pack
 

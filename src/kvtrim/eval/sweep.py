@@ -100,7 +100,8 @@ def run_eval(lm, plan: EvalPlan, out: str | os.PathLike, *, shard: tuple[int, in
     idx, n_shards = shard
     if not (0 <= idx < n_shards):
         raise KVTrimError(f"--shard must be I/N with 0 <= I < N; got {idx}/{n_shards}")
-    dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
+    # the weights' dtype, and the prefill's where --dtype auto computes it in another (DtypePlan.label)
+    dtype = lm.dtypes.label() if lm.dtypes else str(next(lm.model.parameters()).dtype).removeprefix("torch.")
     # what every line of this sweep depends on besides its own key: recorded in config.json and on each line
     sweep = {"weights": weights_digest(lm.model), "sweep_seed": plan.seed, "haystack": haystack_name(plan.haystack),
              "samples": plan.samples}
