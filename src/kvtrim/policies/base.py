@@ -205,6 +205,14 @@ class Policy:
         table cannot hold."""
         return True
 
+    @property
+    def uniform_heads(self) -> bool:
+        """True when every KV head of a layer keeps the same number of tokens; False for per-head
+        budgets (``kvtrim.policies.head_budgets``), which only a storage with one buffer per head holds
+        (``kvtrim.ragged_storage``): vLLM's shared block tables, the low-bit storage and session files
+        refuse them."""
+        return True
+
     def can_stream(self) -> bool:
         """True when this configuration can run past the model's trained context."""
         return self.supports_streaming and self.position_policy == "reassigned" and self.max_tokens is not None
