@@ -283,9 +283,9 @@ class HeadView(StorageView):
     positions = property(lambda self: self._layer.head_tensors(self._h)[2][None, None])
     rotations = positions
     length = property(lambda self: self._layer.head_len[self._h])
-    head_lengths = None
-    attention_scores = None
-    decode_probs = None
+    head_lengths = property(lambda self: None)
+    attention_scores = property(lambda self: None)  # the layer's prompt scores cover every head together
+    decode_probs = property(lambda self: None)
 
     def new_token_state(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         raise KVTrimError("per-head budgets do not hold per-token states")

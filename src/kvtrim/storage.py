@@ -148,9 +148,11 @@ class CompressedLayer(CacheLayerMixin):
     def capacity(self) -> int:
         return 0 if self._k is None else self._k.shape[2]
 
-    #: tokens stored per KV head where the heads hold different numbers, else None (here always None;
-    #: ``kvtrim.ragged_storage``)
-    head_lengths: tuple[int, ...] | None = None
+    @property
+    def head_lengths(self) -> tuple[int, ...] | None:
+        """Tokens stored per KV head where the heads hold different numbers, else None (here always
+        None; ``kvtrim.ragged_storage``)."""
+        return None
 
     def stored_per_head(self) -> int:
         """Tokens stored per KV head (``length``; for heads of different lengths their mean, rounded up)."""

@@ -232,7 +232,10 @@ class Policy:
     # --- hooks ---------------------------------------------------------------------------------
     # Every hook receives a read-only view of one layer (``kvtrim.decisions.LayerView``) and returns
     # what the storage should do: a decision, several in order, or None (nothing changes).
-    def after_attention(self, layer: LayerView, query: torch.Tensor, key: torch.Tensor, scaling: float) -> Decisions:
+    def after_attention(self, layer: LayerView, query: torch.Tensor, key: torch.Tensor | None,
+                        scaling: float) -> Decisions:
+        """The hook an engine calls after a layer's attention: ``key`` is every stored key ``[B, Hkv, S, D]``,
+        or None where the layer's heads store different numbers (per-head budgets: ``layer.head(h)``)."""
         if layer.phase == "prefill":
             return self.on_prefill(layer, query, key, scaling)
         if layer.phase == "turn":
