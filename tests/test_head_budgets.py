@@ -278,3 +278,22 @@ def test_cli_refuses_kv_bits_with_adaptive_heads(tiny_dir, tmp_path, capsys):
     assert err.count("kvtrim: error:") == 1
     line = err.split("kvtrim: error:")[1].split("\n")[0]
     assert "per-head budgets" in line and "kv_bits=4" in line
+
+
+def test_ragged_caches_decode_as_batch_rows_as_alone(model, prompt):
+    """Caches with heads of different lengths run as the rows of one batch (``integrations.batched``,
+    what ``kvtrim eval`` does) choose the tokens they choose decoded alone."""
+    from kvtrim import decoding
+    from kvtrim.integrations.batched import drive
+
+    def programs():
+        caches = {k: KVTrimCache(model, "snapkv", keep=k, window=8, heads="adaptive") for k in (0.2, 0.4)}
+        with torch.no_grad():
+            firsts = {k: decoding.run(model, decoding.prefill(c, prompt[0].tolist())) for k, c in caches.items()}
+        assert all(any(layer.head_lengths is not None for layer in c.compressed_layers) for c in caches.values())
+        return {k: decoding.decode(c, firsts[k], 8) for k, c in caches.items()}
+
+    with kvtrim.attach(model):
+        together = drive(model, programs())
+        alone = drive(model, programs(), batch=False)
+    assert together == alone
