@@ -200,7 +200,7 @@ RANKS = [
     ("base helpers", ("kvtrim.scores", "kvtrim.rope", "kvtrim.spans", "kvtrim.decisions", "kvtrim.cpu_linear",
                       "kvtrim.mixed_precision", "kvtrim.files")),
     ("policies", ("kvtrim.policies", "kvtrim.registry")),
-    ("core", ("kvtrim.storage", "kvtrim.lowbit_storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache",
+    ("core", ("kvtrim.storage", "kvtrim.lowbit_storage", "kvtrim.ragged_storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache",
               "kvtrim.decoding")),
     ("integrations", ("kvtrim.integrations",)),
     ("models and the Python API", ()),  # every module not named elsewhere

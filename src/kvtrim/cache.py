@@ -37,6 +37,7 @@ from kvtrim.decisions import Keep, as_list
 from kvtrim.errors import KVTrimError
 from kvtrim.lowbit_storage import LowBitLayer
 from kvtrim.mixed_precision import storage_dtype
+from kvtrim.ragged_storage import RaggedLayer
 from kvtrim.registry import NO_COMPRESSION, create_policy, spans_error
 from kvtrim.rope import Rotary, find_rotary
 from kvtrim.storage import CompressedLayer
@@ -186,6 +187,11 @@ class KVTrimCache(Cache):
         self.block_size = None if block_size is None else validate.integer(block_size, "block_size", minimum=1)
         self.kv_bits = check_kv_bits(kv_bits)
         text_cfg = _decoder_config(model)
+        if not policy.uniform_heads and (self.kv_bits != 16 or self.block_size is not None):
+            what = f"kv_bits={self.kv_bits}" if self.kv_bits != 16 else f"block_size={self.block_size}"
+            raise KVTrimError(f"{policy.name}: per-head budgets (heads other than 'uniform') keep one buffer per KV head "
+                              f"of the model's dtype, and {what} is not supported with them; use kv_bits=16 and no "
+                              "block_size, or heads='uniform'")
         self.policy = policy
         self.position_policy = policy.position_policy
         self.num_layers = int(text_cfg.num_hidden_layers)
@@ -217,6 +223,8 @@ class KVTrimCache(Cache):
         for i, lt in enumerate(layer_types):
             if lt == "sliding_attention":
                 layers.append(DynamicSlidingWindowLayer(sliding_window=int(text_cfg.sliding_window)))
+            elif lt == "full_attention" and not policy.uniform_heads:
+                layers.append(RaggedLayer(self, i))  # heads of different lengths (kvtrim.ragged_storage)
             elif lt == "full_attention":
                 layers.append(CompressedLayer(self, i) if self.kv_bits == 16 else LowBitLayer(self, i, self.kv_bits))
             else:
@@ -304,9 +312,11 @@ class KVTrimCache(Cache):
         self.spans, self._raw_spans = None, self._given_spans
         ACTIVE.set(None)
 
-    def after_attention(self, layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    def after_attention(self, layer: CompressedLayer, query: torch.Tensor, key: torch.Tensor | None,
+                        scaling: float) -> None:
         """Called by kvtrim's attention function once the layer's attention output is computed: the
-        policy decides from the layer's view, the layers apply."""
+        policy decides from the layer's view, the layers apply. ``key``: every stored key, or None for a
+        layer whose heads store different numbers (the policy reads them from ``view.head(h)``)."""
         layer.awaiting_attention = False
         # the spans are known by now (given, or found for a VLM when the forward started): a span method
         # on a prompt without its targets would run as full, so it is refused
@@ -345,9 +355,11 @@ class KVTrimCache(Cache):
         return self.get_seq_length()
 
     def stored_tokens(self) -> list[int]:
-        """Stored tokens per layer (for sliding layers, what the window holds)."""
+        """Stored tokens per layer and KV head (for sliding layers, what the window holds; for a layer
+        whose heads store different numbers, their mean rounded up)."""
         return [
-            layer.length if isinstance(layer, CompressedLayer) else (0 if layer.keys is None else layer.keys.shape[-2])
+            layer.stored_per_head() if isinstance(layer, CompressedLayer)
+            else (0 if layer.keys is None else layer.keys.shape[-2])
             for layer in self.layers
         ]
 

@@ -17,6 +17,11 @@ without a faster path does and what the tests compare the fast paths against.
 
 Tensor layouts: ``[B, H, S]`` per stored slot (``B`` sequences, ``H`` KV heads, ``S`` stored tokens);
 slot ``s`` of head ``h`` is the ``s``-th stored token of that head.
+
+Per-head budgets (``kvtrim.policies.head_budgets``) keep a different number of tokens in each KV head
+of a layer: :class:`KeepHeads`, which has no rectangular meaning and which only a storage that holds
+heads of different lengths applies (``kvtrim.ragged_storage``); the view of such a layer then says
+``head_lengths`` and shows each head as a one-head view (``head(h)``).
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ class LayerView(Protocol):
     attention_scores: PromptScores | None
     #: this decode step's attention probabilities ``[B, Hkv, G, 1, S]`` when asked for, or None
     decode_probs: torch.Tensor | None
+    #: tokens stored per KV head where the heads hold different numbers (a :class:`KeepHeads` was
+    #: applied; ``length`` is then the longest), else None: every head stores ``length``. Where it
+    #: is set, ``keys``, ``values``, ``positions`` and ``rotations`` are not rectangular: read one
+    #: head at a time through :meth:`head`
+    head_lengths: tuple[int, ...] | None
 
     @property
     def keys(self) -> torch.Tensor:
@@ -118,6 +128,11 @@ class LayerView(Protocol):
         compressed layer. For methods that decide in one layer for all (FastV, HAE)."""
         ...
 
+    def head(self, h: int) -> LayerView:
+        """KV head ``h`` alone as a view of one KV head (``keys [1, 1, S_h, D]``, ``length`` its own
+        count; counters, phase and ``state`` the layer's), where :attr:`head_lengths` is set."""
+        ...
+
     def head_mean(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, Hkv, G, ...]`` (one entry per attention head: KV head, then query head of its
         group) averaged over every attention head of the layer, ``[B, ...]``. Where this storage
@@ -145,6 +160,10 @@ class ViewOf:
     attention_scores = property(lambda self: self._layer.attention_scores)
     decode_probs = property(lambda self: self._layer.decode_probs)
     positions = property(lambda self: self._layer.positions)
+    head_lengths = property(lambda self: getattr(self._layer, "head_lengths", None))
+
+    def head(self, h: int) -> LayerView:
+        raise ValueError("this layer's heads store the same number of tokens (head_lengths is None): read keys")
 
     def head_mean(self, x: torch.Tensor) -> torch.Tensor:
         return x.mean(dim=(1, 2))
@@ -216,7 +235,26 @@ class Merge:
         return int(self.idx.shape[-1])
 
 
-Decision = Keep | DropLead | DropSlot | DropSlots | Merge
+@dataclass(frozen=True)
+class KeepHeads:
+    """Keep, in KV head ``h``, that head's slots ``idx[h]`` (``[K_h]`` int64, ascending) in order; drop
+    the rest. The heads may keep different numbers of tokens (per-head budgets), so this has no
+    rectangular :class:`Keep` form: only a storage that holds heads of different lengths applies it
+    (``kvtrim.ragged_storage``; a cache of one sequence, batch 1), and an engine whose heads share
+    one block table refuses the policies that return it (``Policy.uniform_heads``)."""
+
+    idx: tuple[torch.Tensor, ...]
+
+    def kept(self, length: int) -> int:
+        """The longest head's count (what a layer's ``length`` is after it)."""
+        return max(int(i.shape[-1]) for i in self.idx)
+
+    @property
+    def counts(self) -> list[int]:
+        return [int(i.shape[-1]) for i in self.idx]
+
+
+Decision = Keep | DropLead | DropSlot | DropSlots | Merge | KeepHeads
 #: what a hook returns: nothing, one decision, or several applied in order
 Decisions = Decision | Sequence[Decision] | None
 
@@ -225,7 +263,7 @@ def as_list(decisions: Decisions) -> list[Decision]:
     """A hook's return value as a list of decisions (empty for None)."""
     if decisions is None:
         return []
-    if isinstance(decisions, (Keep, DropLead, DropSlot, DropSlots, Merge)):
+    if isinstance(decisions, (Keep, DropLead, DropSlot, DropSlots, Merge, KeepHeads)):
         return [decisions]
     return list(decisions)
 
@@ -257,6 +295,8 @@ def as_keep(decision: Decision, length: int, batch: int, heads: int, device=None
         alive.scatter_(-1, slots, False)
         k = length - slots.shape[-1]
         return Keep(alive.nonzero()[:, -1].view(slots.shape[0], slots.shape[1], k))
+    if isinstance(decision, KeepHeads):
+        raise ValueError("KeepHeads keeps a different number of tokens per head: it has no rectangular Keep")
     raise TypeError(f"not a decision: {decision!r}")
 
 

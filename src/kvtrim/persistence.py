@@ -31,7 +31,11 @@ META_KEYS = ("initialized", "seen", "length", "phase", "n_new", "token_state", "
 
 
 def layer_state_dict(layer: CompressedLayer) -> dict[str, torch.Tensor]:
-    """The stored part of one layer's tensors (empty before its first update)."""
+    """The stored part of one layer's tensors (empty before its first update). A layer whose KV heads
+    store different numbers of tokens (per-head budgets, ``kvtrim.ragged_storage``) is refused."""
+    if layer.head_lengths is not None:
+        raise KVTrimError(f"layer {layer.layer_idx} keeps a different number of tokens per KV head (per-head budgets, "
+                          "heads='adaptive'); saving such a cache is not supported: use heads='uniform' for sessions")
     lowbit: dict[str, torch.Tensor] = {}
     if isinstance(layer, LowBitLayer):
         if layer.lowbit is None:

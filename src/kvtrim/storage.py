@@ -148,6 +148,16 @@ class CompressedLayer(CacheLayerMixin):
     def capacity(self) -> int:
         return 0 if self._k is None else self._k.shape[2]
 
+    @property
+    def head_lengths(self) -> tuple[int, ...] | None:
+        """Tokens stored per KV head where the heads hold different numbers, else None (here always
+        None; ``kvtrim.ragged_storage``)."""
+        return None
+
+    def stored_per_head(self) -> int:
+        """Tokens stored per KV head (``length``; for heads of different lengths their mean, rounded up)."""
+        return self.length
+
     # --- CacheLayerMixin API -------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape

@@ -130,6 +130,8 @@ def _attend(base, att: Attachment | None, module, binding, query, key, value, at
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     prefill = att.prefill if att is not None else None
     base_name = att.base if att is not None else "sdpa"
+    if layer.head_lengths is not None:
+        return _attend_heads(binding, layer, query, attention_mask, dropout, scale, base_name, kwargs)
     fused = att.fused if att is not None else "never"
     res = None
     if prefill is not None and layer.phase == "prefill" and query.shape[-2] > 1:
@@ -183,6 +185,28 @@ def _attend(base, att: Attachment | None, module, binding, query, key, value, at
         layer.decode_probs = None
         layer.attention_scores = None
     return out, weights
+
+
+def _attend_heads(binding, layer, query, attention_mask, dropout, scale, base_name, kwargs):
+    """A forward over a layer whose KV heads store different numbers of tokens (per-head budgets,
+    ``kvtrim.ragged_storage``): the storage's per-head attention, then the policy's hook (which reads
+    the heads from its view: no rectangular key is handed over). Only what SDPA computes with a causal
+    mask is supported; anything else is refused with one line."""
+    n = query.shape[-2]
+    if dropout or base_name != "sdpa" or any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux")):
+        raise KVTrimError("per-head budgets (heads='adaptive') compute attention head by head with SDPA: eager "
+                          "attention, dropout, soft-capping, sliding windows and attention sinks are not supported")
+    if attention_mask is not None and not (attention_mask.dtype == torch.bool
+                                           and _bottom_right_causal(attention_mask, n, attention_mask.shape[-1])):
+        raise KVTrimError("per-head budgets (heads='adaptive') take a causal mask only: a padding mask cannot be "
+                          "carried over to heads of other lengths")
+    out = layer.attend(query, scale)
+    try:
+        binding.cache.after_attention(layer, query, None, scale)
+    finally:
+        layer.decode_probs = None
+        layer.attention_scores = None
+    return out, None
 
 
 #: whether float32 CPU decode steps take kvtrim's decode attention too (not by default: measured

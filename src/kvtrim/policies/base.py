@@ -205,6 +205,14 @@ class Policy:
         table cannot hold."""
         return True
 
+    @property
+    def uniform_heads(self) -> bool:
+        """True when every KV head of a layer keeps the same number of tokens; False for per-head
+        budgets (``kvtrim.policies.head_budgets``), which only a storage with one buffer per head holds
+        (``kvtrim.ragged_storage``): vLLM's shared block tables, the low-bit storage and session files
+        refuse them."""
+        return True
+
     def can_stream(self) -> bool:
         """True when this configuration can run past the model's trained context."""
         return self.supports_streaming and self.position_policy == "reassigned" and self.max_tokens is not None
@@ -224,7 +232,10 @@ class Policy:
     # --- hooks ---------------------------------------------------------------------------------
     # Every hook receives a read-only view of one layer (``kvtrim.decisions.LayerView``) and returns
     # what the storage should do: a decision, several in order, or None (nothing changes).
-    def after_attention(self, layer: LayerView, query: torch.Tensor, key: torch.Tensor, scaling: float) -> Decisions:
+    def after_attention(self, layer: LayerView, query: torch.Tensor, key: torch.Tensor | None,
+                        scaling: float) -> Decisions:
+        """The hook an engine calls after a layer's attention: ``key`` is every stored key ``[B, Hkv, S, D]``,
+        or None where the layer's heads store different numbers (per-head budgets: ``layer.head(h)``)."""
         if layer.phase == "prefill":
             return self.on_prefill(layer, query, key, scaling)
         if layer.phase == "turn":

@@ -18,26 +18,31 @@ from typing import ClassVar
 import torch.nn.functional as F
 
 from kvtrim import validate
+from kvtrim.policies.head_budgets import HeadBudgets
 from kvtrim.policies.layer_budgets import LayerBudgets
 from kvtrim.scores import ScoreRequest, chunk_selection, group_reduce
 
 
 @dataclass
-class SnapKV(LayerBudgets):
+class SnapKV(HeadBudgets, LayerBudgets):
     """Args: ``window`` (32), ``kernel`` (7; odd, 1 = no pooling), ``pooling`` ("max" or "avg"),
     ``chunk`` (1 = per-token selection; ``c > 1`` keeps whole chunks of ``c`` consecutive tokens,
     ranked by their best pooled score: ``kvtrim.scores.chunk_priority``), ``layers`` ("uniform": the
     same budget in every layer; "pyramid" or "adaptive": per-layer budgets that sum to the same total,
-    ``kvtrim.policies.layer_budgets``)."""
+    ``kvtrim.policies.layer_budgets``), ``heads`` ("uniform": every KV head of a layer keeps the same
+    number; "adaptive": the KV heads of a layer share their total unevenly, AdaKV's per-head budgets,
+    ``kvtrim.policies.head_budgets``)."""
 
     window: int = 32
     kernel: int = 7
     pooling: str = "max"
     chunk: int = 1
     layers: str = "uniform"
+    heads: str = "uniform"
 
     name = "snapkv"
-    added_later: ClassVar[dict] = {"layers": "uniform"}  # describe() as before per-layer budgets, at the default
+    # describe() as before per-layer and per-head budgets, at their defaults
+    added_later: ClassVar[dict] = {"layers": "uniform", "heads": "uniform"}
     description = "observation window of the last 32 queries, pooled scores, per KV head, at each prompt"
 
     def __post_init__(self) -> None:
@@ -46,6 +51,7 @@ class SnapKV(LayerBudgets):
         validate.choice(self.pooling, "snapkv: pooling", ("avg", "max"))
         self.chunk = validate.integer(self.chunk, "snapkv: chunk", minimum=1)
         self.check_layers()
+        self.check_heads()
         super().__post_init__()
 
     @property

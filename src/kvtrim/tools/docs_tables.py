@@ -378,9 +378,26 @@ def agnostic(root: Path) -> str:
     """The sweep of ``expected_attention`` and per-layer budgets against snapkv and inf_mllm on the
     embedded model: the score and memory tables of ``kvtrim report``, and multiturn's score per turn
     (the first question is asked in the prompt the cache was compressed at; the later ones are not)."""
+    return _sweep_tables(root, AGNOSTIC_DIR, [
+        ("expected_attention", "snapkv"), ("expected_attention", "inf_mllm"), ("expected_attention:question=0.5", "snapkv"),
+        ("snapkv:layers=adaptive", "snapkv"), ("snapkv:layers=pyramid", "snapkv")])
+
+
+PERHEAD_DIR = "benchmarks/results/eval_perhead"  # issue 47: per-head budgets (AdaKV)
+
+
+def perhead(root: Path) -> str:
+    """snapkv with per-head budgets (``heads=adaptive``) against uniform heads on the embedded model: the
+    tables of :func:`agnostic` for that sweep."""
+    return _sweep_tables(root, PERHEAD_DIR, [("snapkv:heads=adaptive", "snapkv")])
+
+
+def _sweep_tables(root: Path, rel: str, pairs: list[tuple[str, str]]) -> str:
+    """``kvtrim report``'s score and memory tables of the sweep in ``rel``, multiturn's score per turn, and
+    for each ``(a, b)`` of ``pairs`` in how many cells (task x budget) ``a`` scored higher, equal, lower."""
     from kvtrim.eval.report import load_dirs, render, summarize
 
-    lines = load_dirs([str(root / AGNOSTIC_DIR)])
+    lines = load_dirs([str(root / rel)])
     out = render(summarize(lines), None).rstrip("\n")
     turns: dict[tuple, list[list[float]]] = {}
     for r in lines:
@@ -399,9 +416,6 @@ def agnostic(root: Path) -> str:
         out += "\n\n" + "\n".join(table)
     cells = summarize(lines)["cells"]
     mean = {(c["task"], c["length"], c["method"], c["keep"]): c["score"] for c in cells if c["prefill"] == "dense"}
-    pairs = [("expected_attention", "snapkv"), ("expected_attention", "inf_mllm"),
-             ("expected_attention:question=0.5", "snapkv"), ("snapkv:layers=adaptive", "snapkv"),
-             ("snapkv:layers=pyramid", "snapkv")]
     verdict = []
     for a, b in pairs:
         cmp = [(mean[(t, n, a, k)], mean[(t, n, b, k)]) for (t, n, m, k) in mean if m == a and (t, n, b, k) in mean]
@@ -413,7 +427,8 @@ def agnostic(root: Path) -> str:
 
 
 GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
-                                                "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic}
+                                                "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic,
+                                                "perhead": perhead}
 
 
 # ----------------------------------------------------------------------------- the eval report

@@ -90,6 +90,11 @@ class PluginConfig:
                 f"kvtrim method {self.method!r} with per-layer budgets keeps a different number of tokens in each "
                 "layer, and vLLM's layers share one block table per request; use layers 'uniform' (the default) "
                 "with the vLLM plugin, or per-layer budgets on transformers (kvtrim generate)")
+        if not policy.uniform_heads:
+            raise KVTrimError(
+                f"kvtrim method {self.method!r} with per-head budgets keeps a different number of tokens in each KV "
+                "head, and a request's heads share one block table in vLLM; use heads 'uniform' (the default) with "
+                "the vLLM plugin, or per-head budgets on transformers (kvtrim generate)")
         if policy.position_policy != "true":
             raise KVTrimError(
                 f"kvtrim position {policy.position_policy!r} re-rotates cached keys, which the vLLM plugin cannot do "
