@@ -132,3 +132,29 @@ def test_eval_cli_refuses_bad_bits(tmp_path, capsys):
     code = cli_status(["eval", "passkey", "--kv-bits", "16,5", "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("kvtrim: error:") and err.count("\n") == 1 and "--kv-bits" in err
+
+
+def test_labelfree_full_cache_at_fewer_bits_is_scored_against_the_16_bit_answer(tiny_lm):
+    """On labelfree the full cache's 16-bit answer is every configuration's reference, the full cache's
+    own low-bit runs included (it is not its own reference: its agreement would be 1 by construction)."""
+    from kvtrim.eval.longtext import labelfree
+    from kvtrim.eval.metrics import rouge_l
+    from kvtrim.eval.programs import config_program
+
+    tok = tiny_lm.tokenizer
+    sample = labelfree(tok, 256)
+    ids = prompt_ids_of(tok, sample)
+    rec = record_prefill(tiny_lm.model, ids)
+    reference = list(tok("a reference answer the random model does not write", add_special_tokens=False)["input_ids"])
+    with attach(tiny_lm.model):
+        res = drive(tiny_lm.model, {b: config_program(tiny_lm.model, tok, sample, rec, "full", None, {}, reference=reference,
+                                                      kv_bits=b) for b in (16, 4)}, batch=False)
+    ref_text = tok.decode(reference, skip_special_tokens=True).strip()
+    assert res[16]["score"] == 1.0  # the 16-bit full cache is the reference itself
+    assert res[4]["score"] == rouge_l(res[4]["answer"], ref_text) < 1.0
+
+
+def prompt_ids_of(tok, sample):
+    from kvtrim.models import build_prompt_ids
+
+    return build_prompt_ids(tok, sample.prompt)

@@ -84,8 +84,8 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
     elif sample.task == "labelfree":
         out, steps = yield from decode(cache, logits, max_new, stop_ids=stop, clock=clock)
         answer = tokenizer.decode([t for t in out if t != eos], skip_special_tokens=True).strip()
-        if method == REFERENCE:  # the full cache's answer is the reference
-            reference = out
+        if method == REFERENCE and kv_bits == 16:  # the full cache's answer is the reference
+            reference = out  # (a full cache at fewer bits is scored against it, as every other configuration)
         elif reference is None:
             if reference_key is None:
                 raise KVTrimError("labelfree needs the full cache's answer (reference or reference_key)")
