@@ -175,6 +175,15 @@ def test_plan_validation_errors():
         make_plan("passkey", "512", "snapkv", "0.25", prefill="fast")
 
 
+def test_a_method_with_its_own_budget_runs_once_at_it():
+    """``snapkv:max_tokens=96`` is a fixed budget (kvtrim chat's bounded memory): one configuration, not one per --keep."""
+    plan = make_plan("multiturn", "512", "snapkv,snapkv:max_tokens=96,h2o:keep=0.2:position=reassigned", "0.1,0.5")
+    assert plan.configs == [("full", None), ("snapkv", 0.1), ("snapkv", 0.5), ("snapkv:max_tokens=96", None),
+                            ("h2o:keep=0.2:position=reassigned", None)]
+    with pytest.raises(KVTrimError, match="max_tokens=8 is smaller"):
+        make_plan("multiturn", "512", "snapkv:max_tokens=8", "0.5")
+
+
 def test_read_lines_repairs_a_cut_line(tmp_path):
     line = {"task": "passkey", "length": 512, "sample": 0, "method": "full", "keep": None, "score": 1.0,
             "kv_bytes": 10, "prefill_seconds": 0.1}
@@ -241,6 +250,29 @@ def test_sweep_resumes_without_redoing_or_losing(tiny_lm, tmp_path, monkeypatch)
     monkeypatch.setattr("kvtrim.eval.replay.record_prefill", lambda *a, **k: pytest.fail("re-ran a finished sample"))
     run_eval(tiny_lm, plan, out, progress=False)
     assert len(read_lines(result_files(out))) == len(lines)
+
+
+def test_a_fixed_budget_holds_its_tokens_whatever_the_prompt_length(tiny_lm, tmp_path):
+    """A fixed budget keeps the same number of tokens at every prompt length and every turn of the chat."""
+    from kvtrim.eval.store import result_files
+    from kvtrim.eval.sweep import run_eval
+
+    plan = make_plan("multiturn", "256,512", "snapkv:max_tokens=96,inf_mllm:max_tokens=96", "0.5", samples=1)
+    run_eval(tiny_lm, plan, tmp_path / "sweep", progress=False)
+    lines = read_lines(result_files(tmp_path / "sweep"))
+    fixed = [d for d in lines if d["method"] != "full"]
+    assert len(fixed) == 4 and {d["length"] for d in fixed} == {256, 512}
+    for d in fixed:
+        assert d["keep"] is None and d["params"]["max_tokens"] == 96
+        # the last turn's prompt evicted down to 96; the answer's decoded tokens came after it
+        assert 96 <= d["stored_tokens"] <= 96 + d["new_tokens"] < d["prompt_tokens"]
+    # the report names the rows as written and draws its plots (a fixed budget has no place on the keep axis)
+    from kvtrim.eval.report import write_report
+
+    write_report([str(tmp_path / "sweep")], str(tmp_path / "report"))
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| snapkv:max_tokens=96 |" in md and "| inf_mllm:max_tokens=96 |" in md
+    assert (tmp_path / "report" / "kv_and_time.png").stat().st_size > 0
 
 
 def test_resume_moves_corrupted_lines_out_and_recomputes_them(tiny_lm, tmp_path, caplog):

@@ -125,6 +125,39 @@ def test_bad_input(model, call, message):
         call(s)
 
 
+def test_the_chat_and_stream_default_holds_its_budget_over_a_chat_far_past_the_context(model):
+    """kvtrim chat's and kvtrim stream's default method, built as the commands build it, keeps at most its
+    budget plus the reply being decoded after every turn of a chat five times the model's context, and
+    its resident KV stops growing once the budget is full."""
+    from argparse import Namespace
+
+    from kvtrim.cli.session import DEFAULT_METHOD, _policy
+
+    args = Namespace(method=DEFAULT_METHOD, keep=None, quality=None, max_tokens=48, position=None)
+    for streaming in (False, True):
+        policy = _policy(args, streaming=streaming)
+        assert policy.name == DEFAULT_METHOD and policy.can_stream()
+        s = Session(model, None, policy)
+        stored, kv = [], []
+        for t in range(40):
+            s.send_ids(_ids(20, 200 + t), max_new_tokens=12, stop_ids=())
+            stored.append(s.stored())
+            kv.append(s.cache.kv_bytes())
+        assert s.seen >= 40 * 31 > 4 * s.max_context
+        assert max(stored) <= 48 + 12 and stored[-1] >= 48
+        assert max(kv[5:]) <= kv[5]  # flat: nothing accumulates turn after turn
+
+
+def test_chat_and_stream_default_to_the_same_method():
+    from kvtrim.cli import build_parser
+    from kvtrim.cli.session import DEFAULT_METHOD
+
+    parser = build_parser()
+    assert parser.parse_args(["stream", "--file", "x"]).method == DEFAULT_METHOD
+    assert parser.parse_args(["chat"]).method is None  # cmd_chat takes DEFAULT_METHOD unless --load
+    assert DEFAULT_METHOD in parser._subparsers._group_actions[0].choices["chat"].format_help()
+
+
 def test_budget_below_window_and_non_streaming_past_context(model):
     with pytest.raises(KVTrimError, match="smaller than the 36 tokens this method always keeps"):
         Session(model, None, "inf_mllm", max_tokens=16)

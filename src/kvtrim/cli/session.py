@@ -31,6 +31,10 @@ from kvtrim.cli.common import (
 )
 from kvtrim.errors import KVTrimError
 
+#: the method of ``kvtrim chat`` and ``kvtrim stream`` without --method. At the same fixed budget
+#: ``snapkv:chunk=8`` scored at least as high on a multi-turn chat (docs/methods.md, "Measured: kvtrim
+#: chat's default at bounded memory"), but snapkv cannot run past the model's context
+#: (``supports_streaming``) and a bounded chat or stream must be able to go on, so inf_mllm stays.
 DEFAULT_METHOD = "inf_mllm"
 
 
@@ -252,8 +256,8 @@ def add_session_commands(sub) -> None:
     s.add_argument_group("input").add_argument("--file", required=True, help="UTF-8 text file")
     model_options(s)
     m = s.add_argument_group("method and budget")
-    m.add_argument("--method", default="inf_mllm", metavar="NAME",
-                   help=method_help("inf_mllm; a method that can stream: inf_mllm, streaming_llm, h2o"))
+    m.add_argument("--method", default=DEFAULT_METHOD, metavar="NAME",
+                   help=method_help(f"{DEFAULT_METHOD}; a method that can stream: inf_mllm, streaming_llm, h2o"))
     m.add_argument("--max-tokens", type=int_arg(1), metavar="N",
                    help=f"tokens kept per layer and KV head [default: {DEFAULT_MAX_TOKENS}, the methods' default budget]")
     m.add_argument("--position", metavar="POLICY",

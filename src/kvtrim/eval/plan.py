@@ -40,6 +40,11 @@ DEFAULT_METHODS = ("full", "streaming_llm", "h2o", "snapkv")
 #: the reference configuration every sweep includes
 REFERENCE = "full"
 
+#: parameters that give a method its own budget: ``snapkv:max_tokens=512`` runs once at that fixed
+#: budget (the same number of tokens whatever the prompt's length, as ``kvtrim chat`` holds), not at
+#: each ``--keep``; its lines have ``keep`` null and the budget in ``params``
+OWN_BUDGET = frozenset({"max_tokens", "keep"})
+
 
 @dataclass
 class EvalPlan:
@@ -115,9 +120,10 @@ def make_plan(tasks, lengths, methods, keeps, samples: int = 20, seed: int = 0, 
         method_list = [REFERENCE, *method_list]
     configs: list[tuple[str, float | None]] = []
     for m in dict.fromkeys(method_list):
-        if get_policy_class(split_method(m)[0]).takes_budget:
+        name, params = split_method(m)
+        if get_policy_class(name).takes_budget and not OWN_BUDGET.intersection(params):
             configs += [(m, k) for k in dict.fromkeys(keep_list)]
-        else:
+        else:  # no budget, or its own (snapkv:max_tokens=512): once, not at each --keep
             configs.append((m, None))
     return EvalPlan(task_list, list(dict.fromkeys(length_list)), list(dict.fromkeys(method_list)),
                     list(dict.fromkeys(keep_list)), samples, seed, prefill, haystack, configs, bool(plain), bits_list)

@@ -298,8 +298,8 @@ def kv_time_figure(cells: list[dict], lengths: list[int], methods: list[str]):
         series: dict[str, list[tuple[float, float]]] = {}
         for m in [REFERENCE, *methods]:
             by_keep = defaultdict(list)
-            for c in cells:
-                if c["method"] == m and c["length"] == n:
+            for c in cells:  # a method with its own fixed budget (keep null) has no place on the keep axis
+                if c["method"] == m and c["length"] == n and (m == REFERENCE or c["keep"] is not None):
                     by_keep[c["keep"] if c["keep"] is not None else 1.0].append(c["kv_bytes"] / 2**20)
             if by_keep:
                 series[m] = sorted((k, statistics.fmean(v)) for k, v in by_keep.items())
@@ -313,15 +313,17 @@ def kv_time_figure(cells: list[dict], lengths: list[int], methods: list[str]):
             axes[0].plot(*zip(*pts), **style)
     for ax, key in ((axes[1], "prefill_s"), (axes[2], dkey)):
         for m in [REFERENCE, *methods]:
+            # the middle keep, or a method's own fixed budget (keep null: snapkv:max_tokens=512), named as written
+            own = all(c["keep"] is None for c in cells if c["method"] == m)
             pts = []
             for n in lengths:
                 ys = [c[key] for c in cells if c["method"] == m and c["length"] == n and c.get(key) is not None
-                      and (m == REFERENCE or c["keep"] == pick)]
+                      and (own or c["keep"] == pick)]
                 if ys:
                     pts.append((n, statistics.median(ys)))
             if pts:  # measured times are never merged: close ones show as nested lines and rings
                 style = dict(REFERENCE_STYLE, marker="o") if m == REFERENCE else styles[m]
-                ax.plot(*zip(*pts), **{**style, "label": m if m == REFERENCE else f"{m} @{pick:g}"})
+                ax.plot(*zip(*pts), **{**style, "label": m if own else f"{m} @{pick:g}"})
     axes[0].set_xlim(0, 1.05)
     axes[0].set_ylim(bottom=0)
     axes[0].set(xlabel="keep (full cache at 1)", ylabel="KV MiB", title="resident KV vs budget")

@@ -426,9 +426,84 @@ def _sweep_tables(root: Path, rel: str, pairs: list[tuple[str, str]]) -> str:
     return out + ("\n\n" + "\n".join(verdict) if verdict else "") + "\n"
 
 
+#: issue 47: kvtrim chat's default at bounded memory. (directory, model, prompt length) of each sweep:
+#: multiturn with every method at the same fixed budgets (``method:max_tokens=N``, docs/eval.md)
+CHAT_DEFAULT_DIRS = (("benchmarks/results/chat_default/smollm2_2k", "SmolLM2", 2048),
+                     ("benchmarks/results/chat_default/smollm2_4k", "SmolLM2", 4096),
+                     ("benchmarks/results/chat_default/qwen_4k", "Qwen2.5-Coder", 4096))
+CHAT_DEFAULT_BUDGETS = (512, 1024)
+CHAT_DEFAULT_REFERENCE = "inf_mllm"  # the default it is judged against
+
+
+def _fixed_budget(method: str) -> tuple[str, int | None]:
+    """``"h2o:max_tokens=512:position=reassigned"`` -> ``("h2o", 512)``: the method as written without its
+    fixed budget (``position=reassigned`` too: what ``kvtrim chat`` gives a streaming method), and the budget."""
+    from kvtrim.registry import split_method
+
+    name, params = split_method(method)
+    budget = params.pop("max_tokens", None)
+    if params.get("position") == "reassigned":
+        params.pop("position")
+    return ":".join([name, *(f"{k}={v}" for k, v in params.items())]), budget
+
+
+def chat_default(root: Path) -> str:
+    """multiturn at fixed budgets (the bounded memory of ``kvtrim chat``) on both models: score per method
+    and budget, turn by turn, and which methods score at least as high as inf_mllm in every cell."""
+    from kvtrim.eval.report import load_dirs
+
+    cols, scores, turns, full, counts = [], {}, {}, {}, set()
+    for rel, model, n in CHAT_DEFAULT_DIRS:
+        lines = [r for r in load_dirs([str(root / rel)]) if r["task"] == "multiturn" and r["length"] == n]
+        for r in lines:
+            m, b = _fixed_budget(r["method"])
+            key = (model, n, b)
+            scores.setdefault((m, key), []).append(r["score"])
+            turns.setdefault((m, key), []).append(r["turn_scores"])
+            if r["method"] == "full":
+                full[(model, n)] = full.get((model, n), []) + [r["score"]]
+        cols += [(model, n, b) for b in CHAT_DEFAULT_BUDGETS]
+    methods = sorted({m for m, _ in scores if m != "full"}, key=lambda m: (m != CHAT_DEFAULT_REFERENCE, m))
+    mean = {k: sum(v) / len(v) for k, v in scores.items()}
+    out = ["| method | " + " | ".join(f"{model} {n} @{b}" for model, n, b in cols) + " |",
+           "|---|" + "---:|" * len(cols)]
+    for m in methods:
+        cells = []
+        for col in cols:
+            v = scores.get((m, col), [])
+            counts.add(len(v))
+            cells.append(f"{mean[(m, col)]:.3f}" if v else "—")
+        out.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    out.append("| full cache | " + " | ".join(f"{sum(full[col[:2]]) / len(full[col[:2]]):.3f}" for col in cols) + " |")
+    out += ["", f"multiturn (4 facts, one question per turn through one cache compressed at each prompt), mean score; "
+            f"samples per cell: {', '.join(map(str, sorted(counts)))}; every method at the same fixed budget "
+            "(`method:max_tokens=N`, tokens per layer and KV head), `h2o` with reassigned positions as `kvtrim chat` "
+            "runs it.", "", "Per turn (turn 1 is asked in the prompt the cache was compressed at; the later ones are "
+            "not):", "", "| method | " + " | ".join(f"{model} {n} @{b}" for model, n, b in cols) + " |",
+            "|---|" + "---|" * len(cols)]
+    for m in methods:
+        cells = []
+        for col in cols:
+            t = turns.get((m, col))
+            cells.append(" / ".join(f"{sum(x[i] for x in t) / len(t):.1f}" for i in range(len(t[0]))) if t else "—")
+        out.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    # the later turns alone: the questions not asked in the prompt the cache was compressed at
+    later = {k: sum(sum(t[1:]) / (len(t) - 1) for t in v) / len(v) for k, v in turns.items()}
+    out.append("")
+    for what, score in (("score", mean), ("score on turns 2-4 alone", later)):
+        ref = [score[(CHAT_DEFAULT_REFERENCE, col)] for col in cols]
+        at_least = [m for m in methods if m != CHAT_DEFAULT_REFERENCE
+                    and all(score.get((m, col), -1) >= r - 1e-9 for col, r in zip(cols, ref))]
+        above = [m for m in at_least if any(score[(m, col)] > r + 1e-9 for col, r in zip(cols, ref))]
+        out.append(f"- {what[0].upper() + what[1:]} at least as high as `{CHAT_DEFAULT_REFERENCE}`'s in all {len(cols)} "
+                   "cells: " + (", ".join(f"`{m}`" for m in at_least) or "none") + "; of them higher in at least one: "
+                   + (", ".join(f"`{m}`" for m in above) or "none") + ".")
+    return "\n".join(out) + "\n"
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
                                                 "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic,
-                                                "perhead": perhead}
+                                                "perhead": perhead, "chat_default": chat_default}
 
 
 # ----------------------------------------------------------------------------- the eval report
