@@ -452,7 +452,11 @@ def chat_default(root: Path) -> str:
     and budget, turn by turn, and which methods score at least as high as inf_mllm in every cell."""
     from kvtrim.eval.report import load_dirs
 
-    cols, scores, turns, full, counts = [], {}, {}, {}, set()
+    cols: list[tuple[str, int, int | None]] = []
+    scores: dict[tuple[str, tuple], list[float]] = {}
+    turns: dict[tuple[str, tuple], list[list[float]]] = {}
+    full: dict[tuple[str, int], list[float]] = {}
+    counts: set[int] = set()
     for rel, model, n in CHAT_DEFAULT_DIRS:
         lines = [r for r in load_dirs([str(root / rel)]) if r["task"] == "multiturn" and r["length"] == n]
         for r in lines:
