@@ -178,13 +178,8 @@ def _attend(base, att: Attachment | None, module, binding, query, key, value, at
         if bias is not None:
             attention_mask = with_logit_bias(attention_mask, bias[:, :, : key.shape[-2]], query)
         res = base(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-    out, weights = res
-    try:
-        binding.cache.after_attention(layer, query, key, scale)
-    finally:
-        layer.decode_probs = None
-        layer.attention_scores = None
-    return out, weights
+    _decide(binding, layer, query, key, scale)
+    return res
 
 
 def _attend_heads(binding, layer, query, attention_mask, dropout, scale, base_name, kwargs):
@@ -201,12 +196,18 @@ def _attend_heads(binding, layer, query, attention_mask, dropout, scale, base_na
         raise KVTrimError("per-head budgets (heads='adaptive') take a causal mask only: a padding mask cannot be "
                           "carried over to heads of other lengths")
     out = layer.attend(query, scale)
+    _decide(binding, layer, query, None, scale)
+    return out, None
+
+
+def _decide(binding, layer, query, key, scale) -> None:
+    """After a layer's attention: the policy decides and the storage applies
+    (``KVTrimCache.after_attention``); the scores handed to the hook are dropped either way."""
     try:
-        binding.cache.after_attention(layer, query, None, scale)
+        binding.cache.after_attention(layer, query, key, scale)
     finally:
         layer.decode_probs = None
         layer.attention_scores = None
-    return out, None
 
 
 #: whether float32 CPU decode steps take kvtrim's decode attention too (not by default: measured
