@@ -25,6 +25,13 @@ it measured):
    decode steps (after 4 warm-up steps) through kvtrim's stepper, for ``full``, ``snapkv`` keep 0.1,
    and transformers' own ``DynamicCache`` (no kvtrim) as the baseline; per-step median time,
    prefill time, resident KV bytes and peak GPU memory.
+4. ``lowbit`` -- the quantized decode kernel (``kvtrim.attention.triton.lowbit``, issue 46): first a
+   correctness check per bit width (8, 4, 2) at 2,080 stored tokens (2,048 quantized in groups of 32 +
+   32 in the model's dtype), the Triton output against the float64 oracle
+   (``kvtrim.attention.reference.lowbit_decode_reference``) under the tolerance rule; then one
+   decode query of one layer of Qwen2.5-7B's shape over 32k / 128k stored tokens: the Triton kernel
+   reading 8/4/2-bit codes against SDPA (flash) over the same number of bfloat16 keys and values,
+   medians of ``--reps``, with the bytes each reads.
 
 Output: one JSON (the ``kvtrim.harness`` machine record plus the GPU, CUDA, Triton and driver
 versions). Without CUDA the script prints ``gpu_check: no CUDA: skipped`` and exits 0, writing
@@ -69,7 +76,7 @@ SEARCHED_CONFIG = "smollm2-135m-instruct.json"
 
 #: seconds each section may take before it skips its remaining cases: 390 s, plus set-up (~20 s) and at most one
 #: case past each guard (a 7B prefill at 128k, ~20-30 s on an H200) stays under 8 minutes
-BUDGET = {"kernels": 130.0, "searched": 60.0, "decode": 200.0}
+BUDGET = {"kernels": 130.0, "searched": 60.0, "decode": 200.0, "lowbit": 40.0}
 
 
 def parse(argv):
@@ -169,7 +176,8 @@ def run_all(ap, args, argv) -> int:
 
     sections = [("kernels", lambda g, out: kernels(torch, device, kdtype, lengths, reps, args, g, out, save)),
                 ("searched", lambda g, out: searched(torch, device, kdtype, lengths, reps, args, g, out, save)),
-                ("decode", lambda g, out: decode(torch, device, dtype, dec_lengths, models, steps, args, g, out, save))]
+                ("decode", lambda g, out: decode(torch, device, dtype, dec_lengths, models, steps, args, g, out, save)),
+                ("lowbit", lambda g, out: lowbit(torch, device, kdtype, dec_lengths, reps, args, g, out, save))]
     for name, fn in sections:
         out = result["sections"].setdefault(name, {})
         guard = Guard(name, BUDGET[name] * args.budget * (100 if args.tiny else 1))
@@ -486,6 +494,87 @@ def decode(torch, device, dtype, lengths, models, steps, args, guard, out, save)
         if base and "decode_ms_median" in r:
             r["decode_speedup_vs_hf_dynamic"] = base["decode_ms_median"] / r["decode_ms_median"]
             r["kv_fraction_of_hf_dynamic"] = r["kv_bytes"] / base["kv_bytes"] if base["kv_bytes"] else math.nan
+
+
+
+# ----------------------------------------------------------------------------- 4. low-bit decode
+
+
+def lowbit_case(torch, device, dtype, bits: int, hq: int, hkv: int, d: int, stored: int, seed: int = 0):
+    """A random quantized layer: ``stored`` tokens, all but the last group quantized at ``bits`` (groups of
+    the low-bit storage's size), the last group in ``dtype``; and one decode query."""
+    from kvtrim.attention.lowbit import LowBitKV
+    from kvtrim.lowbit_storage import GROUP
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    lq = (stored // GROUP - 1) * GROUP
+    kv = LowBitKV.empty(bits, 1, hkv, d, d, device)
+    step = 8192  # quantize in slices: a 128k layer's float32 staging stays small
+    for a in range(0, lq, step):
+        n = min(step, lq - a)
+        kv.append_groups(torch.randn(1, hkv, n, d, device=device, generator=g) * 2,
+                         torch.randn(1, hkv, n, d, device=device, generator=g), GROUP)
+    rk = (torch.randn(1, hkv, stored - lq, d, device=device, generator=g) * 2).to(dtype)
+    rv = torch.randn(1, hkv, stored - lq, d, device=device, generator=g).to(dtype)
+    q = torch.randn(1, hq, 1, d, device=device, generator=g).to(dtype)
+    return kv, rk, rv, q
+
+
+def lowbit(torch, device, dtype, lengths, reps, args, guard, out, save) -> None:
+    from kvtrim.attention.lowbit import lowbit_decode_attention
+    from kvtrim.attention.reference import lowbit_decode_reference
+
+    hq, hkv, d = (2, 1, 16) if args.tiny else KERNEL_SHAPE
+    scale = d ** -0.5
+    checks = out.setdefault("correctness", [])
+    for bits in (8, 4, 2):
+        def check(bits=bits):
+            kv, rk, rv, q = lowbit_case(torch, device, dtype, bits, hq, hkv, d, 2080 if not args.tiny else 96)
+            o, _ = lowbit_decode_attention(q, kv, rk, rv, scale, backend="triton")
+            ref64, _ = lowbit_decode_reference(q.double(), kv, rk.double(), rv.double(), scale)
+            plain, _ = lowbit_decode_reference(q, kv, rk, rv, scale)
+            err = (o.double() - ref64).abs().max().item()
+            bound = 2 * (plain.double() - ref64).abs().max().item() + 1e-7
+            return {"max_abs_err": err, "bound": bound, "ok": err <= bound}
+        case(torch, device, guard, checks, save, {"bits": bits, "stored": 2080 if not args.tiny else 96}, check)
+    cases = out.setdefault("cases", [])
+    f = torch.nn.functional.scaled_dot_product_attention
+    for n in lengths:
+        def dense(n=n):
+            g = torch.Generator(device=device).manual_seed(1)
+            k = torch.randn(1, hkv, n, d, device=device, generator=g).to(dtype)
+            v = torch.randn(1, hkv, n, d, device=device, generator=g).to(dtype)
+            q = torch.randn(1, hq, 1, d, device=device, generator=g).to(dtype)
+
+            def run():
+                with sdpa_flash(torch, device):
+                    return f(q, k, v, enable_gqa=hq > hkv)
+            try:
+                t = timed(torch, device, run, reps)
+                how = "flash, enable_gqa" if device.type == "cuda" else "default backend (CPU)"
+            except RuntimeError:  # a torch without GQA in flash: the KV heads repeated
+                kr, vr = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+
+                def run():
+                    with sdpa_flash(torch, device):
+                        return f(q, kr, vr)
+                t = timed(torch, device, run, reps)
+                how = "flash, KV heads repeated"
+            return {"sdpa_s": t["median_s"], "sdpa_min_s": t["min_s"], "sdpa": how,
+                    "kv_bytes": 2 * k.numel() * k.element_size()}
+        case(torch, device, guard, cases, save, {"stored": n, "bits": 16, "kernel": "SDPA"}, dense)
+        for bits in (8, 4, 2):
+            def low(n=n, bits=bits):
+                kv, rk, rv, q = lowbit_case(torch, device, dtype, bits, hq, hkv, d, n)
+                t = timed(torch, device, lambda: lowbit_decode_attention(q, kv, rk, rv, scale, backend="triton"), reps)
+                return {"triton_s": t["median_s"], "triton_min_s": t["min_s"],
+                        "kv_bytes": kv.nbytes() + 2 * rk.numel() * rk.element_size()}
+            case(torch, device, guard, cases, save, {"stored": n, "bits": bits, "kernel": "triton lowbit"}, low)
+    base = {c["stored"]: c["sdpa_s"] for c in cases if "sdpa_s" in c}
+    for c in cases:
+        if "triton_s" in c and c["stored"] in base:
+            c["speedup_vs_sdpa"] = base[c["stored"]] / c["triton_s"]
+    save()
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def test_time_guard_skips_the_rest_and_still_writes_json(tmp_path):
     out = tmp_path / "gpu.json"
     assert _mod().main(["--tiny", "--budget", "0", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
-    assert d["machine"]["loadavg_end"] is not None and set(d["sections"]) == {"kernels", "searched", "decode"}
+    assert d["machine"]["loadavg_end"] is not None and set(d["sections"]) == {"kernels", "searched", "decode", "lowbit"}
     cases = [c for s in d["sections"].values() for key in ("correctness", "cases") for c in s.get(key, [])]
     assert cases and all(c.get("skipped", "").startswith("time guard") for c in cases)
 
@@ -51,4 +51,11 @@ def test_tiny_runs_every_code_path(tmp_path):
         assert all(rows[(m, c)]["steps"] >= 1 for c in ("full", "snapkv@0.1", "hf_dynamic"))
         assert rows[(m, "snapkv@0.1")]["kv_bytes"] < rows[(m, "full")]["kv_bytes"]
         assert rows[(m, "full")]["stored_tokens"] == rows[(m, "hf_dynamic")]["stored_tokens"]
+    low = d["sections"]["lowbit"]
+    assert [c["bits"] for c in low["correctness"]] == [8, 4, 2] and all(c["ok"] for c in low["correctness"]), low
+    kinds = {(c["kernel"], c["bits"]) for c in low["cases"]}
+    assert kinds == {("SDPA", 16), ("triton lowbit", 8), ("triton lowbit", 4), ("triton lowbit", 2)}
+    by_bits = {c["bits"]: c["kv_bytes"] for c in low["cases"]}
+    assert by_bits[2] < by_bits[4] < by_bits[8] < by_bits[16]  # fewer bits read fewer bytes
+    assert all("speedup_vs_sdpa" in c for c in low["cases"] if c["bits"] != 16)
     assert not any("error" in c for s in d["sections"].values() for c in s.get("cases", []))
