@@ -505,9 +505,23 @@ def chat_default(root: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+#: issue 47: snapkv's span-keeping variants on the sweep's tasks, embedded and reference model
+SPANS_DIRS = {"spans_sweep": "benchmarks/results/spans/eval_smollm2_2048",
+              "spans_sweep_qwen": "benchmarks/results/spans/eval_qwen_4096"}
+SPANS_VARIANTS = ("snapkv:chunk=8", "snapkv:kernel=11", "snapkv:chunk=8:kernel=11")
+
+
+def _spans(key: str) -> Callable[[Path], str]:
+    def gen(root: Path) -> str:
+        """snapkv's span variants against snapkv on the sweep's tasks (``kvtrim report``'s tables)."""
+        return _sweep_tables(root, SPANS_DIRS[key], [(v, "snapkv") for v in SPANS_VARIANTS])
+    return gen
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
                                                 "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic,
-                                                "perhead": perhead, "chat_default": chat_default}
+                                                "perhead": perhead, "chat_default": chat_default,
+                                                **{k: _spans(k) for k in SPANS_DIRS}}
 
 
 # ----------------------------------------------------------------------------- the eval report
