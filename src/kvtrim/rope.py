@@ -112,6 +112,8 @@ class Rotary:
     layout: str = "half"
     # (delta, dtype, device) -> (cos, sin): rotate_by's angles, the same for every layer of a step
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
+    # device -> (table, base): turn_table's (cos, sin) of every integer turn from base on
+    _turns: dict = field(default_factory=dict, compare=False, repr=False)
 
     def rotate(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return rotate(x, delta, self.inv_freq, self.layout)
@@ -125,8 +127,7 @@ class Rotary:
         got = self._memo.get(key)
         if got is None:
             if len(self._memo) >= 256:
-                for k in [k for k in self._memo if k[0] != "turns"]:
-                    del self._memo[k]
+                self._memo.clear()
             ang = expand(torch.tensor(float(delta), dtype=torch.float64, device=x.device).unsqueeze(-1)
                          * self.inv_freq.to(device=x.device, dtype=torch.float64))
             got = self._memo[key] = (ang.cos().to(x.dtype), ang.sin().to(x.dtype))
@@ -139,8 +140,7 @@ class Rotary:
         when a later range falls outside, so every layer of a cache and every decode step shares one
         table: a low-bit storage's quantized keys turn by the same few amounts step after step
         (``kvtrim.attention.lowbit.KeyRotation``)."""
-        key = ("turns", device)
-        got = self._memo.get(key)
+        got = self._turns.get(device)
         if got is not None and got[1] <= lo and hi < got[1] + got[0].shape[0]:
             return got
         if got is not None:  # grow to cover both ranges, at least twice as many rows
@@ -151,7 +151,7 @@ class Rotary:
         turns = torch.arange(lo, hi + 1, dtype=torch.float64, device=device).unsqueeze(-1)
         ang = turns * self.inv_freq.to(device=device, dtype=torch.float64)
         table = torch.stack([ang.cos(), ang.sin()], dim=-1).float().contiguous()
-        self._memo[key] = (table, lo)
+        self._turns[device] = (table, lo)
         return table, lo
 
 
