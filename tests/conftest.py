@@ -47,6 +47,18 @@ def tiny_llama(n_kv: int = 2, groups: int = 3, layers: int = 3, head_dim: int = 
     return model
 
 
+def eager_attentions(model, ids):
+    """Full softmax attention probabilities per layer from transformers' eager path (an independent
+    oracle for the methods' prefill scores), float64 ``[B, Hq, T, T]``."""
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    return [a.double() for a in out.attentions]
+
+
 @pytest.fixture(scope="session")
 def model():
     return tiny_llama()

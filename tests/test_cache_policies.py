@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import eager_attentions
 from transformers import DynamicCache
 
 import kvtrim
@@ -80,17 +81,6 @@ def test_gqa_cache_holds_kv_heads_only(model, prompt):
         assert layer.values.shape[1] == model.config.num_key_value_heads
 
 
-def _eager_attentions(model, ids):
-    """Full softmax attention probabilities per layer from transformers' eager path (an independent oracle)."""
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            out = model(input_ids=ids, output_attentions=True)
-    finally:
-        model.set_attn_implementation("sdpa")
-    return [a.double() for a in out.attentions]  # [B, Hq, T, T]
-
-
 def _kept_positions(cache):
     return [layer.positions.sort(dim=-1).values for layer in cache.compressed_layers]
 
@@ -103,7 +93,7 @@ def test_snapkv_keeps_topk_of_its_scores(model, prompt):
     t = prompt.shape[1]
     budget = math.floor(0.4 * t)
     g = model.config.num_attention_heads // model.config.num_key_value_heads
-    for attn, kept in zip(_eager_attentions(model, prompt), _kept_positions(cache)):
+    for attn, kept in zip(eager_attentions(model, prompt), _kept_positions(cache)):
         s = attn[:, :, -window:, :].sum(dim=2)  # [B, Hq, T]
         s = s.reshape(1, -1, g, t).mean(dim=2)
         s = F.max_pool1d(s.reshape(-1, 1, t), kernel, stride=1, padding=kernel // 2).reshape(1, -1, t)
@@ -121,7 +111,7 @@ def test_h2o_keeps_heavy_hitters_plus_recent(model, prompt):
     budget = math.floor(0.4 * t)
     n_recent = int(budget * 0.5)
     g = model.config.num_attention_heads // model.config.num_key_value_heads
-    for attn, kept in zip(_eager_attentions(model, prompt), _kept_positions(cache)):
+    for attn, kept in zip(eager_attentions(model, prompt), _kept_positions(cache)):
         acc = attn.sum(dim=2).reshape(1, -1, g, t).sum(dim=2)  # column sums, summed over the group
         acc[..., t - n_recent :] = float("inf")
         expect = torch.topk(acc, budget, dim=-1).indices.sort(dim=-1).values

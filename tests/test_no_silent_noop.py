@@ -24,7 +24,7 @@ SPAN_METHODS = [m for m in method_names() if get_policy_class(m).needs_spans]
 
 def test_the_default_budget_is_declared_where_it_is_documented():
     assert DEFAULT_MAX_TOKENS == 1024
-    assert set(DEFAULTED) == {"streaming_llm", "h2o", "snapkv", "inf_mllm", "elastic", "expected_attention"}
+    assert set(DEFAULTED) == {"streaming_llm", "h2o", "snapkv", "inf_mllm", "elastic", "expected_attention", "tova"}
     assert set(SPAN_METHODS) == {"fastv", "hae"}
     assert get_policy_class("hae").default_max_tokens is None  # DDES is optional: DAP alone
     assert not get_policy_class("full").takes_budget and not get_policy_class("fastv").takes_budget

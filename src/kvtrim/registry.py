@@ -54,6 +54,7 @@ register("hae", "kvtrim.policies.hae", "HAE")
 register("inf_mllm", "kvtrim.policies.inf_mllm", "InfMLLM")
 register("elastic", "kvtrim.policies.elastic", "Elastic")
 register("expected_attention", "kvtrim.policies.expected_attention", "ExpectedAttention")
+register("tova", "kvtrim.policies.tova", "TOVA")
 
 
 def method_names() -> list[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 
 class ScoreRequest(NamedTuple):
@@ -133,6 +134,24 @@ def group_reduce(x: torch.Tensor, how: str = "mean") -> torch.Tensor:
     if how == "sum":
         return x.sum(dim=2)
     raise ValueError(f"unknown group reduction {how!r}; allowed: 'mean', 'sum'")
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str = "max") -> torch.Tensor:
+    """``kernel``-wide pooling of ``[B, H, S]`` scores along the keys ("max" or "avg", an average
+    over the keys inside the sequence), so a token's neighbours rank with it; ``kernel`` 1 returns
+    the scores unchanged."""
+    if kernel == 1:
+        return scores
+    b, h, n = scores.shape
+    flat = scores.reshape(b * h, 1, n)
+    pad = kernel // 2
+    if pooling == "avg":
+        flat = F.avg_pool1d(flat, kernel, stride=1, padding=pad, count_include_pad=False)
+    elif pooling == "max":
+        flat = F.max_pool1d(flat, kernel, stride=1, padding=pad)
+    else:
+        raise ValueError(f"unknown pooling {pooling!r}; allowed: 'avg', 'max'")
+    return flat.reshape(b, h, n)
 
 
 def chunk_priority(scores: torch.Tensor, chunk: int, protected: torch.Tensor | None = None) -> torch.Tensor:

@@ -33,12 +33,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvtrim import validate
 from kvtrim.policies.layer_budgets import LayerBudgets
 from kvtrim.rope import partner_of, rotation_moments
-from kvtrim.scores import ScoreRequest, group_reduce, grouped_queries
+from kvtrim.scores import ScoreRequest, group_reduce, grouped_queries, pool_scores
 
 #: the per-layer state holding the running query statistics (lists of floats, saved with a session)
 STATS = "expected_attention_stats"
@@ -174,10 +173,7 @@ class ExpectedAttention(LayerBudgets):
 
     def pool(self, s: torch.Tensor) -> torch.Tensor:
         """``kernel``-wide max pooling of ``[B, H, S]`` scores along the keys."""
-        if self.kernel == 1:
-            return s
-        b, h, n = s.shape
-        return F.max_pool1d(s.reshape(b * h, 1, n), self.kernel, stride=1, padding=self.kernel // 2).reshape(b, h, n)
+        return pool_scores(s, self.kernel, "max")
 
     def on_prefill(self, layer, query, key, scaling):
         self.learn(layer, query)  # also where nothing is evicted: the statistics cover every prompt

@@ -15,12 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch.nn.functional as F
-
 from kvtrim import validate
 from kvtrim.policies.head_budgets import HeadBudgets
 from kvtrim.policies.layer_budgets import LayerBudgets
-from kvtrim.scores import ScoreRequest, chunk_selection, group_reduce
+from kvtrim.scores import ScoreRequest, chunk_selection, group_reduce, pool_scores
 
 
 @dataclass
@@ -63,17 +61,7 @@ class SnapKV(HeadBudgets, LayerBudgets):
 
     def score(self, layer, query, key, scaling):
         probs = self.attention_window_probs(layer, query, key, scaling, self.window)  # [B, Hkv, G, w, S]
-        s = group_reduce(probs.sum(dim=-2), "mean")  # [B, Hkv, S]
-        if self.kernel > 1:
-            b, h, n = s.shape
-            flat = s.reshape(b * h, 1, n)
-            pad = self.kernel // 2
-            if self.pooling == "avg":
-                flat = F.avg_pool1d(flat, self.kernel, stride=1, padding=pad, count_include_pad=False)
-            else:
-                flat = F.max_pool1d(flat, self.kernel, stride=1, padding=pad)
-            s = flat.reshape(b, h, n)
-        return s
+        return pool_scores(group_reduce(probs.sum(dim=-2), "mean"), self.kernel, self.pooling)  # [B, Hkv, S]
 
     def wants_prefill_scores(self, layer) -> ScoreRequest | None:
         return ScoreRequest(window=self.window) if self.wants_scores(layer) else None
