@@ -314,3 +314,24 @@ def test_cli_chat_keeps_going_when_a_save_fails_and_parses_commands_exactly(real
     assert "kvtrim: error: could not save" in err
     assert out.strip()  # the reply to "/savepoints are useful"
     assert "tokens stored of" in err and "[saved to" not in err
+
+
+def test_chat_and_stream_take_a_method_with_parameters():
+    """--method takes kvtrim eval's method syntax (name:key=value...); the budget and positions stay flags."""
+    from argparse import Namespace
+
+    from kvtrim.cli.session import _policy
+
+    def args(method, **kw):
+        return Namespace(method=method, keep=None, quality=None, max_tokens=kw.get("max_tokens", 64), position=None)
+
+    p = _policy(args("snapkv:chunk=8:kernel=11"), streaming=False)
+    assert (p.name, p.chunk, p.kernel, p.max_tokens) == ("snapkv", 8, 11, 64)
+    p = _policy(args("tova:kernel=1"), streaming=True)  # a streaming method gets reassigned positions
+    assert (p.name, p.kernel, p.position_policy) == ("tova", 1, "reassigned") and p.can_stream()
+    with pytest.raises(KVTrimError, match="give max_tokens with --max-tokens"):
+        _policy(args("snapkv:max_tokens=32"), streaming=False)
+    with pytest.raises(KVTrimError, match="snapkv"):
+        _policy(args("snapkv:nonsense=1"), streaming=False)
+    with pytest.raises(KVTrimError, match=r"cannot stream.*tova"):
+        _policy(args("snapkv:chunk=8"), streaming=True)

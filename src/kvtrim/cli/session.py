@@ -41,16 +41,19 @@ DEFAULT_METHOD = "inf_mllm"
 def _policy(args, streaming: bool):
     """The session's policy from the arguments; without --keep/--max-tokens the method's default budget
     (``Policy.default_max_tokens``, 1024) applies, as everywhere."""
-    from kvtrim.registry import check_text_prompt, create_policy, get_policy_class
+    from kvtrim.registry import check_text_prompt, create_policy, get_policy_class, split_method
 
-    cls = get_policy_class(args.method)
-    kw = {}
+    name, kw = split_method(args.method)  # "snapkv:chunk=8": parameters as kvtrim eval's --methods takes them
+    cls = get_policy_class(name)
+    for flag, key in (("--keep", "keep"), ("--max-tokens", "max_tokens"), ("--position", "position")):
+        if key in kw:
+            raise KVTrimError(f"--method {args.method!r}: give {key} with {flag}, not as a method parameter")
     if getattr(args, "keep", None) is not None:
         kw["keep"] = args.keep
     if getattr(args, "quality", None) is not None:
-        check_quality_args(args, args.method)
+        check_quality_args(args, name)
         # a conversation's length is not known in advance: the largest pick over the calibrated lengths
-        choice = quality_choice(args, args.method, args.model, None)
+        choice = quality_choice(args, name, args.model, None)
         kw["keep"] = choice.keep
         args.kv_bits = quality_bits(args, choice)  # the calibration's bit width where it picks one
     if args.max_tokens is not None:
@@ -59,15 +62,23 @@ def _policy(args, streaming: bool):
         kw["position"] = args.position
     elif cls.supports_streaming and cls.takes_budget:
         kw["position"] = "reassigned"  # so the session can outrun the model's context
-    pol = check_text_prompt(create_policy(args.method, **kw))  # sessions are text: no image spans
+    pol = check_text_prompt(create_policy(name, **kw))  # sessions are text: no image spans
     if not pol.supports_turns:
         raise KVTrimError(f"method {args.method!r} does not support multi-turn sessions")
     if streaming and not pol.can_stream():
         raise KVTrimError(
             f"method {args.method!r} (position {pol.position_policy!r}, max_tokens {pol.max_tokens}) cannot stream: "
-            "streaming needs a method that supports it (inf_mllm, streaming_llm, h2o), reassigned positions and --max-tokens"
+            f"streaming needs a method that supports it ({', '.join(streaming_methods())}), reassigned positions "
+            "and --max-tokens"
         )
     return pol
+
+
+def streaming_methods() -> list[str]:
+    """The registered methods that can run past the model's context (``Policy.supports_streaming``)."""
+    from kvtrim.registry import get_policy_class, method_names
+
+    return [m for m in method_names() if get_policy_class(m).supports_streaming]
 
 
 def describe_policy(policy) -> str:
@@ -225,7 +236,9 @@ def add_session_commands(sub) -> None:
                                    "KV memory in use on stderr; /save DIR, /stats, /quit.")
     model_options(c)
     m = c.add_argument_group("method and budget")
-    m.add_argument("--method", metavar="NAME", help=method_help(f"{DEFAULT_METHOD}; a method that supports turns"))
+    m.add_argument("--method", metavar="NAME[:K=V...]",
+                   help=method_help(f"{DEFAULT_METHOD}; a method that supports turns; parameters as in kvtrim eval's "
+                                    "--methods, e.g. snapkv:chunk=8"))
     g = m.add_mutually_exclusive_group()
     g.add_argument("--max-tokens", type=int_arg(1), metavar="N",
                    help=f"tokens kept per layer and KV head [default: {DEFAULT_MAX_TOKENS}, the methods' default budget]")
@@ -256,8 +269,9 @@ def add_session_commands(sub) -> None:
     s.add_argument_group("input").add_argument("--file", required=True, help="UTF-8 text file")
     model_options(s)
     m = s.add_argument_group("method and budget")
-    m.add_argument("--method", default=DEFAULT_METHOD, metavar="NAME",
-                   help=method_help(f"{DEFAULT_METHOD}; a method that can stream: inf_mllm, streaming_llm, h2o"))
+    m.add_argument("--method", default=DEFAULT_METHOD, metavar="NAME[:K=V...]",
+                   help=method_help(f"{DEFAULT_METHOD}; a method that can stream: {', '.join(streaming_methods())}; "
+                                    "parameters as in kvtrim eval's --methods"))
     m.add_argument("--max-tokens", type=int_arg(1), metavar="N",
                    help=f"tokens kept per layer and KV head [default: {DEFAULT_MAX_TOKENS}, the methods' default budget]")
     m.add_argument("--position", metavar="POLICY",
