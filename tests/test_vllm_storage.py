@@ -100,6 +100,8 @@ CASES = {
     "snapkv": {"keep": 0.3, "window": 8},
     "snapkv_shared": {"keep": 0.3, "window": 8, "per_head": False, "chunk": 3},
     "h2o": {"keep": 0.3},
+    "tova": {"keep": 0.3},
+    "tova_heads": {"keep": 0.3, "per_head": True, "window": 4},
     "streaming_llm": {"max_tokens": 30},
     "inf_mllm": {"max_tokens": 40, "window": 8, "decode_cap": 10},
     "elastic": {"keep": 0.3, "distance": 6},
@@ -114,7 +116,7 @@ def test_paged_storage_keeps_what_the_transformers_storage_keeps(model, name, ch
     """``kind``: vLLM's fp8 cache; the transformers storage is then fed the keys and values as the
     kernel reads them back (dequantized), and the paged one must keep the same tokens with the same
     bytes (compaction moves bytes, never re-quantizes)."""
-    method = name.split("_")[0] if name.startswith(("snapkv", "elastic")) else name
+    method = name.split("_")[0] if name.startswith(("snapkv", "elastic", "tova")) else name
     if kind is not None and method == "elastic":
         pytest.skip("a merge is quantized again in an fp8 cache, the transformers storage keeps it in float: "
                     "test_fp8_compaction_moves_bytes_and_writes_merged_tokens_through_the_encoder checks merges")
