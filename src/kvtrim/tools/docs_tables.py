@@ -392,13 +392,36 @@ def perhead(root: Path) -> str:
     return _sweep_tables(root, PERHEAD_DIR, [("snapkv:heads=adaptive", "snapkv")])
 
 
-def _sweep_tables(root: Path, rel: str, pairs: list[tuple[str, str]]) -> str:
-    """``kvtrim report``'s score and memory tables of the sweep in ``rel``, multiturn's score per turn, and
-    for each ``(a, b)`` of ``pairs`` in how many cells (task x budget) ``a`` scored higher, equal, lower."""
-    from kvtrim.eval.report import load_dirs, render, summarize
+def _joined_sweeps(root: Path, rels: tuple[str, ...]) -> tuple[list[dict], str]:
+    """The result lines of several sweeps of one model on the same samples (each with its own full-cache
+    lines), as one sweep: the full cache's lines of the first directory only, and a sentence on whether
+    the others' full-cache answers are the same (they are recomputed by each sweep)."""
+    from kvtrim.eval.report import load_dirs
 
-    lines = load_dirs([str(root / rel)])
-    out = render(summarize(lines), None).rstrip("\n")
+    first = load_dirs([str(root / rels[0])])
+    ref = {(r["task"], r["length"], r["sample"]): r for r in first if r["method"] == "full"}
+    lines, same, both = list(first), 0, 0
+    for rel in rels[1:]:
+        for r in load_dirs([str(root / rel)]):
+            if r["method"] != "full":
+                lines.append(r)
+            elif (k := (r["task"], r["length"], r["sample"])) in ref:
+                both += 1
+                same += r.get("answer") == ref[k].get("answer") and r.get("score") == ref[k].get("score")
+    note = (f"Joined sweeps: {', '.join(f'`{r}`' for r in rels)} (the same samples); the full cache's answer and score "
+            f"are the same in {same} of the {both} samples both ran. The sweeps ran at different times on a shared machine: "
+            "compare their scores and memory, not their seconds.") if len(rels) > 1 else ""
+    return lines, note
+
+
+def _sweep_tables(root: Path, rel: str | tuple[str, ...], pairs: list[tuple[str, str]]) -> str:
+    """``kvtrim report``'s score and memory tables of the sweep in ``rel`` (or several sweeps of one model on
+    the same samples, :func:`_joined_sweeps`), multiturn's score per turn, and for each ``(a, b)`` of
+    ``pairs`` in how many cells (task x budget) ``a`` scored higher, equal, lower."""
+    from kvtrim.eval.report import render, summarize
+
+    lines, note = _joined_sweeps(root, (rel,) if isinstance(rel, str) else rel)
+    out = render(summarize(lines), None).rstrip("\n") + (f"\n\n{note}" if note else "")
     turns: dict[tuple, list[list[float]]] = {}
     for r in lines:
         if r["task"] == "multiturn" and r.get("turn_scores"):
@@ -518,9 +541,18 @@ def _spans(key: str) -> Callable[[Path], str]:
     return gen
 
 
+#: issue 47: tova on the reference model's sweep at 4k, against the methods of that sweep (same samples)
+TOVA_DIRS = ("benchmarks/results/eval_qwen", "benchmarks/results/eval_tova")
+
+
+def tova_qwen(root: Path) -> str:
+    """tova against snapkv, inf_mllm and h2o on the reference model's 4k sweep (``kvtrim report``'s tables)."""
+    return _sweep_tables(root, TOVA_DIRS, [("tova", "snapkv"), ("tova", "inf_mllm"), ("tova", "h2o")])
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
                                                 "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic,
-                                                "perhead": perhead, "chat_default": chat_default,
+                                                "perhead": perhead, "chat_default": chat_default, "tova_qwen": tova_qwen,
                                                 **{k: _spans(k) for k in SPANS_DIRS}}
 
 
