@@ -64,3 +64,21 @@ def test_full_agreement_compares_full_caches_on_joined_samples():
     k = [dict(row("full", None, 0, 1.0), answer="The key is 12345"), dict(row("full", None, 2, 1.0), answer="42")]
     keys, _ = ak.joined_keys(a, k)
     assert ak.full_agreement(a, k, keys) == (2, 1, 1)
+
+
+def test_keep_table_rows_per_keep_means_over_tasks_and_the_verdict():
+    rows = []
+    for task in ("passkey", "multiturn"):
+        rows += [row("kvpress:none", None, 0, 1.0, task=task), row("full", None, 0, 1.0, task=task),
+                 row("kvpress:tova", 0.1, 0, 0.5, task=task), row("kvpress:snapkv", 0.1, 0, 0.0, task=task),
+                 row("tova", 0.1, 0, 1.0 if task == "passkey" else 0.25, task=task)]
+    rows.append(row("snapkv", 0.1, 0, 1.0))  # one task only: no mean, not in the verdict
+    text = ak.keep_table(ak.cell_stats(rows, None), 2048)
+    lines = text.splitlines()
+    assert lines[0] == "| method @ keep | passkey | multiturn | mean |"
+    assert "| kvpress:tova @0.1 | 0.50 (1) | 0.50 (1) | 0.50 |" in lines
+    assert "| tova @0.1 | 1.00 (1) | 0.25 (1) | 0.62 |" in lines
+    assert "| snapkv @0.1 | 1.00 (1) |  |  |" in lines
+    assert ("- keep 0.1: kvtrim's best, `tova` (0.62), is ahead of the best press, `kvpress:tova` (0.50), "
+            "on the mean over the 2 tasks.") in lines
+    assert ak.keep_table({}, 2048) == "(no matched samples)"
