@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import load_benchmark
+from conftest import eager_attentions, load_benchmark
 from transformers import DynamicCache
 
 import kvtrim
@@ -22,16 +22,6 @@ from kvtrim.policies.base import SINKS
 from kvtrim.policies.elastic import Elastic, attention_importance, nearest_anchor
 from kvtrim.registry import create_policy
 from kvtrim.rope import rotate
-
-
-def _eager(model, ids):
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            out = model(input_ids=ids, output_attentions=True)
-    finally:
-        model.set_attn_implementation("sdpa")
-    return [a.double() for a in out.attentions]  # [B, Hq, T, T]
 
 
 def _full_kv(model, ids):
@@ -100,7 +90,7 @@ def test_anchors_are_exactly_the_top_gamma_tokens(model, prompt, keep):
     cache, _ = _prefill(model, prompt, keep=keep, combine="drop")
     t = prompt.shape[1]
     budget = math.floor(keep * t)
-    for attn, layer in zip(_eager(model, prompt), cache.compressed_layers):
+    for attn, layer in zip(eager_attentions(model, prompt), cache.compressed_layers):
         expect = _expected_anchors(attn, budget)
         assert layer.length == budget
         for h in range(layer.positions.shape[1]):  # one index set shared by every KV head
@@ -113,7 +103,7 @@ def test_every_other_token_is_merged_into_its_nearest_anchor(model, prompt, merg
     cache, _ = _prefill(model, prompt, keep=keep, merge_protected=merge_protected)
     t = prompt.shape[1]
     budget = math.floor(keep * t)
-    for attn, layer, (k_full, v_full) in zip(_eager(model, prompt), cache.compressed_layers, _full_kv(model, prompt)):
+    for attn, layer, (k_full, v_full) in zip(eager_attentions(model, prompt), cache.compressed_layers, _full_kv(model, prompt)):
         anchors = _expected_anchors(attn, budget).tolist()
         assert layer.positions[0, 0].tolist() == anchors
         targets = anchors if merge_protected else [a for a in anchors if a not in (0, t - 1)]
