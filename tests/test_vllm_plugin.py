@@ -109,7 +109,7 @@ def cfg(**kw) -> str:
 DENSE = None
 KEEP1_DENSITY1 = cfg(method="snapkv", keep=1.0, prefill="block_sparse", sizes={"k_b": 4096}, min_length=64)
 SNAPKV = cfg(method="snapkv", keep=0.25, prefill="block_sparse", sizes={"k_b": 4}, min_length=64)
-METHODS = ("snapkv", "streaming_llm", "h2o", "inf_mllm", "elastic")
+METHODS = ("snapkv", "streaming_llm", "h2o", "inf_mllm", "elastic", "tova")
 ALL = {m: cfg(method=m, keep=0.25) for m in METHODS}
 
 

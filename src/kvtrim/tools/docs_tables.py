@@ -441,11 +441,13 @@ def _sweep_tables(root: Path, rel: str | tuple[str, ...], pairs: list[tuple[str,
     mean = {(c["task"], c["length"], c["method"], c["keep"]): c["score"] for c in cells if c["prefill"] == "dense"}
     verdict = []
     for a, b in pairs:
-        cmp = [(mean[(t, n, a, k)], mean[(t, n, b, k)]) for (t, n, m, k) in mean if m == a and (t, n, b, k) in mean]
+        # a perplexity is better lower: compared negated, so "higher" always means "better"
+        cmp = [(sign * mean[(t, n, a, k)], sign * mean[(t, n, b, k)]) for (t, n, m, k) in mean
+               if m == a and (t, n, b, k) in mean for sign in [(-1 if t == "ppl" else 1)]]
         if cmp:
             won, lost = sum(x > y for x, y in cmp), sum(x < y for x, y in cmp)
-            verdict.append(f"- `{a}` against `{b}`, over the {len(cmp)} cells (task x budget) both ran: higher in "
-                           f"{won}, equal in {len(cmp) - won - lost}, lower in {lost}.")
+            verdict.append(f"- `{a}` against `{b}`, over the {len(cmp)} cells (task x budget) both ran: better in "
+                           f"{won}, equal in {len(cmp) - won - lost}, worse in {lost} (perplexity: lower is better).")
     return out + ("\n\n" + "\n".join(verdict) if verdict else "") + "\n"
 
 
