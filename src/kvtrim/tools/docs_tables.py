@@ -167,6 +167,12 @@ def guide(root: Path) -> str:
     def row(task, m, cells=q, length=n):
         return " / ".join(f"{_cell(cells, task, length, m, k)['score']:.2f}" for k in keeps)
 
+    qt = _eval_cells(root, TOVA_DIRS[1])
+    fixed = {}  # multiturn at chat's fixed budgets, the reference model at 4k (chat_default)
+    for c in _eval_cells(root, CHAT_DEFAULT_DIRS[2][0]):
+        m, b = _fixed_budget(c["method"])
+        if c["task"] == "multiturn" and b is not None:
+            fixed[(m, b)] = c["score"]
     full_ns = _cell(q, "niah_single", n, "full", None)["score"]
     full_mt = _cell(q, "multiturn", n, "full", None)["score"]
     full_ns16 = _cell(q16, "niah_single", 16384, "full", None)["score"]
@@ -199,11 +205,15 @@ def guide(root: Path) -> str:
         + ", ".join(f"`{m}` {row('niah_single', m)}" for m in doc_methods)
         + f"; at 16k tokens (full cache {full_ns16:.2f}): "
         + ", ".join(f"`{m}` {row('niah_single', m, q16, 16384)}" for m in doc_methods) + " |",
-        "| long chat (many turns) | `snapkv` keep 0.5, or `inf_mllm` (`kvtrim chat`'s default) when the chat must stay "
-        "bounded | Qwen2.5-Coder-0.5B-Instruct sweep, 4k tokens, multi-turn questions through one cache at keep 0.1 / 0.25 / 0.5 "
-        f"(full cache {full_mt:.2f}): " + ", ".join(f"`{m}` {row('multiturn', m)}" for m in doc_methods)
-        + f"; at 16k tokens (full cache {full_mt16:.2f}): "
-        + ", ".join(f"`{m}` {row('multiturn', m, q16, 16384)}" for m in doc_methods) + " |",
+        "| long chat (many turns) | `tova` (`kvtrim chat`'s default), with a keep or a fixed budget | "
+        "Qwen2.5-Coder-0.5B-Instruct sweep, 4k tokens, multi-turn questions through one cache at keep 0.1 / 0.25 / 0.5 "
+        f"(full cache {full_mt:.2f}): `tova` {row('multiturn', 'tova', qt)}, "
+        + ", ".join(f"`{m}` {row('multiturn', m)}" for m in doc_methods)
+        + f"; at 16k tokens (full cache {full_mt16:.2f}; `tova` not swept there): "
+        + ", ".join(f"`{m}` {row('multiturn', m, q16, 16384)}" for m in doc_methods)
+        + "; at a fixed budget of 512 / 1024 tokens (4k): " + ", ".join(
+            f"`{m}` {fixed[(m, 512)]:.2f} / {fixed[(m, 1024)]:.2f}" for m in ("tova", "inf_mllm", "streaming_llm", "h2o"))
+        + " |",
         f"| unbounded stream | `streaming_llm` or `inf_mllm` with `--max-tokens` | stream results (embedded model): 1,000,000 tokens with "
         f"`inf_mllm` at {sl['max_tokens']} tokens, KV flat, RSS +{_rss_growth(sl):.2%} after 100k; at the same budget "
         f"`streaming_llm` streams {tps('streaming_llm'):.0f} tok/s, `inf_mllm` {tps('inf_mllm'):.0f}, `h2o` {tps('h2o'):.0f} "
@@ -528,6 +538,17 @@ def chat_default(root: Path) -> str:
         out.append(f"- {what[0].upper() + what[1:]} at least as high as `{CHAT_DEFAULT_REFERENCE}`'s in all {len(cols)} "
                    "cells: " + (", ".join(f"`{m}`" for m in at_least) or "none") + "; of them higher in at least one: "
                    + (", ".join(f"`{m}`" for m in above) or "none") + ".")
+    from kvtrim.registry import get_policy_class, split_method
+
+    def ranked(pick) -> str:
+        got = {m: [mean[(m, c)] for c in cols if pick(c) and (m, c) in mean] for m in methods}
+        avg = {m: sum(v) / len(v) for m, v in got.items() if v and len(v) == sum(1 for c in cols if pick(c))}
+        return ", ".join(f"`{m}` {v:.3f}{'' if get_policy_class(split_method(m)[0]).supports_streaming else ' (cannot stream)'}"
+                         for m, v in sorted(avg.items(), key=lambda kv: -kv[1]))
+
+    out.append(f"- Mean score over all {len(cols)} cells: {ranked(lambda c: True)}.")
+    for model in dict.fromkeys(c[0] for c in cols):
+        out.append(f"- Mean over {model}'s cells: {ranked(lambda c, m=model: c[0] == m)}.")
     return "\n".join(out) + "\n"
 
 
