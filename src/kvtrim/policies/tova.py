@@ -8,9 +8,8 @@ positions and a fixed budget it streams past the model's context (``supports_str
 
 Why it is here: the newest query of a prompt in a chat template is the assistant header's last
 token, which has read the whole question but is not yet answering it; ranking by that single row
-keeps more of what later questions ask for than SnapKV's window of question tokens. On the
-reference model's multi-turn chat (4,096 tokens, keep 0.25, 10 samples) TOVA's ranking answered
-0.80 of the turns against SnapKV's 0.57 (docs/methods.md has the measured tables).
+keeps more of what later questions ask for than SnapKV's window of question tokens, on the
+reference model's multi-turn chat (docs/methods.md, "tova (TOVA)", has the measured tables).
 
 Two choices differ from the paper and are parameters: ``kernel`` (7: max-pooled along the keys,
 as kvtrim's SnapKV, so a kept token's neighbours survive with it; 1 is the paper's) and
