@@ -340,7 +340,7 @@ def add_serve_command(sub) -> None:
     m.add_argument("--max-model-len", type=int_arg(1), metavar="N", help="longest request in tokens [default: the model's context]")
     k = s.add_argument_group("method and budget")
     k.add_argument("--method", help="KV method run inside vLLM, a text method of `kvtrim methods` (snapkv, streaming_llm, "
-                                    "h2o, inf_mllm, elastic, full) [default: none, vLLM's own KV cache]")
+                                    "h2o, inf_mllm, elastic, tova, full) [default: none, vLLM's own KV cache]")
     g = k.add_mutually_exclusive_group()
     g.add_argument("--keep", type=fraction_arg(), metavar="R", help="fraction of each request's tokens the method keeps")
     g.add_argument("--max-tokens", type=int_arg(1), metavar="N", help="tokens the method keeps per layer and KV head "

@@ -58,10 +58,13 @@ class TOVA(Policy):
             probs = self.decode_probs(layer, query, key, scaling)  # [B, Hkv, G, 1, S]
         else:
             probs = self.attention_window_probs(layer, query, key, scaling, self.window)  # [B, Hkv, G, w, S]
-        s = group_reduce(probs.sum(dim=-2), "mean")  # [B, Hkv, S]
-        if not self.per_head:  # TOVA's score: the mean over every head of the layer, then pooled
-            return pool_scores(s.mean(dim=1, keepdim=True), self.kernel, self.pooling).expand_as(s)
-        return pool_scores(s, self.kernel, self.pooling)
+        rows = probs.sum(dim=-2)  # [B, Hkv, G, S]
+        if not self.per_head:
+            # TOVA's score: the mean over every attention head of the layer (under tensor parallelism
+            # every rank's heads: LayerView.head_mean), then pooled; the same row for each KV head
+            mean = layer.head_mean(rows).unsqueeze(1)  # [B, 1, S]
+            return pool_scores(mean, self.kernel, self.pooling).expand(-1, rows.shape[1], -1)
+        return pool_scores(group_reduce(rows, "mean"), self.kernel, self.pooling)
 
     def wants_prefill_scores(self, layer):
         return ScoreRequest(window=self.window) if self.compresses else None
