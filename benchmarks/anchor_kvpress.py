@@ -270,8 +270,8 @@ def keep_table(stats: dict, length: int, keeps=(0.1, 0.25, 0.5)) -> str:
         if press and ours:
             bp, bo = max(press, key=press.get), max(ours, key=ours.get)
             word = "ahead of" if ours[bo] > press[bp] + 1e-9 else "level with" if abs(ours[bo] - press[bp]) <= 1e-9 else "behind"
-            verdicts.append(f"- keep {col:g}: kvtrim's best, `{bo}` ({ours[bo]:.2f}), is {word} the best press, "
-                            f"`{bp}` ({press[bp]:.2f}), on the mean over the {len(tasks)} tasks.")
+            verdicts.append(f"- keep {col:g}: kvtrim's best, `{bo}` ({ours[bo]:.3f}), is {word} the best press, "
+                            f"`{bp}` ({press[bp]:.3f}), on the mean over the {len(tasks)} tasks.")
     return "\n".join(lines) + ("\n\n" + "\n".join(verdicts) if verdicts else "")
 
 

@@ -79,6 +79,6 @@ def test_keep_table_rows_per_keep_means_over_tasks_and_the_verdict():
     assert "| kvpress:tova @0.1 | 0.50 (1) | 0.50 (1) | 0.50 |" in lines
     assert "| tova @0.1 | 1.00 (1) | 0.25 (1) | 0.62 |" in lines
     assert "| snapkv @0.1 | 1.00 (1) |  |  |" in lines
-    assert ("- keep 0.1: kvtrim's best, `tova` (0.62), is ahead of the best press, `kvpress:tova` (0.50), "
+    assert ("- keep 0.1: kvtrim's best, `tova` (0.625), is ahead of the best press, `kvpress:tova` (0.500), "
             "on the mean over the 2 tasks.") in lines
     assert ak.keep_table({}, 2048) == "(no matched samples)"

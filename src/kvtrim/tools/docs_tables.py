@@ -168,6 +168,7 @@ def guide(root: Path) -> str:
         return " / ".join(f"{_cell(cells, task, length, m, k)['score']:.2f}" for k in keeps)
 
     qt = _eval_cells(root, TOVA_DIRS[1])
+    tova16 = _cell(_eval_cells(root, TOVA16K_DIRS[1]), "multiturn", 16384, "tova", 0.25)["score"]
     fixed = {}  # multiturn at chat's fixed budgets, the reference model at 4k (chat_default)
     for c in _eval_cells(root, CHAT_DEFAULT_DIRS[2][0]):
         m, b = _fixed_budget(c["method"])
@@ -209,7 +210,7 @@ def guide(root: Path) -> str:
         "Qwen2.5-Coder-0.5B-Instruct sweep, 4k tokens, multi-turn questions through one cache at keep 0.1 / 0.25 / 0.5 "
         f"(full cache {full_mt:.2f}): `tova` {row('multiturn', 'tova', qt)}, "
         + ", ".join(f"`{m}` {row('multiturn', m)}" for m in doc_methods)
-        + f"; at 16k tokens (full cache {full_mt16:.2f}; `tova` not swept there): "
+        + f"; at 16k tokens (full cache {full_mt16:.2f}): `tova` - / {tova16:.2f} / - (keep 0.25 only), "
         + ", ".join(f"`{m}` {row('multiturn', m, q16, 16384)}" for m in doc_methods)
         + "; at a fixed budget of 512 / 1024 tokens (4k): " + ", ".join(
             f"`{m}` {fixed[(m, 512)]:.2f} / {fixed[(m, 1024)]:.2f}" for m in ("tova", "inf_mllm", "streaming_llm", "h2o"))
@@ -574,9 +575,19 @@ def tova_qwen(root: Path) -> str:
     return _sweep_tables(root, TOVA_DIRS, [("tova", "snapkv"), ("tova", "inf_mllm"), ("tova", "h2o")])
 
 
+#: issue 47's 16k targets: tova at keep 0.25 on multiturn and niah_single, joined with the 16k sweep
+TOVA16K_DIRS = ("benchmarks/results/eval_qwen16k", "benchmarks/results/eval_tova16k")
+
+
+def tova_qwen16k(root: Path) -> str:
+    """The 16k sweep's tables joined with tova's cells (keep 0.25, multiturn and niah_single)."""
+    return _sweep_tables(root, TOVA16K_DIRS, [("tova", "snapkv"), ("tova", "inf_mllm")])
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
                                                 "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic,
                                                 "perhead": perhead, "chat_default": chat_default, "tova_qwen": tova_qwen,
+                                                "tova_qwen16k": tova_qwen16k,
                                                 **{k: _spans(k) for k in SPANS_DIRS}}
 
 
