@@ -26,7 +26,7 @@ def test_chat_banner_reads_as_text(tiny_dir, monkeypatch, capsys):
     rc, err = _chat(["--model", tiny_dir, "--max-tokens", "64"], monkeypatch, capsys)
     assert rc == 0, err
     banner = next(line for line in err.splitlines() if line.startswith("kvtrim chat: "))
-    assert "method inf_mllm (max_tokens=64, position=reassigned, " in banner, banner
+    assert "method tova (max_tokens=64, position=reassigned, " in banner, banner  # the default method
     assert "{" not in banner and "'" not in banner and "None" not in banner
 
 
