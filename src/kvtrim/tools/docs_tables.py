@@ -418,8 +418,8 @@ def _joined_sweeps(root: Path, rels: tuple[str, ...]) -> tuple[list[dict], str]:
                 lines.append(r)
             elif (k := (r["task"], r["length"], r["sample"])) in ref:
                 both += 1
-                a, b = r.get("score"), ref[k].get("score")  # a perplexity differs in its last digits (summation order)
-                same += r.get("answer") == ref[k].get("answer") and (a == b or abs(a - b) <= 1e-6 * max(abs(a), abs(b)))
+                a, b = float(r["score"]), float(ref[k]["score"])  # a perplexity differs in its last digits (summation order)
+                same += r.get("answer") == ref[k].get("answer") and abs(a - b) <= 1e-6 * max(abs(a), abs(b))
     note = (f"Joined sweeps: {', '.join(f'`{r}`' for r in rels)} (the same samples); the full cache's answer and score "
             f"(within a millionth) are the same in {same} of the {both} samples both ran. The sweeps ran at different times on a shared machine: "
             "compare their scores and memory, not their seconds.") if len(rels) > 1 else ""
