@@ -338,3 +338,18 @@ def test_chat_and_stream_take_a_method_with_parameters():
         _policy(args("snapkv:nonsense=1"), streaming=False)
     with pytest.raises(KVTrimError, match=r"cannot stream.*tova"):
         _policy(args("snapkv:chunk=8"), streaming=True)
+
+
+def test_chat_under_quality_falls_back_to_a_calibrated_method_and_says_so(capsys):
+    """The shipped calibrations predate tova: chat --quality without --method runs inf_mllm, with one
+    stderr line; an explicit --method, or no --quality, is taken as given."""
+    from argparse import Namespace
+
+    from kvtrim.cli.session import DEFAULT_METHOD, QUALITY_FALLBACK, _chat_method
+
+    args = Namespace(method=None, quality=0.8, model=None, calibration=None)
+    assert _chat_method(args) == QUALITY_FALLBACK
+    assert f"the calibration has no {DEFAULT_METHOD}" in capsys.readouterr().err
+    assert _chat_method(Namespace(method=None, quality=None, model=None, calibration=None)) == DEFAULT_METHOD
+    assert _chat_method(Namespace(method="tova", quality=0.8, model=None, calibration=None)) == "tova"
+    assert capsys.readouterr().err == ""

@@ -37,6 +37,28 @@ from kvtrim.errors import KVTrimError
 #: answers few, slightly below inf_mllm), and level with inf_mllm on a running text stream (perplexity
 #: and speed). docs/methods.md, "Measured: kvtrim chat's default at bounded memory", has the tables.
 DEFAULT_METHOD = "tova"
+#: chat's method under --quality without --method when the model's calibration has no DEFAULT_METHOD
+#: yet (the shipped calibrations were made before tova): the previous default, which they hold
+QUALITY_FALLBACK = "inf_mllm"
+
+
+def _chat_method(args) -> str:
+    """``--method``, else DEFAULT_METHOD; under --quality, QUALITY_FALLBACK where the calibration has no
+    DEFAULT_METHOD (said on stderr; a missing calibration is left to --quality's own error)."""
+    if args.method:
+        return args.method
+    if getattr(args, "quality", None) is not None:
+        from kvtrim.budget import calibration_for
+
+        try:
+            methods = calibration_for(args.model, getattr(args, "calibration", None)).methods
+        except KVTrimError:
+            return DEFAULT_METHOD
+        if DEFAULT_METHOD not in methods and QUALITY_FALLBACK in methods:
+            print(f"kvtrim: --quality: the calibration has no {DEFAULT_METHOD} (chat's default) yet; using "
+                  f"{QUALITY_FALLBACK}, which it holds (--method to choose)", file=sys.stderr)
+            return QUALITY_FALLBACK
+    return DEFAULT_METHOD
 
 
 def _policy(args, streaming: bool):
@@ -119,7 +141,7 @@ def cmd_chat(args) -> int:
 
             args.model = saved_model_source(args.load)
     else:
-        args.method = args.method or DEFAULT_METHOD
+        args.method = _chat_method(args)
     policy = None if args.load else _policy(args, streaming=False)
     if args.max_new_tokens < 1:
         raise KVTrimError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
