@@ -70,13 +70,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvtrim import validate
 from kvtrim.decisions import LOGIT_BIAS, DropSlot, Keep, Merge
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.scores import ScoreRequest, causal_prob_chunks, window_probs
+from kvtrim.scores import ScoreRequest, causal_prob_chunks, pool_scores, window_probs
 
 COMBINE = ("merge", "drop")
 IMPORTANCE = ("sum", "mean", "ema", "query")
@@ -251,7 +250,7 @@ class Elastic(Policy):
         tokens (``kernel`` wide), so a token's neighbours rank with it (whole spans become anchors)."""
         s = importance.float().clone()
         if self.kernel > 1:
-            s = F.max_pool1d(s.unsqueeze(1), self.kernel, stride=1, padding=self.kernel // 2).squeeze(1)
+            s = pool_scores(s.unsqueeze(1), self.kernel, "max").squeeze(1)
         s[:, : self.n_sinks] = float("inf")
         s[:, -self.n_last :] = float("inf")
         return torch.topk(s, budget, dim=-1, sorted=False).indices.sort(dim=-1).values
