@@ -269,18 +269,20 @@ def _in_threads(work) -> None:
         raise errors[0]
 
 
-@pytest.mark.parametrize("name", ["elastic", "elastic_frequency"])
+@pytest.mark.parametrize("name", ["elastic", "elastic_frequency", "tova", "snapkv_shared", "h2o_shared"])
 def test_under_tensor_parallelism_ranks_keep_what_one_storage_of_every_head_keeps(name):
-    """Elastic Cache's anchors come from a score averaged over every attention head. Split over two
-    tensor-parallel ranks (one KV head and its query heads each), each rank's storage averages over
-    all ranks' heads (``LayerView.head_mean``), so the ranks keep and merge the same tokens as one
-    storage holding every head -- not each rank its own choice."""
-    params = {"position": "true", **CASES[name]}
+    """A score averaged over every attention head (Elastic Cache's anchors, TOVA's ranking, any
+    method's ``per_head=false``: one token set per layer). Split over two tensor-parallel ranks (one
+    KV head and its query heads each), each rank's storage averages over all ranks' heads
+    (``LayerView.head_mean``), so the ranks keep and merge the same tokens as one storage holding
+    every head -- not each rank its own choice."""
+    method = name.split("_")[0]
+    params = {"position": "true", **CASES.get(name, {"keep": 0.3, "per_head": False})}
     whole = PagedLayer(0, HKV, BS)
-    whole_policy = create_policy("elastic", **params)
+    whole_policy = create_policy(method, **params)
     group = Ranks(HKV)
     ranks = [PagedLayer(0, 1, BS) for _ in range(HKV)]
-    policies = [create_policy("elastic", **params) for _ in range(HKV)]
+    policies = [create_policy(method, **params) for _ in range(HKV)]
     for r, layer in enumerate(ranks):
         layer.gather_ranks = group.gather_for(r)
     pools = [Pool(heads=HKV)] + [Pool(heads=1) for _ in range(HKV)]

@@ -47,7 +47,7 @@ import torch
 from kvtrim import validate
 from kvtrim.decisions import Decisions, DropSlots, Keep, LayerView
 from kvtrim.errors import KVTrimError
-from kvtrim.scores import ScoreRequest, causal_column_sums, window_probs
+from kvtrim.scores import ScoreRequest, causal_column_sums, heads_shared, window_probs
 
 POSITION_POLICIES = ("true", "reassigned", "compressed")
 
@@ -299,12 +299,13 @@ class Policy:
         mask = positions < self.n_sinks
         return mask | (positions >= seen - n_recent) if n_recent > 0 else mask
 
-    def ranking(self, scores: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
-        """The float32 scores :meth:`select` ranks: averaged over heads unless ``per_head``, protected
-        tokens at +inf."""
+    def ranking(self, scores: torch.Tensor, protected: torch.Tensor | None, layer: LayerView | None = None) -> torch.Tensor:
+        """The float32 scores :meth:`select` ranks: averaged over heads unless ``per_head`` (over
+        every head of the layer, on every tensor-parallel rank, given its ``layer``:
+        :func:`kvtrim.scores.heads_shared`), protected tokens at +inf."""
         s = scores.float()
         if not self.per_head:
-            s = s.mean(dim=1, keepdim=True).expand_as(scores)
+            s = heads_shared(s, layer)
             if protected is not None:
                 protected = protected.any(dim=1, keepdim=True).expand_as(scores)
         if protected is not None:
@@ -322,9 +323,11 @@ class Policy:
             return torch.topk(s, n_drop, dim=-1, largest=False, sorted=False).indices
         return None
 
-    def select(self, scores: torch.Tensor, protected: torch.Tensor | None, budget: int) -> torch.Tensor:
-        """Slots to keep: the top-``budget`` of ``scores`` with protected tokens forced in, ascending."""
-        s = self.ranking(scores, protected)
+    def select(self, scores: torch.Tensor, protected: torch.Tensor | None, budget: int,
+               layer: LayerView | None = None) -> torch.Tensor:
+        """Slots to keep: the top-``budget`` of ``scores`` with protected tokens forced in, ascending
+        (``layer``: the view the scores belong to, for :meth:`ranking`'s head mean)."""
+        s = self.ranking(scores, protected, layer)
         drop = self.few_dropped(s, budget)
         if drop is not None:
             keep = torch.ones(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, drop, False)
@@ -343,10 +346,10 @@ class Policy:
             return None
         scores, protected = self.score(layer, query, key, scaling), self.protected(layer, budget)
         if order_free and layer.phase == "decode":
-            drop = self.few_dropped(self.ranking(scores, protected), budget)
+            drop = self.few_dropped(self.ranking(scores, protected, layer), budget)
             if drop is not None:
                 return DropSlots(drop)
-        return Keep(self.select(scores, protected, budget))
+        return Keep(self.select(scores, protected, budget, layer))
 
     # --- capability hooks --------------------------------------------------------------------------
     def share_prefill_scores(self, memo: dict | None) -> "Policy":

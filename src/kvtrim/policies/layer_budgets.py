@@ -155,7 +155,7 @@ class LayerBudgets(Policy):
         budget = layer.round_budget(self.pyramid_budget(layer))
         if budget >= layer.length:
             return None
-        return Keep(self.select(self.score(layer, query, key, scaling), self.protected(layer, budget), budget))
+        return Keep(self.select(self.score(layer, query, key, scaling), self.protected(layer, budget), budget, layer))
 
     def adaptive_keep(self, layer, query, key, scaling) -> Decisions:
         if not self.wants_scores(layer):
@@ -187,6 +187,6 @@ class LayerBudgets(Policy):
         for j, v, s, p, n in zip(order, views, scores, prot, counts):
             n = v.round_budget(n)
             if n < v.length:
-                idx = self.select(s, p, n)
+                idx = self.select(s, p, n, v)
                 decisions.append(Keep(idx) if j == layer.layer_idx else Keep(idx, layer=j))
         return decisions
