@@ -120,3 +120,27 @@ def test_readme_states_the_reference_models_provenance():
     assert f"(`{QWEN.sha256[:8]}...{QWEN.sha256[-6:]}`)" in text
     assert "nothing in them is imported or run" in text and "`Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF`" in text
     assert len(QWEN.packages) == 6 and all(p.endswith("==0.9.0") for p in QWEN.packages)
+
+
+def test_chat_stats_tell_stored_bytes_from_resident_ones(tiny_dir, monkeypatch, capsys):
+    """After a short chat the buffers' spare room can make the resident KV exceed an uncompressed
+    cache's; the status line says how much of it the stored tokens take, which cannot."""
+    import re
+
+    rc, err = _chat(["--model", tiny_dir, "--max-tokens", "64", "--max-new-tokens", "3"], monkeypatch, capsys,
+                    stdin="hello there\n/stats\n")
+    assert rc == 0, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("[KV ")]
+    assert len(lines) == 2, err  # after the reply and for /stats
+    size = r"([\d.]+ [KM]iB)"
+    m = re.fullmatch(rf"\[KV {size} resident, {size} of it stored tokens \(uncompressed: {size}\); "
+                     r"(\d+) tokens stored of (\d+) seen\]", lines[-1])
+    assert m, lines[-1]
+
+    def num(text: str) -> float:
+        value, unit = text.split()
+        return float(value) * (2**20 if unit == "MiB" else 2**10)
+
+    resident, stored, full = (num(m.group(i)) for i in (1, 2, 3))
+    assert 0 < stored <= resident and stored <= full
+    assert int(m.group(4)) <= int(m.group(5))

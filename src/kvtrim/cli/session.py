@@ -116,7 +116,8 @@ def _json(d: dict) -> str:
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """Bytes as MiB, or KiB below one MiB (a small model's or a short chat's cache reads as more than 0.0)."""
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def cmd_chat(args) -> int:
@@ -159,8 +160,10 @@ def cmd_chat(args) -> int:
 
     def stats() -> str:
         c = s.cache
-        return (f"[KV {_mib(c.kv_bytes())} resident (uncompressed: {_mib(c.kv_bytes_full())}); "
-                f"{s.stored()} tokens stored of {s.seen} seen]")
+        # resident counts the buffers' spare room for the next tokens too (a short chat's resident
+        # bytes can exceed the uncompressed cache's): the stored tokens' own bytes are told apart
+        return (f"[KV {_mib(c.kv_bytes())} resident, {_mib(c.kv_bytes_stored())} of it stored tokens "
+                f"(uncompressed: {_mib(c.kv_bytes_full())}); {s.stored()} tokens stored of {s.seen} seen]")
 
     while True:
         if interactive:
