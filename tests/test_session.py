@@ -340,16 +340,26 @@ def test_chat_and_stream_take_a_method_with_parameters():
         _policy(args("snapkv:chunk=8"), streaming=True)
 
 
-def test_chat_under_quality_falls_back_to_a_calibrated_method_and_says_so(capsys):
-    """The shipped calibrations predate tova: chat --quality without --method runs inf_mllm, with one
-    stderr line; an explicit --method, or no --quality, is taken as given."""
+def test_chat_under_quality_falls_back_to_a_calibrated_method_and_says_so(capsys, tmp_path):
+    """A calibration made before tova (a user's own, say): chat --quality without --method runs
+    inf_mllm, with one stderr line; the shipped calibrations hold tova, so chat's default is used
+    with them; an explicit --method, or no --quality, is taken as given."""
     from argparse import Namespace
 
+    from kvtrim.budget import Calibration, calibration_for
     from kvtrim.cli.session import DEFAULT_METHOD, QUALITY_FALLBACK, _chat_method
 
-    args = Namespace(method=None, quality=0.8, model=None, calibration=None)
+    for model in (None, "qwen2.5-0.5b"):  # the shipped calibrations
+        assert DEFAULT_METHOD in calibration_for(model).methods
+        assert _chat_method(Namespace(method=None, quality=0.8, model=model, calibration=None)) == DEFAULT_METHOD
+    assert capsys.readouterr().err == ""
+    shipped = calibration_for(None)
+    old = tmp_path / "old.json"
+    Calibration(model=shipped.model, made=shipped.made,
+                methods={m: p for m, p in shipped.methods.items() if m != DEFAULT_METHOD}).save(old)
+    args = Namespace(method=None, quality=0.8, model=None, calibration=str(old))
     assert _chat_method(args) == QUALITY_FALLBACK
     assert f"the calibration has no {DEFAULT_METHOD}" in capsys.readouterr().err
-    assert _chat_method(Namespace(method=None, quality=None, model=None, calibration=None)) == DEFAULT_METHOD
-    assert _chat_method(Namespace(method="tova", quality=0.8, model=None, calibration=None)) == "tova"
+    assert _chat_method(Namespace(method=None, quality=None, model=None, calibration=str(old))) == DEFAULT_METHOD
+    assert _chat_method(Namespace(method="tova", quality=0.8, model=None, calibration=str(old))) == "tova"
     assert capsys.readouterr().err == ""

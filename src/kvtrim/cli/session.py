@@ -38,7 +38,8 @@ from kvtrim.errors import KVTrimError
 #: and speed). docs/methods.md, "Measured: kvtrim chat's default at bounded memory", has the tables.
 DEFAULT_METHOD = "tova"
 #: chat's method under --quality without --method when the model's calibration has no DEFAULT_METHOD
-#: yet (the shipped calibrations were made before tova): the previous default, which they hold
+#: (one made before tova, a user's own: the shipped calibrations hold tova since 2026-12-06): the
+#: previous default, which such calibrations hold
 QUALITY_FALLBACK = "inf_mllm"
 
 
