@@ -403,6 +403,28 @@ def perhead(root: Path) -> str:
     return _sweep_tables(root, PERHEAD_DIR, [("snapkv:heads=adaptive", "snapkv")])
 
 
+#: issue 47's 16k multi-turn target: tova's parameters at keep 0.25 (pooling kernel, a window of rows, per-head sets)
+TOVA16K_VARIANT_DIRS = ("benchmarks/results/eval_tova16k", "benchmarks/results/eval_tova16k_var",
+                        "benchmarks/results/eval_tova16k_var2")
+
+
+def tova_qwen16k_variants(root: Path) -> str:
+    """tova's variants against its defaults on the 16k multi-turn chat (``kvtrim report``'s tables)."""
+    return _sweep_tables(root, TOVA16K_VARIANT_DIRS, [(v, "tova") for v in (
+        "tova:kernel=11", "tova:kernel=3", "tova:per_head=true", "tova:window=2", "tova:window=8")])
+
+
+#: issue 47: per-head and per-layer budgets on the reference model's 4k sweep, joined with it (same samples)
+BUDGETS_QWEN_DIRS = ("benchmarks/results/eval_qwen", "benchmarks/results/eval_budgets_qwen")
+
+
+def budgets_qwen(root: Path) -> str:
+    """snapkv with per-head (``heads=adaptive``) and per-layer (``layers=adaptive``) budgets against
+    uniform snapkv on the reference model's 4k sweep (``kvtrim report``'s tables)."""
+    return _sweep_tables(root, BUDGETS_QWEN_DIRS, [("snapkv:heads=adaptive", "snapkv"),
+                                                   ("snapkv:layers=adaptive", "snapkv")])
+
+
 def _joined_sweeps(root: Path, rels: tuple[str, ...]) -> tuple[list[dict], str]:
     """The result lines of several sweeps of one model on the same samples (each with its own full-cache
     lines), as one sweep: the full cache's lines of the first directory only, and a sentence on whether
@@ -587,7 +609,8 @@ def tova_qwen16k(root: Path) -> str:
 GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
                                                 "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic,
                                                 "perhead": perhead, "chat_default": chat_default, "tova_qwen": tova_qwen,
-                                                "tova_qwen16k": tova_qwen16k,
+                                                "tova_qwen16k": tova_qwen16k, "budgets_qwen": budgets_qwen,
+                                                "tova_qwen16k_variants": tova_qwen16k_variants,
                                                 **{k: _spans(k) for k in SPANS_DIRS}}
 
 
