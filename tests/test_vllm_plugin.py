@@ -195,13 +195,19 @@ def test_every_method_keeps_in_vllm_what_it_keeps_on_transformers(method):
         assert ours["tokens"][i] == tokens, f"request {i}"
 
 
-@pytest.mark.parametrize("method", ["snapkv", "elastic"])
-def test_tensor_parallel_equals_one_rank(method):
+TP_SPECS = {"snapkv": SNAPKV,
+            "elastic": cfg(method="elastic", keep=0.25, prefill="block_sparse", sizes={"k_b": 4}, min_length=64),
+            "snapkv_shared": cfg(method="snapkv", keep=0.25, per_head=False),
+            "tova": ALL["tova"]}
+
+
+@pytest.mark.parametrize("name", list(TP_SPECS))
+def test_tensor_parallel_equals_one_rank(name):
     # SmolLM2-135M has 9 query and 3 KV heads: vLLM refuses tensor parallel 2 for it (9 heads do
-    # not split in two), so the test splits them over 3 ranks, one KV head each; Elastic Cache's
-    # score is a mean over every head, gathered from the three ranks
-    spec = SNAPKV if method == "snapkv" else cfg(method="elastic", keep=0.25, prefill="block_sparse", sizes={"k_b": 4},
-                                                  min_length=64)
+    # not split in two), so the test splits them over 3 ranks, one KV head each; Elastic Cache's,
+    # TOVA's and per_head=False's scores are means over every head, gathered from the three ranks
+    spec = TP_SPECS[name]
+    method = json.loads(spec)["method"]
     one, three = _ok(run(spec, scheduler=True)), _ok(run(spec, scheduler=True, tp=3))
     assert f"kvtrim: {method} compaction in use" in three["log"]
     assert three["tokens"] == one["tokens"]
