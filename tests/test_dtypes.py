@@ -187,9 +187,9 @@ def test_low_precision_cache_stores_kv_in_the_model_dtype_and_scores_in_float32(
         cache = KVTrimCache(model, name, **kw)
         select = cache.policy.select
 
-        def recording_select(scores, protected, budget):
+        def recording_select(scores, protected, budget, *rest):
             seen.append(scores.dtype)
-            return select(scores, protected, budget)
+            return select(scores, protected, budget, *rest)
 
         object.__setattr__(cache.policy, "select", recording_select)
         return cache
