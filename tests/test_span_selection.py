@@ -98,3 +98,25 @@ def test_chunk_default_unchanged_and_validated(model, prompt):
     for m in ("snapkv", "inf_mllm"):
         with pytest.raises(KVTrimError, match="chunk"):
             create_policy(m, keep=0.2, chunk=0)
+
+
+def test_a_select_override_with_the_documented_arguments_still_runs(model, prompt):
+    """``select(scores, protected, budget)`` is the extension point a custom policy overrides; with
+    ``per_head=False`` the head mean arrives already taken (``Policy.shared``), so an override that
+    only re-ranks sees one row for every head and the layer keeps one set."""
+    from kvtrim.policies.snapkv import SnapKV
+
+    calls = []
+
+    class Recording(SnapKV):
+        def select(self, scores, protected, budget):
+            calls.append(bool((scores == scores[:, :1]).all()))
+            return super().select(scores, protected, budget)
+
+    policy = Recording(keep=0.4, window=8, per_head=False, chunk=4)
+    cache = KVTrimCache(model, policy)
+    with kvtrim.attach(model), torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    assert calls and all(calls)
+    for pos in _kept(cache):
+        assert (pos == pos[:, :1]).all()

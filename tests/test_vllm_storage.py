@@ -323,6 +323,57 @@ def test_under_tensor_parallelism_ranks_keep_what_one_storage_of_every_head_keep
     assert compactions > 0
 
 
+@pytest.mark.parametrize("name", ["tova", "snapkv_shared", "h2o_shared", "inf_mllm_shared"])
+def test_a_shared_ranking_gathers_once_per_decision(name):
+    """``per_head=false`` under tensor parallelism: the head mean over every rank (one all-gather)
+    is taken once per eviction (``Policy.shared``), not again when the scores are chunked or ranked
+    (TOVA's score averages over the heads itself; SnapKV and Inf-MLLM here also keep whole chunks)."""
+    method = name.rsplit("_", 1)[0] if name.endswith("_shared") else name
+    params = {"position": "true", **CASES.get(name, {"keep": 0.3, "per_head": False})}
+    if method == "inf_mllm":
+        params = {"position": "true", **CASES["inf_mllm"], "per_head": False, "chunk": 4}
+    group = Ranks(HKV)
+    ranks = [PagedLayer(0, 1, BS) for _ in range(HKV)]
+    policies = [create_policy(method, **params) for _ in range(HKV)]
+    gathers, decisions = [0] * HKV, [0] * HKV
+    for r, (layer, policy) in enumerate(zip(ranks, policies)):
+        inner, hook = group.gather_for(r), policy.after_attention
+
+        def counted_gather(x, r=r, inner=inner):
+            gathers[r] += 1
+            return inner(x)
+
+        def counted_hook(*a, r=r, hook=hook):
+            d = hook(*a)
+            decisions[r] += d is not None
+            return d
+        layer.gather_ranks = counted_gather
+        object.__setattr__(policy, "after_attention", counted_hook)
+    pools = [Pool(heads=1) for _ in range(HKV)]
+    ledgers = [plan.Ledger(BS) for _ in range(HKV)]
+    g = torch.Generator().manual_seed(6)
+    hq = HQ // HKV
+
+    def step(r, ctx, q, k, v, query):
+        pool, ledger, layer = pools[r], ledgers[r], ranks[r]
+        freed, before = ledger.begin_step(ctx, q)
+        if freed:
+            gone = set(freed)
+            after = [b for b in before if b not in gone]
+            layer.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None))
+        for j in range(q):
+            pool.write(ctx + j, k[0, :, j], v[0, :, j])
+        _decide(pool, ledger, layer, policies[r], ctx, q, query)
+
+    for ctx, q in _steps(150, 400, 60):
+        k, v = torch.randn(1, HKV, q, D, generator=g), torch.randn(1, HKV, q, D, generator=g)
+        query = torch.randn(1, HQ, q, D, generator=g)
+        _in_threads([functools.partial(step, r, ctx, q, k[:, r:r + 1], v[:, r:r + 1], query[:, r * hq:(r + 1) * hq])
+                     for r in range(HKV)])
+    assert decisions[0] > 0, name
+    assert gathers == decisions, (name, gathers, decisions)
+
+
 def test_compose_applies_decisions_in_order():
     from kvtrim.decisions import DropLead, DropSlot, Keep, Merge
 

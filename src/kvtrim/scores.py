@@ -183,25 +183,32 @@ def chunk_priority(scores: torch.Tensor, chunk: int, protected: torch.Tensor | N
 
 
 def heads_shared(scores: torch.Tensor, layer=None) -> torch.Tensor:
-    """``scores [B, H, S]`` averaged over the heads and broadcast back, ``[B, H, S]``: one ranking
-    for every head (a policy's ``per_head=False``). With ``layer`` (a
-    :class:`~kvtrim.decisions.LayerView`) the mean is its :meth:`~kvtrim.decisions.LayerView.head_mean`,
-    so under tensor parallelism (vLLM, each rank holding some of the heads) every rank ranks by the
-    mean over all ranks' heads and keeps the same tokens; without, the mean over the heads given."""
+    """``scores [B, H, S]`` averaged over the heads and broadcast back, ``[B, H, S]`` (a view with
+    stride 0 over the heads): one ranking for every head (a policy's ``per_head=False``). With
+    ``layer`` (a :class:`~kvtrim.decisions.LayerView`) the mean is its
+    :meth:`~kvtrim.decisions.LayerView.head_mean`, so under tensor parallelism (vLLM, each rank
+    holding some of the heads) every rank ranks by the mean over all ranks' heads and keeps the same
+    tokens; without, the mean over the heads given, and a view already broadcast from one row
+    (stride 0 over several heads) is returned as it is."""
     if layer is None:
+        if scores.shape[1] > 1 and scores.stride(1) == 0:
+            return scores
         return scores.mean(dim=1, keepdim=True).expand_as(scores)
     return layer.head_mean(scores.unsqueeze(2)).unsqueeze(1).expand_as(scores)
 
 
 def chunk_selection(scores: torch.Tensor, protected: torch.Tensor | None, chunk: int,
-                    per_head: bool = True, layer=None) -> torch.Tensor:
+                    per_head: bool = True) -> torch.Tensor:
     """``chunk_priority`` for a policy's ``select``: with ``per_head=False`` (one token set per
-    layer) the head mean of ``scores`` (:func:`heads_shared`, over every rank's heads given
-    ``layer``) is chunked, so every head ranks the same chunks."""
+    layer) the head mean of ``scores`` (:func:`heads_shared`; a policy passes its
+    :meth:`~kvtrim.policies.base.Policy.shared` scores, already averaged over every
+    tensor-parallel rank's heads) is chunked once and broadcast, so every head ranks the same chunks."""
     if chunk <= 1:
         return scores
     if not per_head:
-        scores = heads_shared(scores.float(), layer)
+        row = heads_shared(scores.float())[:, :1]
         if protected is not None:
-            protected = protected.any(dim=1, keepdim=True).expand_as(scores)
+            protected = protected.any(dim=1, keepdim=True)
+        return chunk_priority(row, chunk, protected).expand_as(scores)
     return chunk_priority(scores, chunk, protected)
+

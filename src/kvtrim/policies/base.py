@@ -299,13 +299,26 @@ class Policy:
         mask = positions < self.n_sinks
         return mask | (positions >= seen - n_recent) if n_recent > 0 else mask
 
-    def ranking(self, scores: torch.Tensor, protected: torch.Tensor | None, layer: LayerView | None = None) -> torch.Tensor:
-        """The float32 scores :meth:`select` ranks: averaged over heads unless ``per_head`` (over
-        every head of the layer, on every tensor-parallel rank, given its ``layer``:
-        :func:`kvtrim.scores.heads_shared`), protected tokens at +inf."""
+    #: True when :meth:`score` with ``per_head=False`` already returns the row every head of the layer
+    #: shares (computed over every tensor-parallel rank's heads), so :meth:`shared` leaves it alone.
+    scores_shared_by_heads = False
+
+    def shared(self, scores: torch.Tensor, layer: LayerView) -> torch.Tensor:
+        """``scores`` as :meth:`select` should rank them for ``layer``: unchanged with ``per_head``;
+        otherwise the mean over every head of the layer, on every tensor-parallel rank
+        (:func:`kvtrim.scores.heads_shared` with the layer's all-gathered
+        :meth:`~kvtrim.decisions.LayerView.head_mean`), so all heads (and ranks) keep the same
+        tokens. Computed once per decision; :meth:`ranking`'s own head mean is then a no-op."""
+        if self.per_head or self.scores_shared_by_heads:
+            return scores
+        return heads_shared(scores.float(), layer)
+
+    def ranking(self, scores: torch.Tensor, protected: torch.Tensor | None) -> torch.Tensor:
+        """The float32 scores :meth:`select` ranks: averaged over the heads given unless ``per_head``
+        (nothing to do when they are already one shared row: :meth:`shared`), protected tokens at +inf."""
         s = scores.float()
         if not self.per_head:
-            s = heads_shared(s, layer)
+            s = heads_shared(s)
             if protected is not None:
                 protected = protected.any(dim=1, keepdim=True).expand_as(scores)
         if protected is not None:
@@ -323,11 +336,10 @@ class Policy:
             return torch.topk(s, n_drop, dim=-1, largest=False, sorted=False).indices
         return None
 
-    def select(self, scores: torch.Tensor, protected: torch.Tensor | None, budget: int,
-               layer: LayerView | None = None) -> torch.Tensor:
-        """Slots to keep: the top-``budget`` of ``scores`` with protected tokens forced in, ascending
-        (``layer``: the view the scores belong to, for :meth:`ranking`'s head mean)."""
-        s = self.ranking(scores, protected, layer)
+    def select(self, scores: torch.Tensor, protected: torch.Tensor | None, budget: int) -> torch.Tensor:
+        """Slots to keep: the top-``budget`` of ``scores`` with protected tokens forced in, ascending.
+        Under tensor parallelism a ``per_head=False`` policy passes :meth:`shared` scores."""
+        s = self.ranking(scores, protected)
         drop = self.few_dropped(s, budget)
         if drop is not None:
             keep = torch.ones(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, drop, False)
@@ -344,12 +356,13 @@ class Policy:
         budget = self.kept_target(layer)
         if budget is None:
             return None
-        scores, protected = self.score(layer, query, key, scaling), self.protected(layer, budget)
+        scores = self.shared(self.score(layer, query, key, scaling), layer)
+        protected = self.protected(layer, budget)
         if order_free and layer.phase == "decode":
-            drop = self.few_dropped(self.ranking(scores, protected, layer), budget)
+            drop = self.few_dropped(self.ranking(scores, protected), budget)
             if drop is not None:
                 return DropSlots(drop)
-        return Keep(self.select(scores, protected, budget, layer))
+        return Keep(self.select(scores, protected, budget))
 
     # --- capability hooks --------------------------------------------------------------------------
     def share_prefill_scores(self, memo: dict | None) -> "Policy":

@@ -141,7 +141,7 @@ class HAE(PrefillTokenPruning):
         budget = self.budget(layer.seen)
         hist = probs
         if positions.shape[-1] > budget:
-            idx = self.select(hist, self.always_kept_at(positions, layer.seen, self.recent), budget, layer)
+            idx = self.select(self.shared(hist, layer), self.always_kept_at(positions, layer.seen, self.recent), budget)
             sliced = idx if sliced is None else torch.gather(sliced, 2, idx)
             hist, positions = torch.gather(hist, 2, idx), torch.gather(positions, 2, idx)
             layer.state["hae_evictions"] += 1

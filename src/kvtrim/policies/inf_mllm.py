@@ -156,8 +156,8 @@ class InfMLLM(Policy):
     def wants_prefill_scores(self, layer) -> ScoreRequest | None:
         return ScoreRequest(window=self.window) if self.history > 0 or self.kept_target(layer) is not None else None
 
-    def select(self, scores, protected, budget, layer=None):
-        return super().select(chunk_selection(scores, protected, self.chunk, self.per_head, layer), protected, budget, layer)
+    def select(self, scores, protected, budget):
+        return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)
 
     def on_prefill(self, layer, query, key, scaling):
         if self.history > 0 and self.kept_target(layer) is None:
@@ -177,4 +177,4 @@ class InfMLLM(Policy):
         s = att.shape[-1]
         scores = att * s + bias_ramp(s, self.bias, att.device)
         keep_recent = max(1, math.floor(self.recent_share * budget))
-        return Keep(self.select(scores, self.always_kept(layer, keep_recent), budget, layer))
+        return Keep(self.select(self.shared(scores, layer), self.always_kept(layer, keep_recent), budget))

@@ -155,7 +155,8 @@ class LayerBudgets(Policy):
         budget = layer.round_budget(self.pyramid_budget(layer))
         if budget >= layer.length:
             return None
-        return Keep(self.select(self.score(layer, query, key, scaling), self.protected(layer, budget), budget, layer))
+        scores = self.shared(self.score(layer, query, key, scaling), layer)
+        return Keep(self.select(scores, self.protected(layer, budget), budget))
 
     def adaptive_keep(self, layer, query, key, scaling) -> Decisions:
         if not self.wants_scores(layer):
@@ -187,6 +188,6 @@ class LayerBudgets(Policy):
         for j, v, s, p, n in zip(order, views, scores, prot, counts):
             n = v.round_budget(n)
             if n < v.length:
-                idx = self.select(s, p, n, v)
+                idx = self.select(self.shared(s, v), p, n)
                 decisions.append(Keep(idx) if j == layer.layer_idx else Keep(idx, layer=j))
         return decisions

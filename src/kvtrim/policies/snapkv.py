@@ -66,8 +66,8 @@ class SnapKV(HeadBudgets, LayerBudgets):
     def wants_prefill_scores(self, layer) -> ScoreRequest | None:
         return ScoreRequest(window=self.window) if self.wants_scores(layer) else None
 
-    def select(self, scores, protected, budget, layer=None):
-        return super().select(chunk_selection(scores, protected, self.chunk, self.per_head, layer), protected, budget, layer)
+    def select(self, scores, protected, budget):
+        return super().select(chunk_selection(scores, protected, self.chunk, self.per_head), protected, budget)
 
     def window_tokens(self, layer, budget):
         return min(self.window, layer.n_new)

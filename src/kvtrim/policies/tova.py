@@ -39,6 +39,7 @@ class TOVA(Policy):
     name = "tova"
     description = "attention of the newest query, averaged over heads, pooled; evicts at each prompt and every step"
     supports_streaming = True
+    scores_shared_by_heads = True  # score() averages over every rank's heads itself (before pooling)
 
     def __post_init__(self) -> None:
         self.window = validate.integer(self.window, "tova: window", minimum=1)
