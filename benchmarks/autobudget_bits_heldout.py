@@ -27,7 +27,6 @@ import argparse
 import statistics
 import sys
 from collections import defaultdict
-from dataclasses import replace
 
 from kvtrim import harness
 from kvtrim.budget import Calibration
@@ -38,11 +37,6 @@ from kvtrim.eval.store import line_bits
 QUALITIES = (0.5, 0.7, 0.8, 0.9, 0.95)
 #: a sample's seed is ``seed * SEED_STRIDE + index`` (``kvtrim.eval.tasks.sample_seed``)
 SEED_STRIDE = 100003
-
-
-def sixteen_bit(cal: Calibration) -> Calibration:
-    """The calibration's 16-bit points alone: what ``--quality`` picks from a calibration without bit widths."""
-    return replace(cal, methods={m: [p for p in pts if p.bits == 16] for m, pts in cal.methods.items()})
 
 
 def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
@@ -61,7 +55,7 @@ def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
     fulls = {u: r for u, r in fulls.items() if u in complete}
     lines = [r for r in lines if (r["task"], int(r["length"]), int(r["sample"])) in complete]
     held = agreement_points(lines)
-    only16 = sixteen_bit(cal)
+    only16 = cal.at_bits(16)
 
     def run(c: Calibration, method: str, q: float) -> dict:
         per_task: dict[str, list[float]] = defaultdict(list)

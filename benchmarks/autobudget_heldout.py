@@ -20,7 +20,6 @@ target ``Q``:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 from collections import defaultdict
@@ -34,14 +33,6 @@ from kvtrim.eval.store import line_bits
 QUALITIES = (0.5, 0.7, 0.8, 0.9)
 #: a sample's seed is ``seed * SEED_STRIDE + index`` (``kvtrim.eval.tasks.sample_seed``)
 SEED_STRIDE = 100003
-
-
-def sixteen_bit(cal: Calibration) -> Calibration:
-    """The calibration's 16-bit points alone: what ``--quality`` picks without bit widths, checked here
-    on 16-bit lines (a calibration made with ``--kv-bits``: benchmarks/autobudget_bits_heldout.py
-    checks its (keep, bits) picks). A method with no 16-bit point (the full cache's low-bit points) drops out."""
-    methods = {m: [p for p in pts if p.bits == 16] for m, pts in cal.methods.items()}
-    return dataclasses.replace(cal, methods={m: pts for m, pts in methods.items() if pts})
 
 
 def evaluate(cal: Calibration, lines: list[dict], qualities=QUALITIES) -> dict:
@@ -142,7 +133,7 @@ def main(argv=None) -> int:
     qualities = [float(x) for x in args.quality.split(",")]
     models = []
     for key, cal_path, held in args.model:
-        cal = sixteen_bit(Calibration.load(cal_path))
+        cal = Calibration.load(cal_path).at_bits(16)
         if cal.model["key"] != key:
             ap.error(f"{cal_path} is the calibration of {cal.model['key']!r}, not {key!r}")
         # every sample the calibration was made from is dropped: held out means not seen by the calibration

@@ -122,6 +122,19 @@ def test_only_16_bit_points_pick_as_before(quality, n):
     assert c1 == c2 and c1.kv_bits == 16 and c1.memory is None and c1.bit_widths == (16,)
 
 
+def test_at_bits_keeps_one_bit_width_and_drops_methods_left_without_points():
+    d = {"format": 2, "model": {"key": "synthetic", "source": "Synthetic-1", "fingerprint": {"model_type": "llama"}},
+         "methods": {"snapkv": copy.deepcopy(MIXED), "full": [pt(1024, 1.0, 0.99, 8, 0.28)]}}
+    cal = Calibration.from_dict(d)
+    only16 = cal.at_bits(16)
+    assert set(only16.methods) == {"snapkv"} and {p.bits for p in only16.methods["snapkv"]} == {16}
+    assert len(only16.methods["snapkv"]) == 2 and len(cal.methods["snapkv"]) == 6  # the original is untouched
+    assert {p.keep for p in cal.at_bits(8).methods["full"]} == {1.0}
+    assert only16.choose("snapkv", 0.95).kv_bits == 16  # picks as a calibration made without --kv-bits
+    with pytest.raises(KVTrimError, match="no point at 2 bits"):
+        cal.at_bits(2)
+
+
 def test_old_files_are_read_as_16_bit_and_written_as_format_2(tmp_path):
     old = {"format": 1, "model": {"key": "m", "source": "S", "fingerprint": {}},
            "methods": {"snapkv": [{"length": 1024, "keep": 0.5, "agreement": 0.9, "n": 3}]}}

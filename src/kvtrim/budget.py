@@ -282,6 +282,16 @@ class Calibration:
         write_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n", force=force)
 
     # --- picking ----------------------------------------------------------------------------------
+    def at_bits(self, bits: int = 16) -> Calibration:
+        """This calibration with only its points at ``bits`` (16: what a calibration made without
+        ``--kv-bits`` would hold, so its picks can be compared with the bit-width picks); a method
+        left with no point there (the full cache's low-bit points, at 16) is dropped."""
+        methods = {m: [p for p in pts if p.bits == bits] for m, pts in self.methods.items()}
+        methods = {m: pts for m, pts in methods.items() if pts}
+        if not methods:
+            raise KVTrimError(f"the calibration of {self.model['key']!r} has no point at {bits} bits")
+        return replace(self, methods=methods)
+
     def points(self, method: str) -> list[Point]:
         if method not in self.methods:
             raise KVTrimError(
