@@ -133,3 +133,13 @@ def spy_fed(session) -> list[int]:
 
     session._forward = spy
     return fed
+
+
+def skip_reconstruction_method(name: str) -> None:
+    """Skip a test that drives a method through a loop of its own (``model(...)``, ``model.generate``)
+    when the method scores the prompt by a reconstruction forward only kvtrim's loops run (``kvzip``:
+    ``Policy.needs_reconstruction``); tests/test_kvzip.py runs those checks, and the refusals, for it."""
+    from kvtrim.registry import get_policy_class, split_method
+
+    if get_policy_class(split_method(name)[0]).needs_reconstruction:
+        pytest.skip("scores the prompt by a reconstruction forward that kvtrim's own loops run: tested in test_kvzip.py")

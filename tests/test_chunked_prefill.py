@@ -20,8 +20,10 @@ from kvtrim.registry import create_policy, get_policy_class, method_names
 
 #: text methods that compress between chunks (every registered method that takes a budget and
 #: keeps the prefill forward as it is)
+#: (``kvzip`` reconstructs the prompt after one whole prefill and refuses chunks: tests/test_kvzip.py)
 CHUNKED = [m for m in method_names()
-           if get_policy_class(m).takes_budget and not get_policy_class(m).rewrites_forward]
+           if get_policy_class(m).takes_budget and not get_policy_class(m).rewrites_forward
+           and not get_policy_class(m).needs_reconstruction]
 #: methods that rewrite the prefill forward: refused
 REFUSED = [m for m in method_names() if get_policy_class(m).rewrites_forward]
 

@@ -56,11 +56,12 @@ NEW_TOKENS = 12
 
 
 def text_methods() -> list[str]:
-    """Every registered compressing method that acts on plain text (capability flags, not names)."""
+    """Every registered compressing method that acts on plain text (capability flags, not names) and
+    runs in any loop (``kvzip``'s reconstruction runs in kvtrim's own: the same checks in tests/test_kvzip.py)."""
     out = []
     for name in method_names():
         cls = get_policy_class(name)
-        if cls.takes_budget and not cls.needs_spans and not cls.rewrites_forward:
+        if cls.takes_budget and not cls.needs_spans and not cls.rewrites_forward and not cls.needs_reconstruction:
             out.append(name)
     return out
 

@@ -15,8 +15,10 @@ from kvtrim.generation import generate_batch, generate_ids
 from kvtrim.registry import create_policy, get_policy_class, method_names
 
 #: methods the batched rows serve (the eval's batched path): not rewriting the forward, acting on text
+#: (``kvzip`` asks the model in words to repeat the prompt, so it needs a tokenizer: tests/test_kvzip.py)
 TEXT_METHODS = [m for m in method_names()
-                if not get_policy_class(m).rewrites_forward and not get_policy_class(m).needs_spans]
+                if not get_policy_class(m).rewrites_forward and not get_policy_class(m).needs_spans
+                and not get_policy_class(m).needs_reconstruction]
 
 
 def _prompts(lengths, seed=3):

@@ -24,7 +24,8 @@ SPAN_METHODS = [m for m in method_names() if get_policy_class(m).needs_spans]
 
 def test_the_default_budget_is_declared_where_it_is_documented():
     assert DEFAULT_MAX_TOKENS == 1024
-    assert set(DEFAULTED) == {"streaming_llm", "h2o", "snapkv", "inf_mllm", "elastic", "expected_attention", "tova"}
+    assert set(DEFAULTED) == {"streaming_llm", "h2o", "snapkv", "inf_mllm", "elastic", "expected_attention", "tova",
+                              "kvzip"}
     assert set(SPAN_METHODS) == {"fastv", "hae"}
     assert get_policy_class("hae").default_max_tokens is None  # DDES is optional: DAP alone
     assert not get_policy_class("full").takes_budget and not get_policy_class("fastv").takes_budget
@@ -35,11 +36,14 @@ def test_no_budget_means_the_default_in_every_entry_point(model, name):
     """create_policy, the class itself, KVTrimCache(model, name), kvtrim.compress and Session all get the
     default, and describe() (generate --json's "policy") reports it."""
     cls = get_policy_class(name)
-    for p in (create_policy(name), cls(), KVTrimCache(model, name).policy, Session(model, None, name).policy):
+    reconstructs = cls.needs_reconstruction  # kvzip: sessions and model.generate refuse it (tests/test_kvzip.py)
+    sessions = [] if reconstructs else [Session(model, None, name).policy]
+    for p in (create_policy(name), cls(), KVTrimCache(model, name).policy, *sessions):
         assert (p.keep, p.max_tokens) == (None, DEFAULT_MAX_TOKENS) and p.compresses
         assert p.describe()["max_tokens"] == DEFAULT_MAX_TOKENS
-    with kvtrim.compress(model, name) as cache:
-        assert cache.policy.max_tokens == DEFAULT_MAX_TOKENS
+    if not reconstructs:
+        with kvtrim.compress(model, name) as cache:
+            assert cache.policy.max_tokens == DEFAULT_MAX_TOKENS
     # a budget given is the budget used; keep=1.0 asks for no eviction explicitly
     assert create_policy(name, keep=0.5).max_tokens is None and create_policy(name, max_tokens=64).max_tokens == 64
     assert not create_policy(name, keep=1.0).compresses
@@ -52,11 +56,23 @@ def test_the_default_budget_compresses(name):
 
     model = tiny_llama(max_position_embeddings=2048)
     ids = torch.randint(3, 128, (1, DEFAULT_MAX_TOKENS + 100), generator=torch.Generator().manual_seed(0))
-    cache = KVTrimCache(model, name)
-    with kvtrim.attach(model), torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    if get_policy_class(name).needs_reconstruction:  # kvzip: scored by its reconstruction, then replayed
+        from kvtrim.reconstruction import prepare, recorded_kv
+        from kvtrim.recording import record_prefill, replay
+
+        rec = record_prefill(model, ids[0].tolist())
+        policy = prepare(create_policy(name), model, recorded_kv(rec), ids[0].tolist(), [5, 6, 7])
+        cache = replay(model, policy, rec)
+    else:
+        cache = KVTrimCache(model, name)
+        with kvtrim.attach(model), torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
     assert cache.seen_tokens() == ids.shape[1]
-    assert cache.stored_tokens() == [DEFAULT_MAX_TOKENS] * model.config.num_hidden_layers
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    if not cache.policy.uniform_heads:  # kvzip's global scope: the heads' counts sum to the uniform total
+        assert sum(sum(layer.head_lengths) for layer in cache.compressed_layers) == DEFAULT_MAX_TOKENS * layers * heads
+        return
+    assert cache.stored_tokens() == [DEFAULT_MAX_TOKENS] * layers
 
 
 def test_span_methods_are_refused_on_a_text_prompt_in_python(model, prompt):

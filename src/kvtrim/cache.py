@@ -189,9 +189,9 @@ class KVTrimCache(Cache):
         text_cfg = _decoder_config(model)
         if not policy.uniform_heads and (self.kv_bits != 16 or self.block_size is not None):
             what = f"kv_bits={self.kv_bits}" if self.kv_bits != 16 else f"block_size={self.block_size}"
-            raise KVTrimError(f"{policy.name}: per-head budgets (heads other than 'uniform') keep one buffer per KV head "
+            raise KVTrimError(f"{policy.name}: per-head budgets (heads of different lengths) keep one buffer per KV head "
                               f"of the model's dtype, and {what} is not supported with them; use kv_bits=16 and no "
-                              "block_size, or heads='uniform'")
+                              f"block_size, or {policy.uniform_heads_setting}")
         self.policy = policy
         self.position_policy = policy.position_policy
         self.num_layers = int(text_cfg.num_hidden_layers)

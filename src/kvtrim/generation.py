@@ -274,6 +274,8 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     steps: int = 0
     clock: Clock = field(default_factory=Clock)
+    #: the repeat instruction's ids, for a method scored by reconstructing the prompt (``kvzip``)
+    repeat: list[int] | None = None
 
     @classmethod
     def make(cls, model, tokenizer, prompt_ids, policy: Policy, *, max_new_tokens: int, seed: int, stop_at_eos: bool,
@@ -285,12 +287,24 @@ class _Row:
         ids = check_token_ids(model, prompt_ids)
         chunk = prefill_chunk or chunk_size(policy, held=0, seen=0, n=len(ids), extra=max_new_tokens, max_ctx=max_ctx)
         eos = getattr(tokenizer, "eos_token_id", None)
+        repeat = None
+        if policy.needs_reconstruction:
+            if cache is not None:
+                raise KVTrimError(f"{policy.name}: builds its cache from the reconstructed prompt; do not pass a cache")
+            if chunk:
+                raise KVTrimError(f"{policy.name}: reconstructs the prompt after one whole prefill; a chunked prefill "
+                                  "(prefill_chunk, or a prompt longer than the model's context) is not supported")
+            from kvtrim.reconstruction import repeat_ids
+
+            repeat = repeat_ids(tokenizer)
         return cls(ids=ids, policy=policy, cache=cache if cache is not None else KVTrimCache(model, policy, kv_bits=kv_bits), chunk=chunk,
                    max_new_tokens=max_new_tokens, generator=torch.Generator(device="cpu").manual_seed(seed), eos=eos,
-                   stop=(eos,) if stop_at_eos and eos is not None else (), stop_at_eos=stop_at_eos)
+                   stop=(eos,) if stop_at_eos and eos is not None else (), stop_at_eos=stop_at_eos, repeat=repeat)
 
     def prefill(self, model, sparse=None, extra: dict | None = None) -> None:
         """Feed the prompt at batch 1 (inside ``attach``): the last logits, the time, the sparse-prefill statistics."""
+        if self.repeat is not None:
+            return self._prefill_reconstructed(model, sparse, extra)
         if sparse is not None:
             sparse.reset_stats()
         t0 = time.perf_counter()
@@ -304,6 +318,26 @@ class _Row:
                               on_step=between)
         self.prefill_seconds = time.perf_counter() - t0
         self.prefill_stats = sparse.stats() if sparse is not None else None
+
+    def _prefill_reconstructed(self, model, sparse, extra: dict | None) -> None:
+        """A ``needs_reconstruction`` method (``kvzip``): one full prefill recorded, the reconstruction
+        forward that scores it (:mod:`kvtrim.reconstruction`), then the method's cache built from the
+        recorded prompt, evicting by those scores; the prefill time covers all three."""
+        from kvtrim.reconstruction import prepare, recorded_kv
+        from kvtrim.recording import record_prefill, replay
+
+        if sparse is not None or extra:
+            what = "a sparse prefill" if sparse is not None else "image/video inputs"
+            raise KVTrimError(f"{self.policy.name}: reconstructs a text prompt after a dense prefill; {what} is not supported")
+        assert self.repeat is not None
+        t0 = time.perf_counter()
+        rec = record_prefill(model, self.ids)
+        prepare(self.policy, model, recorded_kv(rec), self.ids, self.repeat)
+        self.cache = replay(model, self.policy, rec, kv_bits=self.cache.kv_bits)
+        self.logits = rec.logits
+        del rec
+        self.prefill_seconds = time.perf_counter() - t0
+        self.prefill_stats = None
 
     def decode(self, sampler: Sampler, on_token=None):
         """The decode program (:func:`kvtrim.decoding.decode`) of this row, from its prefill's logits."""

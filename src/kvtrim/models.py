@@ -585,3 +585,16 @@ def build_prompt_ids(tokenizer, text: str, *, chat: bool | None = None, plain: b
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def next_turn_ids(tokenizer, question: str, plain: bool = False) -> list[int]:
+    """Ids that close the assistant's reply and open the next user turn with ``question``, in the
+    format of :func:`build_prompt_ids` (the chat template's, or kvtrim's plain format)."""
+    if plain or not has_chat_template(tokenizer):
+        return plain_turn_ids(tokenizer, question, first=False)
+    mark = "\u2063REPLY\u2063"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}, {"role": "user", "content": question}],
+        add_generation_prompt=True, tokenize=False)
+    tail = text[text.index(mark) + len(mark):]
+    return list(tokenizer(tail, add_special_tokens=False)["input_ids"])

@@ -55,6 +55,7 @@ register("inf_mllm", "kvtrim.policies.inf_mllm", "InfMLLM")
 register("elastic", "kvtrim.policies.elastic", "Elastic")
 register("expected_attention", "kvtrim.policies.expected_attention", "ExpectedAttention")
 register("tova", "kvtrim.policies.tova", "TOVA")
+register("kvzip", "kvtrim.policies.kvzip", "KVzip")
 
 
 def method_names() -> list[str]:

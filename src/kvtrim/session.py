@@ -160,6 +160,9 @@ class Session:
             policy = create_policy(policy, **policy_kwargs)
         elif policy_kwargs:
             raise KVTrimError("pass method parameters either in the Policy object or as keywords with a name, not both")
+        if policy.needs_reconstruction:
+            raise KVTrimError(f"method {policy.name!r} scores a prompt by reconstructing it, which sessions do not run; "
+                              "use kvtrim.generate_ids (kvtrim generate) or kvtrim eval")
         if not policy.supports_turns:
             raise KVTrimError(f"method {policy.name!r} does not support multi-turn sessions")
         prefill_chunk = validate.optional_integer(prefill_chunk, "prefill_chunk", minimum=1)

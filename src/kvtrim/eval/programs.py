@@ -38,18 +38,10 @@ def prompt_ids(tokenizer, sample, plain: bool = False) -> list[int]:
 
 
 def turn_tail(tokenizer, question: str, plain: bool = False) -> list[int]:
-    """Ids that close the assistant's reply and open the next user turn with ``question``, in the
-    format of :func:`prompt_ids` (the chat template's, or kvtrim's plain format)."""
-    from kvtrim.models import has_chat_template, plain_turn_ids
+    """:func:`kvtrim.models.next_turn_ids`: the ids of a later question, in the prompt's format."""
+    from kvtrim.models import next_turn_ids
 
-    if plain or not has_chat_template(tokenizer):
-        return plain_turn_ids(tokenizer, question, first=False)
-    mark = "\u2063REPLY\u2063"
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "q"}, {"role": "assistant", "content": mark}, {"role": "user", "content": question}],
-        add_generation_prompt=True, tokenize=False)
-    tail = text[text.index(mark) + len(mark):]
-    return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
+    return next_turn_ids(tokenizer, question, plain)
 
 
 def config_program(model, tokenizer, sample, recording, method: str, keep: float | None, memo: dict | None,
@@ -68,7 +60,13 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
     eos = getattr(tokenizer, "eos_token_id", None)
     stop = () if eos is None else (eos,)
     t0 = time.perf_counter()
-    cache = replay(model, make_policy(method, params, memo), recording, kv_bits=kv_bits)
+    policy = make_policy(method, params, memo)
+    if policy.needs_reconstruction:  # kvzip: the reconstruction forward, once per prompt (memo)
+        from kvtrim.reconstruction import prepare, recorded_kv, repeat_ids
+
+        prepare(policy, model, recorded_kv(recording), prompt_ids(tokenizer, sample, plain),
+                repeat_ids(tokenizer, plain), memo=memo)
+    cache = replay(model, policy, recording, kv_bits=kv_bits)
     compress = time.perf_counter() - t0
     logits = recording.logits
     extra: dict = {}

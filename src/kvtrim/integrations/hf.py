@@ -410,6 +410,9 @@ def compress(model, method: str = DEFAULT_METHOD, prefill=None, **policy_kwargs)
     the same context for the next one.
     """
     cache = KVTrimCache(model, method, **policy_kwargs)
+    if cache.policy.needs_reconstruction:
+        raise KVTrimError(f"method {cache.policy.name!r} scores the prompt by a second forward that reconstructs it, "
+                          "which model.generate does not run; use kvtrim.generate_ids (kvtrim generate)")
     if isinstance(prefill, str):
         from kvtrim.integrations.prefill import make_prefill
 

@@ -74,7 +74,7 @@ class Policy:
 
     Capability flags (class attributes a method sets; tools query them instead of method names):
     ``supports_streaming``, ``supports_turns``, ``takes_budget``, ``rewrites_forward``,
-    ``needs_spans``, ``shares_prefill_scores`` -- each is documented where it is declared.
+    ``needs_spans``, ``shares_prefill_scores``, ``needs_reconstruction`` -- each is documented where it is declared.
 
     Args:
         keep: fraction of the seen tokens to keep, in (0, 1]. Mutually exclusive with ``max_tokens``.
@@ -106,7 +106,7 @@ class Policy:
     takes_budget: ClassVar[bool] = True
     #: changes the prefill forward pass itself (drops tokens from the hidden states, as FastV and
     #: HAE do): the prompt's forward then depends on the method, so it cannot be recorded once and
-    #: replayed for each method (``kvtrim.eval.replay``), and the hidden-state pruning integration
+    #: replayed for each method (``kvtrim.recording``), and the hidden-state pruning integration
     #: asks the policy :meth:`take_hidden_state_keep` during each forward
     rewrites_forward: ClassVar[bool] = False
     #: acts only on tokens tagged with a modality span (image, video, document; ``kvtrim.spans``):
@@ -115,6 +115,12 @@ class Policy:
     #: its prefill scores depend on the prompt only, not on the budget, so several budgets of the
     #: method on one prompt can compute them once: see :meth:`share_prefill_scores`
     shares_prefill_scores: ClassVar[bool] = False
+    #: the parameter that gives every KV head the same budget (named in errors where ragged heads are refused)
+    uniform_heads_setting: ClassVar[str] = "heads='uniform'"
+    #: scores the prompt by a second forward that kvtrim runs after the prefill (KVzip's
+    #: reconstruction, :mod:`kvtrim.reconstruction`): only entry points that drive the forwards
+    #: themselves (``generate_ids``, ``kvtrim eval``) can run it; the others refuse it
+    needs_reconstruction: ClassVar[bool] = False
     #: ``max_tokens`` used when neither ``keep`` nor ``max_tokens`` is given (methods that take a
     #: budget only); None: the method has no default budget (its budget is optional)
     default_max_tokens: ClassVar[int | None] = DEFAULT_MAX_TOKENS

@@ -425,6 +425,18 @@ def budgets_qwen(root: Path) -> str:
                                                    ("snapkv:layers=adaptive", "snapkv")])
 
 
+#: issue 47: kvzip (query-agnostic reconstruction scores) on the reference model's 4k sweep, joined with
+#: the sweep and tova's lines (the same samples)
+KVZIP_QWEN_DIRS = ("benchmarks/results/eval_qwen", "benchmarks/results/eval_tova", "benchmarks/results/eval_kvzip")
+
+
+def kvzip_qwen(root: Path) -> str:
+    """kvzip (one threshold over every layer and head, and per-head uniform) against tova and snapkv on
+    the reference model's 4k sweep (``kvtrim report``'s tables)."""
+    return _sweep_tables(root, KVZIP_QWEN_DIRS, [("kvzip", "tova"), ("kvzip", "snapkv"),
+                                                 ("kvzip:scope=uniform", "kvzip")])
+
+
 def _joined_sweeps(root: Path, rels: tuple[str, ...]) -> tuple[list[dict], str]:
     """The result lines of several sweeps of one model on the same samples (each with its own full-cache
     lines), as one sweep: the full cache's lines of the first directory only, and a sentence on whether
@@ -610,7 +622,7 @@ GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide":
                                                 "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic,
                                                 "perhead": perhead, "chat_default": chat_default, "tova_qwen": tova_qwen,
                                                 "tova_qwen16k": tova_qwen16k, "budgets_qwen": budgets_qwen,
-                                                "tova_qwen16k_variants": tova_qwen16k_variants,
+                                                "tova_qwen16k_variants": tova_qwen16k_variants, "kvzip_qwen": kvzip_qwen,
                                                 **{k: _spans(k) for k in SPANS_DIRS}}
 
 

@@ -85,6 +85,10 @@ class PluginConfig:
                 f"kvtrim method {self.method!r} rewrites the prefill forward (it drops tokens from the hidden states "
                 "inside the model, which vLLM runs itself), so the vLLM plugin cannot run it; use it on transformers "
                 "(kvtrim generate)")
+        if policy.needs_reconstruction:
+            raise KVTrimError(
+                f"kvtrim method {self.method!r} scores the prompt by a second forward that reconstructs it, which "
+                "kvtrim runs itself and vLLM's scheduler does not; use it on transformers (kvtrim generate, kvtrim eval)")
         if not policy.uniform_layers:
             raise KVTrimError(
                 f"kvtrim method {self.method!r} with per-layer budgets keeps a different number of tokens in each "

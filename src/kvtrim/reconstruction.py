@@ -1,0 +1,148 @@
+"""Reconstruction scores: how much the model needs each prompt token to repeat the prompt (KVzip).
+
+After a prompt's prefill, :func:`reconstruction_scores` asks the model to repeat the prompt: for
+each chunk of ``chunk`` prompt tokens it feeds the repeat instruction (a new user turn, in the
+prompt's format: :func:`repeat_ids`) followed by the chunk, teacher-forced, into a scratch copy of
+the prompt's full cache. Every reconstructing query sees the whole stored prompt and the rows of
+its own chunk before it (causal), never the other chunks', so each forward's working set is one
+chunk against the prompt. A stored token's score, per layer and KV head, is the largest attention
+probability any of those queries (over the query heads of the KV head) gives it. The scratch caches
+are thrown away; the scores go to a method that declares ``needs_reconstruction`` (``kvzip``),
+through :func:`prepare`, before that method's cache evicts at the prompt.
+
+The scores depend on the prompt only, not on the budget: :func:`prepare` keeps them in a per-prompt
+memo, so several budgets of one prompt (``kvtrim eval``) reconstruct it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtrim.cache import KVTrimCache
+from kvtrim.errors import KVTrimError
+from kvtrim.policies.base import Policy
+from kvtrim.scores import window_probs
+from kvtrim.storage import CompressedLayer
+
+#: reconstructing queries whose attention is computed at once (bounds the probabilities' memory)
+ROWS = 256
+
+
+class _Probe(Policy):
+    """Keeps everything; at each later forward (a reconstructed chunk) raises ``scores[layer]`` to
+    the largest attention the forward's queries give each of the first ``n_prompt`` stored tokens."""
+
+    name = "reconstruction_probe"
+    description = "records the attention a reconstructing forward gives the prompt (kvtrim.reconstruction)"
+    takes_budget = False
+
+    def __init__(self, n_prompt: int, scores: dict[int, torch.Tensor]):
+        super().__init__()
+        self.n_prompt, self.scores = n_prompt, scores
+
+    def on_prefill(self, layer, query, key, scaling):
+        return None
+
+    def on_decode(self, layer, query, key, scaling):
+        return None
+
+    def on_turn(self, layer, query, key, scaling):
+        n, q = self.n_prompt, query.shape[-2]
+        best = None
+        for r0 in range(0, q, ROWS):
+            r1 = min(q, r0 + ROWS)
+            # rows r0..r1 of the chunk sit at stored indices n + r0 .. n + r1 - 1: causal over those
+            probs = window_probs(query[:, :, r0:r1], key[:, :, : n + r1], scaling, r1 - r0)  # [B, Hkv, G, w, n + r1]
+            m = probs[..., :n].amax(dim=(2, 3))  # [B, Hkv, n]
+            best = m if best is None else torch.maximum(best, m)
+        assert best is not None
+        have = self.scores.get(layer.layer_idx)
+        self.scores[layer.layer_idx] = best if have is None else torch.maximum(have, best)
+        return None
+
+
+def repeat_ids(tokenizer, plain: bool = False) -> list[int]:
+    """The repeat instruction as the next user turn after the prompt, in the prompt's format (the
+    chat template's, or kvtrim's plain format: :func:`kvtrim.models.next_turn_ids`)."""
+    from kvtrim.models import next_turn_ids
+    from kvtrim.policies.kvzip import REPEAT_INSTRUCTION
+
+    if tokenizer is None:
+        raise KVTrimError("kvzip needs the tokenizer: it asks the model, in words, to repeat the prompt")
+    return next_turn_ids(tokenizer, REPEAT_INSTRUCTION, plain)
+
+
+@torch.inference_mode()
+def reconstruction_scores(model, prompt_kv: Sequence[tuple[torch.Tensor, torch.Tensor] | None], ids: Sequence[int],
+                          instruction: Sequence[int], *, chunk: int = 2048,
+                          on_chunk: Callable[[int, int], None] | None = None) -> dict[int, torch.Tensor]:
+    """Per compressed layer index, float32 ``[B, Hkv, len(ids)]``: the largest attention a query
+    reconstructing the prompt gives each prompt token (see the module docstring).
+
+    ``prompt_kv``: per layer the prompt's full ``(keys, values)`` as the model's attention stores
+    them (None for a layer kvtrim does not compress); ``ids``: the prompt; ``instruction``: the ids
+    fed before each chunk (:func:`repeat_ids`); ``on_chunk(done, total)``: progress after each chunk."""
+    from kvtrim.decoding import forward
+    from kvtrim.integrations.hf import ATTN_NAME, attach
+
+    n = len(ids)
+    if n == 0:
+        raise KVTrimError("kvzip: the prompt is empty")
+    n_layers = len(KVTrimCache(model, "full").layers)
+    if len(prompt_kv) != n_layers or any(kv is None for kv in prompt_kv):
+        raise KVTrimError("kvzip: this model has layers kvtrim does not compress (sliding-window attention); "
+                          "reconstruction scores need every layer's prompt keys")
+    if not instruction:
+        raise KVTrimError("kvzip: the repeat instruction has no tokens")
+    scores: dict[int, torch.Tensor] = {}
+    attached = getattr(model.config, "_attn_implementation", None) == ATTN_NAME
+    starts = list(range(0, n, chunk))
+    with contextlib.nullcontext() if attached else attach(model):
+        for i, s in enumerate(starts):
+            probe = _Probe(n, scores)
+            scratch = KVTrimCache(model, probe)
+            for layer, kv in zip(scratch.layers, prompt_kv):
+                if kv is None:
+                    continue
+                layer.update(kv[0].clone(), kv[1].clone())
+                if isinstance(layer, CompressedLayer):
+                    scratch.after_attention(layer, None, None, 1.0)  # type: ignore[arg-type]  # the probe ignores the prompt's own forward
+            forward(model, scratch, list(instruction) + list(ids[s : s + chunk]))
+            del scratch
+            if on_chunk is not None:
+                on_chunk(i + 1, len(starts))
+    return scores
+
+
+def recorded_kv(recording) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per layer, the prompt's ``(keys, values)`` from a recorded prefill (:class:`kvtrim.recording.Recording`)."""
+    record = recording.record
+    n = max(record) + 1 if record else 0
+    return [(record[i][1], record[i][2]) if i in record else None for i in range(n)]
+
+
+def prepare(policy: Policy, model, prompt_kv, ids: Sequence[int], instruction: Sequence[int], *,
+            memo: dict | None = None, on_chunk: Callable[[int, int], None] | None = None) -> Policy:
+    """Give a ``needs_reconstruction`` policy (``kvzip``) the reconstruction scores of the prompt
+    ``ids`` before its cache evicts at the prompt; nothing is computed when the policy will not
+    evict this prompt (a budget it fits), so a cache that saves nothing costs nothing. ``memo``: one
+    dict per prompt shared by the policies of several budgets (the scores are computed once).
+    Returns the policy."""
+    if not policy.needs_reconstruction:
+        return policy
+    n = len(ids)
+    if policy.eviction_target("prefill", n, n) is None:
+        policy.reconstruction = {}  # type: ignore[attr-defined]  # nothing will be scored
+        return policy
+    chunk = int(getattr(policy, "chunk", 2048))
+    key = ("reconstruction", chunk, tuple(instruction))
+    scores = None if memo is None else memo.get(key)
+    if scores is None:
+        scores = reconstruction_scores(model, prompt_kv, ids, instruction, chunk=chunk, on_chunk=on_chunk)
+        if memo is not None:
+            memo[key] = scores
+    policy.reconstruction = scores  # type: ignore[attr-defined]
+    return policy
