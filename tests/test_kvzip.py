@@ -154,13 +154,40 @@ def test_refused_where_kvtrim_does_not_drive_the_forwards(model, prompt):
         parse({"kvtrim": {"method": "kvzip", "keep": 0.3}})
 
 
-def test_sessions_and_model_generate_refuse_it_before_any_work(model):
+def test_model_generate_and_streamed_sessions_refuse_it_before_any_work(model):
     from kvtrim.session import Session
 
-    with pytest.raises(KVTrimError, match="reconstructing"):
+    with pytest.raises(KVTrimError, match="needs the tokenizer"):
         Session(model, None, "kvzip", keep=0.3)
     with pytest.raises(KVTrimError, match=r"model\.generate does not run"), kvtrim.compress(model, "kvzip", keep=0.3):
         pass
+    s = Session(model, _CharTokenizer(), "kvzip", keep=0.3)
+    with pytest.raises(KVTrimError, match="stream fed in chunks"):
+        s.feed_ids(list(range(3, 60)))
+    assert s.seen == 0  # nothing was fed
+
+
+def test_a_session_compresses_its_first_message_once_and_keeps_the_later_turns(model, prompt):
+    """A chat about one document: the first message is reconstructed and evicted as generate_ids
+    does (the same first reply and bytes), later turns are appended and not evicted."""
+    from kvtrim.session import Session
+
+    ids = prompt[0].tolist()
+    tok = _CharTokenizer()
+    one = kvtrim.generate_ids(model, tok, ids, create_policy("kvzip", keep=0.3), max_new_tokens=6, stop_at_eos=False)
+    s = Session(model, tok, "kvzip", keep=0.3, chat=False)
+    first = s.send_ids(ids, max_new_tokens=6, stop_ids=())
+    assert first == one.token_ids
+    after_first = s.cache.kv_bytes_stored()
+    assert after_first == one.kv_bytes_stored
+    s.send_ids([5, 6, 7, 8], max_new_tokens=3, stop_ids=())
+    full = Session(model, tok, "full", chat=False)
+    full.send_ids(ids, max_new_tokens=6, stop_ids=())
+    before = full.cache.kv_bytes_stored()
+    full.send_ids([5, 6, 7, 8], max_new_tokens=3, stop_ids=())
+    # the second turn added what it adds to a full cache: nothing evicted
+    assert s.cache.kv_bytes_stored() - after_first == full.cache.kv_bytes_stored() - before > 0
+    assert s.seen == full.seen
 
 
 def test_generate_refuses_a_chunked_prefill_and_a_given_cache(model, prompt):

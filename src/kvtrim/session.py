@@ -160,9 +160,9 @@ class Session:
             policy = create_policy(policy, **policy_kwargs)
         elif policy_kwargs:
             raise KVTrimError("pass method parameters either in the Policy object or as keywords with a name, not both")
-        if policy.needs_reconstruction:
-            raise KVTrimError(f"method {policy.name!r} scores a prompt by reconstructing it, which sessions do not run; "
-                              "use kvtrim.generate_ids (kvtrim generate) or kvtrim eval")
+        if policy.needs_reconstruction and tokenizer is None:
+            raise KVTrimError(f"method {policy.name!r} asks the model, in words, to repeat the first message; "
+                              "the session needs the tokenizer")
         if not policy.supports_turns:
             raise KVTrimError(f"method {policy.name!r} does not support multi-turn sessions")
         prefill_chunk = validate.optional_integer(prefill_chunk, "prefill_chunk", minimum=1)
@@ -233,7 +233,25 @@ class Session:
     def _prefill(self, ids: list[int], extra: int = 0) -> None:
         chunk = self.prefill_chunk or chunk_size(self.policy, held=self.stored(), seen=self.seen, n=len(ids),
                                                  extra=extra, max_ctx=self.max_context)
+        if self.policy.needs_reconstruction and self.seen == 0:
+            self._prefill_reconstructed(ids, chunk)
+            return
         self._run(decoding.prefill(self.cache, ids, chunk=chunk))
+
+    def _prefill_reconstructed(self, ids: list[int], chunk: int | None) -> None:
+        """The first message of a ``needs_reconstruction`` method's session (``kvzip``): one prefill
+        recorded, the reconstruction forward that scores it, and the session's cache built from the
+        recording, evicting once; later turns are appended to that cache (the method keeps them)."""
+        from kvtrim.reconstruction import prepare, recorded_kv, repeat_ids
+        from kvtrim.recording import record_prefill, replay
+
+        if chunk:
+            raise KVTrimError(f"{self.policy.name}: reconstructs the first message after one whole prefill; a chunked "
+                              "prefill (prefill_chunk, or a message longer than the model's context) is not supported")
+        rec = record_prefill(self.model, ids)
+        prepare(self.policy, self.model, recorded_kv(rec), ids, repeat_ids(self.tokenizer, self.plain))
+        self.cache = replay(self.model, self.policy, rec, kv_bits=self.cache.kv_bits)
+        self._last_logits = rec.logits.clone()
 
     def _tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -392,6 +410,9 @@ class Session:
         ``score=False`` skips it (only the last position's logits are computed; ``scored`` is 0).
         """
         validate.integer(chunk, "chunk", minimum=1, unit="tokens")
+        if self.policy.needs_reconstruction:
+            raise KVTrimError(f"method {self.policy.name!r} reconstructs a whole first message; it cannot compress a "
+                              "stream fed in chunks (use a streaming method: tova, streaming_llm, inf_mllm)")
         if len(ids) == 0:
             raise KVTrimError("nothing to feed: the text is empty")
         ids = decoding.check_token_ids(self.model, ids, "the stream")

@@ -87,9 +87,9 @@ def _policy(args, streaming: bool):
     elif cls.supports_streaming and cls.takes_budget:
         kw["position"] = "reassigned"  # so the session can outrun the model's context
     pol = check_text_prompt(create_policy(name, **kw))  # sessions are text: no image spans
-    if pol.needs_reconstruction:
-        raise KVTrimError(f"method {args.method!r} scores a prompt by reconstructing it once, which chat and stream do "
-                          "not run; use `kvtrim generate` or `kvtrim eval` with it")
+    if streaming and pol.needs_reconstruction:
+        raise KVTrimError(f"method {args.method!r} scores a whole first message by reconstructing it; `kvtrim stream` "
+                          "feeds chunks: use a streaming method (tova, streaming_llm, inf_mllm)")
     if not pol.supports_turns:
         raise KVTrimError(f"method {args.method!r} does not support multi-turn sessions")
     if streaming and not pol.can_stream():

@@ -11,10 +11,13 @@ forced in) and the rest is freed, once, at the prompt.
 
 The reconstruction is a second forward over the prompt (about the prefill's cost again, plus a
 short instruction per chunk) that kvtrim runs itself (:mod:`kvtrim.reconstruction`), so the method
-runs where kvtrim drives the forwards: ``kvtrim.generate_ids`` / ``kvtrim generate`` and ``kvtrim
-eval``. A cache filled by someone else's loop (``model.generate``, a session, vLLM) has no
-reconstruction scores, and the method is refused there with a ``KVTrimError`` rather than run as
-something else. Later turns and decoded tokens are kept (the method evicts at the prompt only).
+runs where kvtrim drives the forwards: ``kvtrim.generate_ids`` / ``kvtrim generate``, ``kvtrim
+eval``, and a :class:`kvtrim.session.Session` (``kvtrim chat``), whose first message (a document
+and a question, say) is compressed once. Later turns and decoded tokens are kept: the method evicts
+at that first prompt only, so a long conversation grows past the budget (a bounded chat wants
+``tova``). A cache filled by someone else's loop (``model.generate``, a streamed session, vLLM)
+has no reconstruction scores, and the method is refused there with a ``KVTrimError`` rather than
+run as something else.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ class KVzip(Policy):
 
     name = "kvzip"
     description = "query-agnostic: attention received while the model reconstructs the prompt; evicts once, at the prompt"
-    supports_turns = False  # evicts at the prompt only; later turns and answers are kept
+    # a conversation's first message is compressed once (kvtrim.session), later turns and answers kept
+    supports_turns = True
     needs_reconstruction: ClassVar[bool] = True
     uniform_heads_setting: ClassVar[str] = "scope='uniform'"
 
@@ -78,8 +82,8 @@ class KVzip(Policy):
         if self.reconstruction is None:
             raise KVTrimError(
                 "kvzip scores the prompt by a second forward that reconstructs it, which kvtrim runs itself: use "
-                "kvtrim.generate_ids / `kvtrim generate` or `kvtrim eval` (model.generate, sessions, chat and the "
-                "vLLM plugin cannot run it)")
+                "kvtrim.generate_ids / `kvtrim generate`, a Session / `kvtrim chat`, or `kvtrim eval` (model.generate "
+                "and the vLLM plugin cannot run it)")
         s = self.reconstruction.get(layer.layer_idx)
         if s is None or s.shape[-1] != layer.length:
             got = "none" if s is None else f"{s.shape[-1]} tokens"
