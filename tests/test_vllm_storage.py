@@ -233,6 +233,20 @@ def test_a_merge_into_a_byte_cache_without_its_format_is_refused():
         layer.compact(pool.k, pool.v, pool.table[:1], pool.table[:1], (KEY_LAYOUT, None))
 
 
+def _paged_step(pool: Pool, ledger: plan.Ledger, layer: PagedLayer, policy, ctx: int, q: int, k, v, query) -> bool:
+    """One forward of ``q`` new tokens on one rank: the blocks the ledger freed compacted away, the new
+    keys and values written, the policy's hook run (:func:`_decide`); True when blocks were freed."""
+    freed, before = ledger.begin_step(ctx, q)
+    if freed:
+        gone = set(freed)
+        after = [b for b in before if b not in gone]
+        layer.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None))
+    for j in range(q):
+        pool.write(ctx + j, k[0, :, j], v[0, :, j])
+    _decide(pool, ledger, layer, policy, ctx, q, query)
+    return bool(freed)
+
+
 class Ranks:
     """A simulated tensor-parallel group of ``n`` ranks, each run in its own thread: ``gather_for(r)``
     is rank ``r``'s ``PagedLayer.gather_ranks`` (every rank's tensor, stacked in rank order)."""
@@ -292,16 +306,7 @@ def test_under_tensor_parallelism_ranks_keep_what_one_storage_of_every_head_keep
     compactions = 0
 
     def step(i, layer, policy, ctx, q, k, v, query):
-        pool, ledger = pools[i], ledgers[i]
-        freed, before = ledger.begin_step(ctx, q)
-        if freed:
-            gone = set(freed)
-            after = [b for b in before if b not in gone]
-            layer.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None))
-        for j in range(q):
-            pool.write(ctx + j, k[0, :, j], v[0, :, j])
-        _decide(pool, ledger, layer, policy, ctx, q, query)
-        return bool(freed)
+        return _paged_step(pools[i], ledgers[i], layer, policy, ctx, q, k, v, query)
 
     for ctx, q in _steps(150, 1000, 60):
         k, v = torch.randn(1, HKV, q, D, generator=g), torch.randn(1, HKV, q, D, generator=g)
@@ -355,15 +360,7 @@ def test_a_shared_ranking_gathers_once_per_decision(name):
     hq = HQ // HKV
 
     def step(r, ctx, q, k, v, query):
-        pool, ledger, layer = pools[r], ledgers[r], ranks[r]
-        freed, before = ledger.begin_step(ctx, q)
-        if freed:
-            gone = set(freed)
-            after = [b for b in before if b not in gone]
-            layer.compact(pool.k, pool.v, pool.table[before], pool.table[after], (KEY_LAYOUT, None))
-        for j in range(q):
-            pool.write(ctx + j, k[0, :, j], v[0, :, j])
-        _decide(pool, ledger, layer, policies[r], ctx, q, query)
+        _paged_step(pools[r], ledgers[r], ranks[r], policies[r], ctx, q, k, v, query)
 
     for ctx, q in _steps(150, 400, 60):
         k, v = torch.randn(1, HKV, q, D, generator=g), torch.randn(1, HKV, q, D, generator=g)
