@@ -24,7 +24,7 @@ import torch
 from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.scores import window_probs
+from kvtrim.scores import grouped_queries
 from kvtrim.storage import CompressedLayer
 
 #: reconstructing queries whose attention is computed at once (bounds the probabilities' memory)
@@ -50,18 +50,35 @@ class _Probe(Policy):
         return None
 
     def on_turn(self, layer, query, key, scaling):
+        self.record(layer.layer_idx, query, key, scaling)
+        return None
+
+    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """Raise ``scores[layer_idx]`` to the largest probability the new queries give the prompt.
+
+        ``query [B, Hq, q, D]``: the new rows, at stored indices ``n .. n + q - 1`` (``n`` prompt
+        tokens first); ``key [B, Hkv, n + q, D]``. Every row sees the whole prompt and its own chunk
+        causally. The prompt's probabilities are ``exp(logit - logsumexp(row))``: the row's
+        log-normaliser comes from the prompt's logits and the chunk's (masked, small) ones, and only
+        the maximum over rows is exponentiated, so no softmax of the whole row is materialised."""
         n, q = self.n_prompt, query.shape[-2]
+        kf = key.float()
+        k_prompt, k_chunk = kf[:, :, :n], kf[:, :, n:]
         best = None
         for r0 in range(0, q, ROWS):
             r1 = min(q, r0 + ROWS)
-            # rows r0..r1 of the chunk sit at stored indices n + r0 .. n + r1 - 1: causal over those
-            probs = window_probs(query[:, :, r0:r1], key[:, :, : n + r1], scaling, r1 - r0)  # [B, Hkv, G, w, n + r1]
-            m = probs[..., :n].amax(dim=(2, 3))  # [B, Hkv, n]
+            qg = grouped_queries(query[:, :, r0:r1].float(), key.shape[1])  # [B, Hkv, G, w, D]
+            lp = torch.einsum("bhgqd,bhkd->bhgqk", qg, k_prompt) * scaling  # [B, Hkv, G, w, n]
+            lc = torch.einsum("bhgqd,bhkd->bhgqk", qg, k_chunk[:, :, :r1]) * scaling  # [B, Hkv, G, w, r1]
+            rows = torch.arange(r0, r1, device=key.device).unsqueeze(1)
+            lc = lc.masked_fill(torch.arange(r1, device=key.device).unsqueeze(0) > rows, float("-inf"))
+            lse = torch.logaddexp(torch.logsumexp(lp, dim=-1), torch.logsumexp(lc, dim=-1))  # [B, Hkv, G, w]
+            m = (lp - lse.unsqueeze(-1)).amax(dim=(2, 3))  # [B, Hkv, n]: the largest log-probability
             best = m if best is None else torch.maximum(best, m)
         assert best is not None
-        have = self.scores.get(layer.layer_idx)
-        self.scores[layer.layer_idx] = best if have is None else torch.maximum(have, best)
-        return None
+        best = best.exp()
+        have = self.scores.get(layer_idx)
+        self.scores[layer_idx] = best if have is None else torch.maximum(have, best)
 
 
 def repeat_ids(tokenizer, plain: bool = False) -> list[int]:
