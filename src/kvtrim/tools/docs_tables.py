@@ -168,6 +168,9 @@ def guide(root: Path) -> str:
         return " / ".join(f"{_cell(cells, task, length, m, k)['score']:.2f}" for k in keeps)
 
     qt = _eval_cells(root, TOVA_DIRS[1])
+    qz = _eval_cells(root, KVZIP_QWEN_DIRS[2])
+    kzr = _load(root, KVZIP_COST)
+    kz = kzr["median"]
     tova16 = _cell(_eval_cells(root, TOVA16K_DIRS[1]), "multiturn", 16384, "tova", 0.25)["score"]
     fixed = {}  # multiturn at chat's fixed budgets, the reference model at 4k (chat_default)
     for c in _eval_cells(root, CHAT_DEFAULT_DIRS[2][0]):
@@ -215,6 +218,12 @@ def guide(root: Path) -> str:
         + "; at a fixed budget of 512 / 1024 tokens (4k): " + ", ".join(
             f"`{m}` {fixed[(m, 512)]:.2f} / {fixed[(m, 1024)]:.2f}" for m in ("tova", "inf_mllm", "streaming_llm", "h2o"))
         + " |",
+        "| a document asked several questions | `kvzip`, keep 0.1-0.25 (`generate`, `chat`'s first message) | "
+        "the same 4k multi-turn questions at keep 0.1 / 0.25 / 0.5: "
+        f"`kvzip` {row('multiturn', 'kvzip', qz)}, `tova` {row('multiturn', 'tova', qt)}; multi-key needles: `kvzip` "
+        f"{row('niah_multikey', 'kvzip', qz)}, `tova` {row('niah_multikey', 'tova', qt)}, `snapkv` {row('niah_multikey', 'snapkv')}; "
+        f"its prefill took {kz['kvzip']['prefill_seconds'] / kz['full']['prefill_seconds']:.1f}x the full cache's "
+        f"({kzr['prompt_tokens']:,} tokens; a second forward reconstructs the prompt) |",
         f"| unbounded stream | `streaming_llm` or `inf_mllm` with `--max-tokens` | stream results (embedded model): 1,000,000 tokens with "
         f"`inf_mllm` at {sl['max_tokens']} tokens, KV flat, RSS +{_rss_growth(sl):.2%} after 100k; at the same budget "
         f"`streaming_llm` streams {tps('streaming_llm'):.0f} tok/s, `inf_mllm` {tps('inf_mllm'):.0f}, `h2o` {tps('h2o'):.0f} "
@@ -427,6 +436,7 @@ def budgets_qwen(root: Path) -> str:
 
 #: issue 47: kvzip (query-agnostic reconstruction scores) on the reference model's 4k sweep, joined with
 #: the sweep and tova's lines (the same samples)
+KVZIP_COST = "benchmarks/results/kvzip_cost.json"  # bench_kvzip_cost.py: its prefill and decode cost
 KVZIP_QWEN_DIRS = ("benchmarks/results/eval_qwen", "benchmarks/results/eval_tova", "benchmarks/results/eval_kvzip")
 
 
