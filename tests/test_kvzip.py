@@ -234,14 +234,18 @@ def test_cli_eval_runs_it_on_a_tiny_model(tiny_dir, tmp_path):
     from kvtrim.eval.store import read_lines, result_files
 
     out = tmp_path / "e"
-    argv = ["eval", "passkey", "--model", tiny_dir, "--length", "256", "--samples", "1", "--methods", "kvzip",
+    # labelfree replays each configuration twice (its answer, then the full cache's answer's perplexity)
+    argv = ["eval", "passkey,labelfree", "--model", tiny_dir, "--length", "256", "--samples", "1", "--methods", "kvzip",
             "--keep", "0.25,0.5", "--haystack", "pydoc", "--quiet", "--out", str(out)]
     assert cli_status(argv) == 0
-    lines = [r for r in read_lines(result_files(out)) if r["method"] == "kvzip"]
-    assert sorted(r["keep"] for r in lines) == [0.25, 0.5]
-    full = next(r for r in read_lines(result_files(out)) if r["method"] == "full")
-    for r in lines:
-        assert r["kv_bytes"] < full["kv_bytes"]
+    every = read_lines(result_files(out))
+    for task in ("passkey", "labelfree"):
+        lines = [r for r in every if r["method"] == "kvzip" and r["task"] == task]
+        assert sorted(r["keep"] for r in lines) == [0.25, 0.5]
+        full = next(r for r in every if r["method"] == "full" and r["task"] == task)
+        for r in lines:
+            assert r["kv_bytes"] < full["kv_bytes"]
+    assert all(r.get("ref_nll_sum") is not None for r in every if r["task"] == "labelfree" and r["method"] == "kvzip")
 
 
 def test_bfloat16_scores_in_float32_and_stores_the_models_dtype(prompt):

@@ -59,14 +59,17 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
     params = ({} if keep is None else {"keep": keep}) | dict(params or {})
     eos = getattr(tokenizer, "eos_token_id", None)
     stop = () if eos is None else (eos,)
-    t0 = time.perf_counter()
-    policy = make_policy(method, params, memo)
-    if policy.needs_reconstruction:  # kvzip: the reconstruction forward, once per prompt (memo)
-        from kvtrim.reconstruction import prepare, recorded_kv, repeat_ids
+    def policy_for_replay():
+        policy = make_policy(method, params, memo)
+        if policy.needs_reconstruction:  # kvzip: the reconstruction forward, once per prompt (memo)
+            from kvtrim.reconstruction import prepare, recorded_kv, repeat_ids
 
-        prepare(policy, model, recorded_kv(recording), prompt_ids(tokenizer, sample, plain),
-                repeat_ids(tokenizer, plain), memo=memo)
-    cache = replay(model, policy, recording, kv_bits=kv_bits)
+            prepare(policy, model, recorded_kv(recording), prompt_ids(tokenizer, sample, plain),
+                    repeat_ids(tokenizer, plain), memo=memo)
+        return policy
+
+    t0 = time.perf_counter()
+    cache = replay(model, policy_for_replay(), recording, kv_bits=kv_bits)
     compress = time.perf_counter() - t0
     logits = recording.logits
     extra: dict = {}
@@ -138,7 +141,7 @@ def config_program(model, tokenizer, sample, recording, method: str, keep: float
         ref_nll = None
         # perplexity of the full cache's answer under this method's cache: a fresh replay (the greedy run moved it)
         if reference:
-            cache2 = replay(model, make_policy(method, params, memo), recording, kv_bits=kv_bits)
+            cache2 = replay(model, policy_for_replay(), recording, kv_bits=kv_bits)
             ref_nll = yield from teacher_forced_nll(cache2, recording.logits, list(reference))
             del cache2
         extra.update({"ref_nll_sum": ref_nll, "ref_tokens": len(reference or [])})
