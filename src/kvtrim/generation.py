@@ -323,19 +323,15 @@ class _Row:
         """A ``needs_reconstruction`` method (``kvzip``): one full prefill recorded, the reconstruction
         forward that scores it (:mod:`kvtrim.reconstruction`), then the method's cache built from the
         recorded prompt, evicting by those scores; the prefill time covers all three."""
-        from kvtrim.reconstruction import prepare, recorded_kv
-        from kvtrim.recording import record_prefill, replay
+        from kvtrim.reconstruction import reconstructed_prefill
 
         if sparse is not None or extra:
             what = "a sparse prefill" if sparse is not None else "image/video inputs"
             raise KVTrimError(f"{self.policy.name}: reconstructs a text prompt after a dense prefill; {what} is not supported")
         assert self.repeat is not None
         t0 = time.perf_counter()
-        rec = record_prefill(model, self.ids)
-        prepare(self.policy, model, recorded_kv(rec), self.ids, self.repeat)
-        self.cache = replay(model, self.policy, rec, kv_bits=self.cache.kv_bits)
-        self.logits = rec.logits
-        del rec
+        self.cache, self.logits = reconstructed_prefill(model, self.policy, self.ids, self.repeat,
+                                                        kv_bits=self.cache.kv_bits)
         self.prefill_seconds = time.perf_counter() - t0
         self.prefill_stats = None
 

@@ -108,7 +108,7 @@ def reconstruction_scores(model, prompt_kv: Sequence[tuple[torch.Tensor, torch.T
     n = len(ids)
     if n == 0:
         raise KVTrimError("kvzip: the prompt is empty")
-    n_layers = len(KVTrimCache(model, "full").layers)
+    n_layers = int(model.config.get_text_config(decoder=True).num_hidden_layers)
     if len(prompt_kv) != n_layers or any(kv is None for kv in prompt_kv):
         raise KVTrimError("kvzip: this model has layers kvtrim does not compress (sliding-window attention); "
                           "reconstruction scores need every layer's prompt keys")
@@ -139,6 +139,19 @@ def recorded_kv(recording) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     record = recording.record
     n = max(record) + 1 if record else 0
     return [(record[i][1], record[i][2]) if i in record else None for i in range(n)]
+
+
+def reconstructed_prefill(model, policy: Policy, ids: Sequence[int], instruction: Sequence[int], *,
+                          kv_bits: int = 16) -> tuple[KVTrimCache, torch.Tensor]:
+    """The prompt's cache for a ``needs_reconstruction`` policy, and the prompt's last logits: one
+    full prefill recorded (:func:`kvtrim.recording.record_prefill`), the reconstruction scores
+    (:func:`prepare`), then the policy's cache replayed from the recording, evicting by them
+    (``generate_ids`` and a session's first message)."""
+    from kvtrim.recording import record_prefill, replay
+
+    rec = record_prefill(model, list(ids))
+    prepare(policy, model, recorded_kv(rec), ids, instruction)
+    return replay(model, policy, rec, kv_bits=kv_bits), rec.logits
 
 
 def prepare(policy: Policy, model, prompt_kv, ids: Sequence[int], instruction: Sequence[int], *,

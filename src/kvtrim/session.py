@@ -242,16 +242,14 @@ class Session:
         """The first message of a ``needs_reconstruction`` method's session (``kvzip``): one prefill
         recorded, the reconstruction forward that scores it, and the session's cache built from the
         recording, evicting once; later turns are appended to that cache (the method keeps them)."""
-        from kvtrim.reconstruction import prepare, recorded_kv, repeat_ids
-        from kvtrim.recording import record_prefill, replay
+        from kvtrim.reconstruction import reconstructed_prefill, repeat_ids
 
         if chunk:
             raise KVTrimError(f"{self.policy.name}: reconstructs the first message after one whole prefill; a chunked "
                               "prefill (prefill_chunk, or a message longer than the model's context) is not supported")
-        rec = record_prefill(self.model, ids)
-        prepare(self.policy, self.model, recorded_kv(rec), ids, repeat_ids(self.tokenizer, self.plain))
-        self.cache = replay(self.model, self.policy, rec, kv_bits=self.cache.kv_bits)
-        self._last_logits = rec.logits.clone()
+        self.cache, logits = reconstructed_prefill(self.model, self.policy, ids, repeat_ids(self.tokenizer, self.plain),
+                                                   kv_bits=self.cache.kv_bits)
+        self._last_logits = logits.clone()
 
     def _tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
