@@ -276,3 +276,14 @@ def test_low_bit_cache_with_the_uniform_scope_and_a_clear_refusal_with_the_globa
         kvtrim.generate_ids(model, tok, ids, create_policy("kvzip", keep=0.3), max_new_tokens=4, kv_bits=4)
     with pytest.raises(KVTrimError, match="position='true'"):
         create_policy("kvzip", keep=0.3, position="reassigned")
+
+
+def test_a_long_prompt_shows_the_reconstruction_progress(model, prompt, capsys):
+    ids = prompt[0].tolist()
+    kvtrim.generate_ids(model, _CharTokenizer(), ids, create_policy("kvzip", keep=0.3, chunk=40), max_new_tokens=2,
+                        stop_at_eos=False)
+    err = capsys.readouterr().err
+    assert "kvzip: reconstructing the prompt" in err and "3/3" in err  # 97 tokens in chunks of 40
+    kvtrim.generate_ids(model, _CharTokenizer(), ids, create_policy("kvzip", keep=0.3), max_new_tokens=2,
+                        stop_at_eos=False)
+    assert "reconstructing" not in capsys.readouterr().err  # one chunk: no bar

@@ -147,10 +147,17 @@ def reconstructed_prefill(model, policy: Policy, ids: Sequence[int], instruction
     full prefill recorded (:func:`kvtrim.recording.record_prefill`), the reconstruction scores
     (:func:`prepare`), then the policy's cache replayed from the recording, evicting by them
     (``generate_ids`` and a session's first message)."""
+    from tqdm.auto import tqdm
+
     from kvtrim.recording import record_prefill, replay
 
     rec = record_prefill(model, list(ids))
-    prepare(policy, model, recorded_kv(rec), ids, instruction)
+    chunk = int(getattr(policy, "chunk", 2048))
+    n_chunks = -(-len(ids) // chunk)
+    # a long prompt's reconstruction takes minutes on a CPU: a bar over its chunks (none for one chunk)
+    with tqdm(total=n_chunks, desc=f"{policy.name}: reconstructing the prompt", unit="chunk",
+              disable=n_chunks < 2, dynamic_ncols=True) as bar:
+        prepare(policy, model, recorded_kv(rec), ids, instruction, on_chunk=lambda done, total: bar.update(1))
     return replay(model, policy, rec, kv_bits=kv_bits), rec.logits
 
 
