@@ -72,3 +72,15 @@ def test_anchors_md_kvzip_prose():
     prose = md.read_text()
     assert "multi-turn chat at keep 0.1 (kvtrim's 0.80 against kvpress's 0.60) and 0.25 (1.00 against 0.95)" in prose
     assert "both near zero at keep 0.1 (0.17 and 0.00)" in prose
+
+
+def test_methods_md_kvzip_cost_prose():
+    """The prefill ratio the prose quotes is the generated cost table's, rounded to one decimal."""
+    md = ROOT / "docs" / "methods.md"
+    b = block(md, "benchmarks/bench_kvzip_cost.py --table benchmarks/results/kvzip_cost.json")
+    t = cells(b, "| configuration")
+    ratio = float(t["kvzip"][1])
+    decode = float(t["kvzip"][3])
+    prose = md.read_text()
+    assert f"The prefill is about {ratio:.1f} times the full cache's" in prose
+    assert decode <= 1.10 and "The decode step is within 10% of a full cache" in prose

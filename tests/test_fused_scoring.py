@@ -42,21 +42,32 @@ def test_native_matches_references(n_kv, groups, tq, s, d):
     q = torch.randn(1, n_kv * groups, tq, d, generator=g)
     k, v = torch.randn(1, n_kv, s, d, generator=g), torch.randn(1, n_kv, s, d, generator=g)
     scale = d ** -0.5
-    got = causal_attention_scores(q, k, v, scale, column_sums=True, window=32)
+    got = causal_attention_scores(q, k, v, scale, column_sums=True, window=32, column_max=True)
     if tq * s <= 500 * 500:
-        ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), scale, window=32)
-        ref_out = ref.out
+        ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), scale, window=32, column_max=True)
+        ref_out, ref_max = ref.out, ref.col_max
         assert torch.allclose(ref.col_sums.double(), causal_column_sums(q.double(), k.double(), scale).flatten(1, 2).double())
-    else:  # the reference would hold [Tq, S] per head: SDPA in float64 for the output
+    else:  # the reference would hold [Tq, S] per head: SDPA in float64 for the output, column maxima by row blocks
         mask = torch.ones(tq, s, dtype=torch.bool).tril(s - tq)
         ref_out = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=scale,
                                                  enable_gqa=True).transpose(1, 2)
+        kk = k.double().repeat_interleave(groups, 1)
+        ref_max = torch.zeros(1, n_kv * groups, s, dtype=torch.float64)
+        for r0 in range(0, tq, 500):
+            logits = (q[:, :, r0:r0 + 500].double() @ kk.transpose(-1, -2)) * scale
+            probs = torch.softmax(logits.masked_fill(~mask[r0:r0 + 500], float("-inf")), dim=-1)
+            ref_max = torch.maximum(ref_max, probs.amax(dim=-2))
     assert got.out.shape == (1, tq, n_kv * groups, d) and got.out.dtype == q.dtype
     err = (got.out.double() - ref_out).abs().max()
     assert err <= 2 * sdpa_error(q, k, v, scale, ref_out), float(err)
     want_cols = causal_column_sums(q, k, scale).flatten(1, 2)
     torch.testing.assert_close(got.col_sums, want_cols, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.window_probs, window_probs(q, k, scale, 32).flatten(1, 2), rtol=1e-5, atol=1e-6)
+    assert got.col_max.dtype == torch.float32 and got.col_max.shape == (1, n_kv * groups, s)
+    torch.testing.assert_close(got.col_max.double(), ref_max.double(), rtol=1e-5, atol=1e-6)
+    # asked for alone, the maxima are the same numbers (no other score shares the pass)
+    alone = causal_attention_scores(q, k, v, scale, column_sums=False, column_max=True)
+    assert alone.col_sums is None and alone.window_probs is None and torch.equal(alone.col_max, got.col_max)
 
 
 @native
@@ -67,9 +78,10 @@ def test_native_low_precision(dtype):
     q32 = torch.randn(1, 6, 300, 64, generator=g)
     k32, v32 = torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g)
     q, k, v = q32.to(dtype), k32.to(dtype), v32.to(dtype)
-    got = causal_attention_scores(q, k, v, 0.125, column_sums=True, window=8)
-    ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), 0.125, window=8)
-    assert got.out.dtype == dtype and got.col_sums.dtype == got.window_probs.dtype == torch.float32
+    got = causal_attention_scores(q, k, v, 0.125, column_sums=True, window=8, column_max=True)
+    ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), 0.125, window=8, column_max=True)
+    assert got.out.dtype == dtype and got.col_sums.dtype == got.window_probs.dtype == got.col_max.dtype == torch.float32
+    torch.testing.assert_close(got.col_max.double(), ref.col_max.double(), rtol=1e-5, atol=1e-6)
     assert (got.out.double() - ref.out).abs().max() <= 2 * sdpa_error(q, k, v, 0.125, ref.out)
     torch.testing.assert_close(got.col_sums.double(), ref.col_sums.double(), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got.window_probs.double(), ref.window_probs.double(), rtol=1e-5, atol=1e-6)
@@ -210,8 +222,10 @@ def test_triton_matches_references(dtype, n_kv, groups, tq, s, d):
     q = torch.randn(1, n_kv * groups, tq, d, generator=g).to(dtype)
     k, v = torch.randn(1, n_kv, s, d, generator=g).to(dtype), torch.randn(1, n_kv, s, d, generator=g).to(dtype)
     scale = d ** -0.5
-    got = causal_attention_scores(q.to(dev), k.to(dev), v.to(dev), scale, column_sums=True, window=16, backend="triton")
-    ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), scale, window=16)
+    got = causal_attention_scores(q.to(dev), k.to(dev), v.to(dev), scale, column_sums=True, window=16, backend="triton",
+                                  column_max=True)
+    ref = causal_attention_scores_reference(q.double(), k.double(), v.double(), scale, window=16, column_max=True)
+    torch.testing.assert_close(got.col_max.cpu().double(), ref.col_max.double(), rtol=1e-5, atol=1e-5)
     assert (got.out.cpu().double() - ref.out).abs().max() <= 2 * sdpa_error(q, k, v, scale, ref.out)
     torch.testing.assert_close(got.col_sums.cpu().double(), ref.col_sums.double(), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(got.window_probs.cpu().double(), ref.window_probs.double(), rtol=1e-5, atol=1e-5)

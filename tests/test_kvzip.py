@@ -53,12 +53,28 @@ def _oracle(model, ids: list[int], chunk: int) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "recomputed"])
 @pytest.mark.parametrize("chunk", [97, 40])
-def test_scores_equal_eager_attention_over_the_reconstruction(model, prompt, chunk):
+def test_scores_equal_eager_attention_over_the_reconstruction(model, prompt, chunk, fused, monkeypatch):
+    """Both ways of scoring: the column maxima computed by the attention itself (the native kernel,
+    checked to run once per layer and chunk) and the probe's own computation where no fused kernel is."""
+    import kvtrim.integrations.hf as hf
+
+    calls = []
+    if fused:
+        if hf.fused_backend(torch.zeros(1)) is None:
+            pytest.skip("kvtrim's native CPU kernel is not available")
+        real = hf.causal_attention_scores
+        monkeypatch.setattr(hf, "causal_attention_scores", lambda *a, **k: calls.append(k) or real(*a, **k))
+    else:
+        monkeypatch.setattr(hf, "fused_backend", lambda q: None)
     ids = prompt[0].tolist()
     rec = record_prefill(model, ids)
     got = reconstruction_scores(model, recorded_kv(rec), ids, INSTR, chunk=chunk)
     want = _oracle(model, ids, chunk)
+    n_chunks = -(-len(ids) // chunk)
+    assert len(calls) == (model.config.num_hidden_layers * n_chunks if fused else 0)
+    assert all(k["column_max"] and not k["column_sums"] for k in calls)
     assert sorted(got) == list(range(len(want)))
     for i, w in enumerate(want):
         torch.testing.assert_close(got[i][0].double(), w, atol=1e-5, rtol=1e-4)

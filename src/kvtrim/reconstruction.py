@@ -24,7 +24,7 @@ import torch
 from kvtrim.cache import KVTrimCache
 from kvtrim.errors import KVTrimError
 from kvtrim.policies.base import Policy
-from kvtrim.scores import grouped_queries
+from kvtrim.scores import ScoreRequest, grouped_queries
 from kvtrim.storage import CompressedLayer
 
 #: reconstructing queries whose attention is computed at once (bounds the probabilities' memory)
@@ -33,7 +33,13 @@ ROWS = 256
 
 class _Probe(Policy):
     """Keeps everything; at each later forward (a reconstructed chunk) raises ``scores[layer]`` to
-    the largest attention the forward's queries give each of the first ``n_prompt`` stored tokens."""
+    the largest attention the forward's queries give each of the first ``n_prompt`` stored tokens.
+
+    It asks the forward's attention for the column maxima of its probabilities
+    (``ScoreRequest(column_max=True)``): kvtrim's attention function computes them with the
+    attention itself (``kvtrim.attention.fused``, the native CPU kernel or Triton), so the chunk's
+    ``q @ K^T`` is formed once; :meth:`record` computes them from the queries and keys where the
+    attention did not (no native kernel, a mask the kernel does not compute)."""
 
     name = "reconstruction_probe"
     description = "records the attention a reconstructing forward gives the prompt (kvtrim.reconstruction)"
@@ -49,9 +55,21 @@ class _Probe(Policy):
     def on_decode(self, layer, query, key, scaling):
         return None
 
+    def wants_prefill_scores(self, layer):
+        return ScoreRequest(column_max=True)
+
     def on_turn(self, layer, query, key, scaling):
-        self.record(layer.layer_idx, query, key, scaling)
+        got = layer.attention_scores
+        if got is not None and got.column_max is not None and got.column_max.shape[-1] == key.shape[-2]:
+            self.raise_to(layer.layer_idx, got.column_max[..., : self.n_prompt].amax(dim=2))  # over the group's query heads
+        else:
+            self.record(layer.layer_idx, query, key, scaling)
         return None
+
+    def raise_to(self, layer_idx: int, best: torch.Tensor) -> None:
+        """``scores[layer_idx] = max(scores[layer_idx], best)`` (``best [B, Hkv, n_prompt]`` float32)."""
+        have = self.scores.get(layer_idx)
+        self.scores[layer_idx] = best if have is None else torch.maximum(have, best)
 
     def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
         """Raise ``scores[layer_idx]`` to the largest probability the new queries give the prompt.
@@ -76,9 +94,7 @@ class _Probe(Policy):
             m = (lp - lse.unsqueeze(-1)).amax(dim=(2, 3))  # [B, Hkv, n]: the largest log-probability
             best = m if best is None else torch.maximum(best, m)
         assert best is not None
-        best = best.exp()
-        have = self.scores.get(layer_idx)
-        self.scores[layer_idx] = best if have is None else torch.maximum(have, best)
+        self.raise_to(layer_idx, best.exp())
 
 
 def repeat_ids(tokenizer, plain: bool = False) -> list[int]:

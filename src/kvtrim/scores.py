@@ -22,20 +22,24 @@ import torch.nn.functional as F
 
 class ScoreRequest(NamedTuple):
     """What a method reads from a prompt's attention probabilities (``Policy.wants_prefill_scores``):
-    the per-key column sums over all queries, and/or the softmax rows of the last ``window`` queries."""
+    the per-key column sums over all queries, the softmax rows of the last ``window`` queries, and/or
+    the per-key column maxima (the largest probability any query gives a key)."""
 
     column_sums: bool = False
     window: int = 0
+    column_max: bool = False
 
 
 class PromptScores(NamedTuple):
     """Scores an attention function computed from a prefill's own probabilities (fused scoring),
-    float32: ``column_sums [B, Hkv, G, S]`` (what ``causal_column_sums`` returns) and
-    ``window_probs [B, Hkv, G, w, S]`` (what ``window_probs(query, key, scaling, w)`` returns);
+    float32: ``column_sums [B, Hkv, G, S]`` (what ``causal_column_sums`` returns),
+    ``window_probs [B, Hkv, G, w, S]`` (what ``window_probs(query, key, scaling, w)`` returns) and
+    ``column_max [B, Hkv, G, S]`` (each key's largest probability over the forward's queries);
     None where not computed."""
 
     column_sums: torch.Tensor | None = None
     window_probs: torch.Tensor | None = None
+    column_max: torch.Tensor | None = None
 
     def window(self, w: int, n_queries: int) -> torch.Tensor | None:
         """``window_probs(query, key, scaling, w)`` for ``n_queries`` queries, when the handed rows cover it."""

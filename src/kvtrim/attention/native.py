@@ -234,18 +234,21 @@ def native_vertical_slash_layout(vertical_idx: torch.Tensor, slash_offsets: torc
 
 
 def native_causal_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, *,
-                                   column_sums: bool = True, window: int = 0, out: torch.Tensor | None = None
-                                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                                   column_sums: bool = True, window: int = 0, out: torch.Tensor | None = None,
+                                   column_max: bool = False,
+                                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Causal attention of one batch row and, from the same probabilities, a KV method's scores.
 
     ``q [Hq, Tq, D]`` are the last ``Tq`` of the ``S`` keys in ``k``/``v [Hkv, S, D]`` (query ``i``
     sees keys ``<= S - Tq + i``); query head ``h`` reads KV head ``h // (Hq // Hkv)``. float32,
     bfloat16 or float16 (k, v taken in q's dtype), read through their strides. Computes in float32.
 
-    Returns ``(out, col_sums, window_probs)``: ``out [Hq, Tq, D]`` in q's dtype (written into
-    ``out`` when given: shaped like q, see :func:`writable_in_place`); ``col_sums [Hq, S]`` float32,
-    the sum over all queries of their softmax rows (None unless ``column_sums``); ``window_probs
-    [Hq, w, S]`` float32, the softmax rows of the last ``w = window`` queries (None when 0).
+    Returns ``(out, col_sums, window_probs, col_max)``: ``out [Hq, Tq, D]`` in q's dtype (written
+    into ``out`` when given: shaped like q, see :func:`writable_in_place`); ``col_sums [Hq, S]``
+    float32, the sum over all queries of their softmax rows (None unless ``column_sums``);
+    ``window_probs [Hq, w, S]`` float32, the softmax rows of the last ``w = window`` queries (None
+    when 0); ``col_max [Hq, S]`` float32, the largest probability any query gives each key (None
+    unless ``column_max``).
     """
     if not load_native():
         raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
@@ -257,9 +260,10 @@ def native_causal_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Te
         raise ValueError("out must be shaped like q, in q's dtype on CPU with a contiguous last dimension, "
                          "without overlapping elements, and must not share memory with q, k or v")
     head_kv = (torch.arange(hq) // (hq // k.shape[0])).to(torch.int32)
-    col, win = torch.ops.kvtrim_native.causal_attention_scores_out(
-        _rows(q, dt), _rows(k, dt), _rows(v, dt), head_kv, float(scale), bool(column_sums), int(min(window, tq)), out)
-    return out, (col if column_sums else None), (win if window > 0 else None)
+    col, cmax, win = torch.ops.kvtrim_native.causal_attention_scores_out(
+        _rows(q, dt), _rows(k, dt), _rows(v, dt), head_kv, float(scale), bool(column_sums), bool(column_max),
+        int(min(window, tq)), out)
+    return out, (col if column_sums else None), (win if window > 0 else None), (cmax if column_max else None)
 
 
 def native_lowbit_decode(query: torch.Tensor, kv, logits: torch.Tensor, scale: float,

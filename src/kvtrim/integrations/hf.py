@@ -238,18 +238,20 @@ def _fused_prefill(base_name, fused, binding, layer, query, key, value, attentio
             or any(kwargs.get(a) is not None for a in ("sliding_window", "softcap", "s_aux"))):
         return None  # sliding windows, soft-capping, sinks: the model's own attention
     want = binding.cache.policy.wants_prefill_scores(layer.view)
-    if want is None or not (want.column_sums or (want.window > 0 and fused == "always")):
+    if want is None or not (want.column_sums or want.column_max or (want.window > 0 and fused == "always")):
         return None  # "auto": last-window rows alone are cheaper recomputed (window x T) than fused
     if not (attention_mask is None and n == m) and not _bottom_right_causal(attention_mask, n, m):
         return None  # padding, or a mask the kernel does not compute: the model's own attention
     if (backend := fused_backend(query)) is None:
         return None
     res = causal_attention_scores(query, key, value, scale, column_sums=want.column_sums, window=want.window,
-                                  backend=backend)
+                                  column_max=want.column_max, backend=backend)
     n_kv = key.shape[1]
-    col = res.col_sums.unflatten(1, (n_kv, -1)) if res.col_sums is not None else None
-    win = res.window_probs.unflatten(1, (n_kv, -1)) if res.window_probs is not None else None
-    layer.attention_scores = PromptScores(col, win)
+
+    def grouped(x):
+        return x.unflatten(1, (n_kv, -1)) if x is not None else None
+
+    layer.attention_scores = PromptScores(grouped(res.col_sums), grouped(res.window_probs), grouped(res.col_max))
     return res.out, None
 
 

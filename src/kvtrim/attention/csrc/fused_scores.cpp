@@ -1,9 +1,10 @@
 // kvtrim: dense causal attention that also returns the scores a KV-cache method needs.
 //
 // One pass over each query block computes the block's softmax probabilities once and uses them
-// three ways: the attention output (P @ V), the per-key column sums of P (H2O's and Elastic
-// Cache's prefill scores) and, for the last `window` queries, the probability rows themselves
-// (SnapKV's and Inf-MLLM's observation window). A method then needs no second q @ K^T.
+// several ways: the attention output (P @ V), the per-key column sums of P (H2O's and Elastic
+// Cache's prefill scores), the per-key column maxima of P (the largest probability any query gives
+// a key: kvzip's reconstruction scores) and, for the last `window` queries, the probability rows
+// themselves (SnapKV's and Inf-MLLM's observation window). A method then needs no second q @ K^T.
 //
 // Queries are the last Tq of S keys: query row r sees keys 0 .. S - Tq + r (bottom-right causal).
 // A task walks its query block's keys in segments of kSeg, as a flash-attention kernel does: a
@@ -11,10 +12,10 @@
 // multiplied into the output (P @ V, rescaled when the maximum grows). Unlike the sparse kernel,
 // the exponentials stay in a thread-local buffer [kRows, S] (2 MiB at S = 4096) together with the
 // maximum each segment used, because the column sums need each row's final normaliser: after the
-// last segment, probability = exp(s - m_seg) * exp(m_seg - m) / sum, summed into the column sums
-// (and copied for the window rows) in one more pass over the buffer.
+// last segment, probability = exp(s - m_seg) * exp(m_seg - m) / sum, summed into the column sums,
+// raised into the column maxima (and copied for the window rows) in one more pass over the buffer.
 //
-// One task = one query head, its query blocks in order, so each head's column sums are
+// One task = one query head, its query blocks in order, so each head's column sums and maxima are
 // accumulated by one thread in a fixed order (deterministic for any thread count). Scores,
 // softmax, column sums and the output accumulate in float32, and the scores returned are always
 // float32. bfloat16/float16 products go to MKL's reduced-precision GEMM where libtorch provides it
@@ -47,7 +48,7 @@ constexpr int kSeg = 512;   // keys per segment
 
 template <typename T>
 void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head_kv,
-                        double scale, at::Tensor& out, float* colp, float* winp, int window) {
+                        double scale, at::Tensor& out, float* colp, float* cmaxp, float* winp, int window) {
   const int hq = q.size(0), tq = q.size(1), d = q.size(2), s_len = k.size(1);
   const int off = s_len - tq;
   const int ldq = row_stride(q, d, "q"), ldk = row_stride(k, d, "k"), ldv = row_stride(v, d, "v"),
@@ -96,6 +97,7 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
         ldkt = ldvt = d;
       }
       float* col = colp ? colp + static_cast<int64_t>(h) * s_len : nullptr;
+      float* cmax = cmaxp ? cmaxp + static_cast<int64_t>(h) * s_len : nullptr;
       for (int r0 = 0; r0 < tq; r0 += kRows) {
         const int nr = std::min(kRows, tq - r0);
         const int n = off + r0 + nr;  // keys the block's last row sees; ld of s
@@ -160,13 +162,15 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
           const int vis = off + r0 + i + 1;
           const int r = r0 + i;
           float* dst = winp && r >= w0 ? winp + (static_cast<int64_t>(h) * window + (r - w0)) * s_len : nullptr;
-          if (col || dst) {
+          if (col || cmax || dst) {
             const float* row = sb + static_cast<int64_t>(i) * n;
             for (int g = 0; g * kSeg < vis; ++g) {
               const int k0 = g * kSeg, k1 = std::min(vis, k0 + kSeg);
               const float f = exp_neg(seg_m[static_cast<int64_t>(i) * nseg_max + g] - m[i]) * iv;
               if (col)
                 for (int j = k0; j < k1; ++j) col[j] += row[j] * f;
+              if (cmax)
+                for (int j = k0; j < k1; ++j) cmax[j] = std::max(cmax[j], row[j] * f);
               if (dst)
                 for (int j = k0; j < k1; ++j) dst[j] = row[j] * f;
             }
@@ -185,12 +189,13 @@ void causal_scores_impl(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // q [Hq, Tq, D], k/v [Hkv, S, D] (S >= Tq >= 1), out [Hq, Tq, D]: one dtype (float32, bfloat16 or
 // float16), any strides with a contiguous last dimension. head_kv [Hq] int32: the KV head each
 // query head reads. Writes the causal attention output into out and returns
-// (col_sums [Hq, S] if col_sums else [0], window_probs [Hq, window, S] if window > 0 else [0]),
-// float32; window_probs row i is query Tq - window + i (zeros beyond the keys it sees).
-std::tuple<at::Tensor, at::Tensor> causal_attention_scores_out(const at::Tensor& q, const at::Tensor& k,
-                                                               const at::Tensor& v, const at::Tensor& head_kv,
-                                                               double scale, bool col_sums, int64_t window,
-                                                               at::Tensor& out) {
+// (col_sums [Hq, S] if col_sums else [0], col_max [Hq, S] if col_max else [0],
+// window_probs [Hq, window, S] if window > 0 else [0]), float32; col_max[h, j] is the largest
+// probability any query of head h gives key j (0 for a key no query sees); window_probs row i is
+// query Tq - window + i (zeros beyond the keys it sees).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_scores_out(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& head_kv, double scale,
+    bool col_sums, bool col_max, int64_t window, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "q, k, v, out must be [heads, T, D]");
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "q must be float32, bfloat16 or float16");
@@ -207,21 +212,23 @@ std::tuple<at::Tensor, at::Tensor> causal_attention_scores_out(const at::Tensor&
   for (int64_t h = 0; h < hq; ++h) TORCH_CHECK(hkvp[h] >= 0 && hkvp[h] < hkv, "head_kv out of range");
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor col = col_sums ? at::zeros({hq, s_len}, f32) : at::empty({0}, f32);
+  at::Tensor cmx = col_max ? at::zeros({hq, s_len}, f32) : at::empty({0}, f32);
   at::Tensor win = window > 0 ? at::zeros({hq, window, s_len}, f32) : at::empty({0}, f32);
   float* colp = col_sums ? col.data_ptr<float>() : nullptr;
+  float* cmaxp = col_max ? cmx.data_ptr<float>() : nullptr;
   float* winp = window > 0 ? win.data_ptr<float>() : nullptr;
   const int w = static_cast<int>(window);
   if (dt == at::kFloat)
-    causal_scores_impl<float>(q, k, v, head_kv, scale, out, colp, winp, w);
+    causal_scores_impl<float>(q, k, v, head_kv, scale, out, colp, cmaxp, winp, w);
   else if (dt == at::kBFloat16)
-    causal_scores_impl<c10::BFloat16>(q, k, v, head_kv, scale, out, colp, winp, w);
+    causal_scores_impl<c10::BFloat16>(q, k, v, head_kv, scale, out, colp, cmaxp, winp, w);
   else
-    causal_scores_impl<c10::Half>(q, k, v, head_kv, scale, out, colp, winp, w);
-  return {col, win};
+    causal_scores_impl<c10::Half>(q, k, v, head_kv, scale, out, colp, cmaxp, winp, w);
+  return {col, cmx, win};
 }
 
 TORCH_LIBRARY_FRAGMENT(kvtrim_native, m) {
   m.def("causal_attention_scores_out(Tensor q, Tensor k, Tensor v, Tensor head_kv, float scale, bool col_sums, "
-        "int window, Tensor(a!) out) -> (Tensor, Tensor)");
+        "bool col_max, int window, Tensor(a!) out) -> (Tensor, Tensor, Tensor)");
   m.impl("causal_attention_scores_out", c10::DispatchKey::CPU, &causal_attention_scores_out);
 }

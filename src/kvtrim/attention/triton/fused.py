@@ -3,10 +3,11 @@
 
 One program per (query block of ``BLOCK_M`` rows, batch x query head), two sweeps over the keys
 the block sees: the first finds each row's softmax maximum and normaliser (online, exp2), the
-second forms the final probabilities of each key tile once and uses them three ways: ``p @ v``
+second forms the final probabilities of each key tile once and uses them up to four ways: ``p @ v``
 into the output, their column sums added atomically into ``col [B, Hq, S]`` (float32; the order
 of the additions across query blocks is not fixed, so the sums are equal to float32 rounding,
-not bit for bit), and, for the last ``window`` query rows, stored into ``win [B, Hq, w, S]``.
+not bit for bit), their column maxima raised atomically into ``cmax [B, Hq, S]`` and, for the last
+``window`` query rows, stored into ``win [B, Hq, w, S]``.
 The second sweep recomputes ``q @ k`` (as flash-attention's backward pass does) instead of
 keeping a ``[BLOCK_M, S]`` tile: on a GPU that is cheaper than the memory traffic.
 
@@ -41,11 +42,11 @@ def _scores(q, k_base, offs_n, offs_m, offs_d, s_kt, S, OFF, Tq, qk_scale, UPCAS
 
 @triton.jit
 def _fused_scores_fwd(
-    Q, K, V, O, COL, WIN,  # noqa: E741 - O is the output, as in the attention equations
+    Q, K, V, O, COL, CMAX, WIN,  # noqa: E741 - O is the output, as in the attention equations
     s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_ob, s_oh, s_ot,
     Tq, S, H, G, qk_scale, W,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_COL: tl.constexpr,
-    HAS_WIN: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_WIN: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_CMAX: tl.constexpr,
 ):
     qb = tl.program_id(0)
     bh = tl.program_id(1)
@@ -84,6 +85,8 @@ def _fused_scores_fwd(
             acc += tl.dot(p.to(v.dtype), v)
         if HAS_COL:
             tl.atomic_add(COL + bh * S + offs_n, tl.sum(p, 0), mask=offs_n < S)
+        if HAS_CMAX:
+            tl.atomic_max(CMAX + bh * S + offs_n, tl.max(p, 0), mask=offs_n < S)
         if HAS_WIN:
             w_row = offs_m - (Tq - W)
             w_ok = (w_row[:, None] >= 0) & row_ok[:, None] & (offs_n[None, :] < S)
@@ -92,9 +95,11 @@ def _fused_scores_fwd(
 
 
 def causal_attention_scores_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, column_sums: bool,
-                                   window: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                                   window: int, column_max: bool = False
+                                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``q [B, Hq, Tq, D]``, ``k, v [B, Hkv, S, D]`` (one dtype, last dimension contiguous) ->
-    ``(out [B, Tq, Hq, D], col [B, Hq, S] | None, win [B, Hq, w, S] | None)``; shapes checked by the caller."""
+    ``(out [B, Tq, Hq, D], col [B, Hq, S] | None, win [B, Hq, w, S] | None, cmax [B, Hq, S] | None)``;
+    shapes checked by the caller."""
     b, hq, tq, d = q.shape
     s = k.shape[2]
     if d & (d - 1) or d < 16:
@@ -106,15 +111,18 @@ def causal_attention_scores_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     out = torch.empty(b, tq, hq, d, dtype=q.dtype, device=q.device)
     o = out.transpose(1, 2)  # [B, Hq, Tq, D] view of transformers' [B, Tq, Hq, D] layout
     col = torch.zeros(b, hq, s, dtype=torch.float32, device=q.device)
+    # probabilities are >= 0, so 0 starts the maxima; one element stands in when not asked for
+    cmax = torch.zeros((b, hq, s) if column_max else (1,), dtype=torch.float32, device=q.device)
     win = torch.zeros(b, hq, max(w, 1), s, dtype=torch.float32, device=q.device)
     block_m, block_n = 64, 64
     grid = (triton.cdiv(tq, block_m), b * hq)
     _fused_scores_fwd[grid](
-        q, k, v, o, col, win,
+        q, k, v, o, col, cmax, win,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         tq, s, hq, hq // k.shape[1], scale * _LOG2E, w,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, HAS_COL=column_sums, HAS_WIN=w > 0,
         UPCAST_DOT=q.device.type == "cpu",  # CPU = the interpreter (see kernels.py)
+        HAS_CMAX=column_max,
     )
-    return out, (col if column_sums else None), (win if w > 0 else None)
+    return out, (col if column_sums else None), (win if w > 0 else None), (cmax if column_max else None)
