@@ -84,3 +84,14 @@ def test_methods_md_kvzip_cost_prose():
     prose = md.read_text()
     assert f"The prefill is about {ratio:.1f} times the full cache's" in prose
     assert decode <= 1.10 and "The decode step is within 10% of a full cache" in prose
+
+
+def test_methods_md_kvzip_natural_needles_prose():
+    """The natural-needle counts quoted for kvzip are the spans table's cells."""
+    md = ROOT / "docs" / "methods.md"
+    text = md.read_text()
+    i = text.index("<!-- generated: benchmarks/bench_spans.py --merge")
+    t = cells(text[i:text.index("<!-- end generated -->", i)], "| config")
+    assert t["kvzip@0.2"] == ["4/8", "3/5", "", "", "7/13"]
+    assert t["tova@0.2"][-1] == "3/13" and t["snapkv window=64@0.2"][-1] == "6/13"
+    assert "7 of 13, as many as default `snapkv` and fewer than `kernel=11`\n(11)" in text
