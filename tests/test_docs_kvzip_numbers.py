@@ -52,8 +52,19 @@ def test_methods_md_kvzip_prose():
     assert (mk25["kvzip"], mk25["tova"], mk25["snapkv"]) == ("1.00", "0.80", "0.70")
     assert "answers all (1.00; `tova` 0.80, `snapkv` 0.70)" in prose
     mem = cells(b, "#### Memory and time")
-    assert mem["kvzip @0.25"][0].startswith("26.8 ") and mem["tova @0.25"][0].startswith("25.8 ")
-    assert "(26.8 MiB at keep 0.25 against 25.8)" in prose
+    assert mem["kvzip @0.25"][0].startswith("26.2 ") and mem["tova @0.25"][0].startswith("25.8 ")
+    assert "(26.2 MiB at keep 0.25 against 25.8)" in prose
+    mean = head.index("mean score (full ≥ 0.5)")
+    m = {(k, meth): score[f"{meth} @{k}"][mean] for k in ("0.1", "0.25", "0.5") for meth in ("kvzip", "tova", "snapkv")}
+    assert (m["0.25", "kvzip"], m["0.25", "tova"], m["0.25", "snapkv"]) == ("0.89", "0.86", "0.74")
+    assert (m["0.5", "kvzip"], m["0.5", "tova"], m["0.1", "tova"], m["0.1", "kvzip"]) == ("0.96", "0.95", "0.71", "0.56")
+    assert ("`kvzip` has the best mean at keep 0.25 (0.89;\n  `tova` 0.86, `snapkv` 0.74) and 0.5 (0.96; `tova` 0.95), "
+            "and **`tova` the best at keep 0.1 (0.71\n  against `kvzip`'s 0.56)**") in prose
+    lf, vt = head.index("labelfree"), head.index("vt")
+    assert [score[f"{x} @{k}"][lf] for x in ("kvzip", "tova") for k in ("0.1", "0.25")] == ["0.29", "0.47", "0.59", "0.65"]
+    assert [score[f"{x} @0.1"][vt] for x in ("kvzip", "tova", "streaming_llm")] == ["0.00", "0.08", "0.22"]
+    assert "0.29 / 0.47 at keep 0.1 / 0.25 against `tova`'s 0.59 / 0.65" in prose
+    assert "(`vt` 0.00, `tova` 0.08, `streaming_llm` 0.22)" in prose
 
 
 def test_anchors_md_kvzip_prose():
@@ -69,9 +80,22 @@ def test_anchors_md_kvzip_prose():
     assert (v("kvzip @0.25", mt), v("kvpress:kvzip @0.25", mt)) == ("1.00", "0.95")
     assert (v("kvzip @0.1", mk), v("kvpress:kvzip @0.1", mk)) == ("0.17", "0.00")
     assert v("kvzip @0.25", mk) == v("kvpress:kvzip @0.25", mk) == "1.00"
-    prose = md.read_text()
-    assert "multi-turn chat at keep 0.1 (kvtrim's 0.80 against kvpress's 0.60) and 0.25 (1.00 against 0.95)" in prose
+    prose = " ".join(md.read_text().split())
+    assert "multi-turn chat at keep 0.1 (0.80 against kvpress's 0.60) and 0.25 (1.00 against 0.95)" in prose
     assert "both near zero at keep 0.1 (0.17 and 0.00)" in prose
+    lf, vt = head.index("labelfree"), head.index("vt")
+    assert (t["kvpress:kvzip @0.25"][lf], t["kvzip @0.25"][lf]) == ("0.50 (5)", "0.48 (5)")
+    assert [t[r][vt] for r in ("kvpress:kvzip @0.25", "kvpress:kvzip @0.5", "kvzip @0.25", "kvzip @0.5")] == [
+        "0.48 (5)", "0.44 (5)", "0.43 (6)", "0.30 (6)"]
+    assert "(0.48 and 0.44 against 0.43 and 0.30; its `vt` cells hold 5 samples, kvtrim's 6)" in prose
+    assert "at keep 0.25 (0.50 against 0.48)" in prose
+    assert v("kvzip @0.1", head.index("mean")) == "0.49" and v("kvpress:kvzip @0.1", head.index("mean")) == "0.30"
+    assert "`kvzip` (0.49) is ahead of kvpress's KVzip (0.30)" in prose
+    bullets = b[b.index("- keep 0.1:"):]
+    assert "`kvzip` (0.819), is behind the best press, `kvpress:kvzip` (0.821)" in bullets
+    assert "`kvzip` (0.857), is ahead of the best press, `kvpress:kvzip` (0.853)" in bullets
+    assert "`tova` (0.588), is ahead of the best press, `kvpress:tova` (0.374)" in bullets
+    assert "KVzip at keep 0.25 (0.819 against 0.821: behind by a fraction of one answer) and ahead at 0.5 (0.857 against 0.853)" in prose
 
 
 def test_methods_md_kvzip_cost_prose():

@@ -437,7 +437,8 @@ def budgets_qwen(root: Path) -> str:
 #: issue 47: kvzip (query-agnostic reconstruction scores) on the reference model's 4k sweep, joined with
 #: the sweep and tova's lines (the same samples)
 KVZIP_COST = "benchmarks/results/kvzip_cost.json"  # bench_kvzip_cost.py: its prefill and decode cost
-KVZIP_QWEN_DIRS = ("benchmarks/results/eval_qwen", "benchmarks/results/eval_tova", "benchmarks/results/eval_kvzip")
+KVZIP_QWEN_DIRS = ("benchmarks/results/eval_qwen", "benchmarks/results/eval_tova", "benchmarks/results/eval_kvzip",
+                   "benchmarks/results/eval_kvzip_rest")
 
 
 def kvzip_qwen(root: Path) -> str:
