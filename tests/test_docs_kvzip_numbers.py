@@ -119,3 +119,18 @@ def test_methods_md_kvzip_natural_needles_prose():
     assert t["kvzip@0.2"] == ["4/8", "3/5", "", "", "7/13"]
     assert t["tova@0.2"][-1] == "3/13" and t["snapkv window=64@0.2"][-1] == "6/13"
     assert "7 of 13, as many as default `snapkv` and fewer than `kernel=11`\n(11)" in text
+
+
+def test_methods_md_kvzip_16k_prose():
+    md = ROOT / "docs" / "methods.md"
+    b = block(md, "kvtrim.tools.docs_tables kvzip_qwen16k")
+    score = cells(b)
+    mt = score["method @ keep"].index("multiturn")
+    assert (score["kvzip @0.25"][mt], score["tova @0.25"][mt], score["full"][mt], score["snapkv @0.25"][mt]) == (
+        "0.82", "0.82", "0.97", "0.60")
+    turns = cells(b, "#### multiturn score per turn")
+    assert turns["kvzip @0.25"][1:] == ["1.00", "1.00", "0.70", "0.60"]
+    assert turns["tova @0.25"][2] == "0.80"  # two of ten second questions missed
+    prose = " ".join(md.read_text().split())
+    assert ("`kvzip` scores 0.82 on the 16k chat, the same as `tova`** (full cache 0.97, `snapkv` 0.60)") in prose
+    assert "(turn 3: 0.70, turn 4: 0.60)" in prose

@@ -629,11 +629,22 @@ def tova_qwen16k(root: Path) -> str:
     return _sweep_tables(root, TOVA16K_DIRS, [("tova", "snapkv"), ("tova", "inf_mllm")])
 
 
+#: issue 47's 16k multi-turn target with kvzip: the 16k sweep, tova's cells and kvzip's (keep 0.25, bfloat16, the
+#: same samples; eval_kvzip16k's full-cache lines are eval_tova16k's, copied, since kvtrim eval runs the full cache once)
+KVZIP16K_DIRS = ("benchmarks/results/eval_qwen16k", "benchmarks/results/eval_tova16k", "benchmarks/results/eval_kvzip16k")
+
+
+def kvzip_qwen16k(root: Path) -> str:
+    """The 16k sweep's tables joined with tova's and kvzip's cells (keep 0.25)."""
+    return _sweep_tables(root, KVZIP16K_DIRS, [("kvzip", "tova"), ("kvzip", "snapkv")])
+
+
 GENERATORS: dict[str, Callable[[Path], str]] = {"bench_cli": bench_cli, "guide": guide, "vllm": vllm, "eval_summary": eval_summary,
                                                 "eval_qwen": eval_qwen, "headline": headline, "agnostic": agnostic,
                                                 "perhead": perhead, "chat_default": chat_default, "tova_qwen": tova_qwen,
                                                 "tova_qwen16k": tova_qwen16k, "budgets_qwen": budgets_qwen,
                                                 "tova_qwen16k_variants": tova_qwen16k_variants, "kvzip_qwen": kvzip_qwen,
+                                                "kvzip_qwen16k": kvzip_qwen16k,
                                                 **{k: _spans(k) for k in SPANS_DIRS}}
 
 
