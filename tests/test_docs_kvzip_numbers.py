@@ -134,3 +134,24 @@ def test_methods_md_kvzip_16k_prose():
     prose = " ".join(md.read_text().split())
     assert ("`kvzip` scores 0.82 on the 16k chat, the same as `tova`** (full cache 0.97, `snapkv` 0.60)") in prose
     assert "(turn 3: 0.70, turn 4: 0.60)" in prose
+
+
+def test_readme_one_question_pick_numbers():
+    """The README's one-question pick quotes tova against snapkv from the joined 4k tables and the spans table."""
+    md = ROOT / "docs" / "methods.md"
+    score = cells(block(md, "kvtrim.tools.docs_tables kvzip_qwen"))
+    head = score["method @ keep"]
+    ns, vt = head.index("niah_single"), head.index("vt")
+    assert (score["tova @0.1"][ns], score["snapkv @0.1"][ns]) == ("0.90", "0.60")
+    assert all(float(score[f"tova @{k}"][vt]) < float(score[f"snapkv @{k}"][vt]) for k in ("0.1", "0.25", "0.5"))
+    for task in ("passkey", "niah_single", "niah_multikey", "labelfree"):
+        i = head.index(task)
+        assert all(float(score[f"tova @{k}"][i]) >= float(score[f"snapkv @{k}"][i]) for k in ("0.1", "0.25", "0.5")), task
+    text = md.read_text()
+    i = text.index("<!-- generated: benchmarks/bench_spans.py --merge")
+    spans = cells(text[i:text.index("<!-- end generated -->", i)], "| config")
+    assert spans["tova@0.2"][-1] == "3/13"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "(one needle at keep 0.1: 0.90 against `snapkv`'s 0.60) except the variable chains (`vt`)" in readme
+    assert "`tova` found 3 of 13 natural needles where `snapkv` found 7" in readme
+    assert "(`snapkv` 7, `kernel=11` 11 on the same 13)" in " ".join(text.split())
