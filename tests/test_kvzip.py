@@ -262,6 +262,13 @@ def test_cli_eval_runs_it_on_a_tiny_model(tiny_dir, tmp_path):
         for r in lines:
             assert r["kv_bytes"] < full["kv_bytes"]
     assert all(r.get("ref_nll_sum") is not None for r in every if r["task"] == "labelfree" and r["method"] == "kvzip")
+    # the reconstruction runs once per prompt for both budgets, and each budget's line counts it in its prefill
+    for task in ("passkey", "labelfree"):
+        lines = [r for r in every if r["method"] == "kvzip" and r["task"] == task]
+        assert len({r["reconstruct_seconds"] for r in lines}) == 1 and lines[0]["reconstruct_seconds"] > 0
+        assert all(r["compress_seconds"] >= r["reconstruct_seconds"] for r in lines)
+        assert all(abs(r["prefill_seconds"] - r["record_seconds"] - r["compress_seconds"]) < 1e-9 for r in lines)
+    assert not any("reconstruct_seconds" in r for r in every if r["method"] != "kvzip")
 
 
 def test_bfloat16_scores_in_float32_and_stores_the_models_dtype(prompt):

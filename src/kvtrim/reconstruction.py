@@ -17,6 +17,7 @@ memo, so several budgets of one prompt (``kvtrim eval``) reconstruct it once.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -183,19 +184,24 @@ def prepare(policy: Policy, model, prompt_kv, ids: Sequence[int], instruction: S
     ``ids`` before its cache evicts at the prompt; nothing is computed when the policy will not
     evict this prompt (a budget it fits), so a cache that saves nothing costs nothing. ``memo``: one
     dict per prompt shared by the policies of several budgets (the scores are computed once).
-    Returns the policy."""
+    Sets ``policy.reconstruction`` (the scores) and ``policy.reconstruction_seconds`` (what computing
+    them took, also when the memo had them: the cost a budget run alone would pay). Returns the policy."""
     if not policy.needs_reconstruction:
         return policy
     n = len(ids)
     if policy.eviction_target("prefill", n, n) is None:
         policy.reconstruction = {}  # type: ignore[attr-defined]  # nothing will be scored
+        policy.reconstruction_seconds = 0.0  # type: ignore[attr-defined]
         return policy
     chunk = int(getattr(policy, "chunk", 2048))
     key = ("reconstruction", chunk, tuple(instruction))
-    scores = None if memo is None else memo.get(key)
-    if scores is None:
-        scores = reconstruction_scores(model, prompt_kv, ids, instruction, chunk=chunk, on_chunk=on_chunk)
+    got = None if memo is None else memo.get(key)
+    if got is None:
+        t0 = time.perf_counter()
+        got = (reconstruction_scores(model, prompt_kv, ids, instruction, chunk=chunk, on_chunk=on_chunk),
+               time.perf_counter() - t0)
         if memo is not None:
-            memo[key] = scores
-    policy.reconstruction = scores  # type: ignore[attr-defined]
+            memo[key] = got
+    # the scores, and what computing them took (shared by the budgets of one memo: each budget's cost)
+    policy.reconstruction, policy.reconstruction_seconds = got  # type: ignore[attr-defined]
     return policy
