@@ -331,12 +331,13 @@ def _later_methods(root: Path, n: int, snapkv: dict[float, float]) -> str:
 
     lines, _ = _joined_sweeps(root, KVZIP_QWEN_DIRS)
     cells = summarize(lines)["cells"]
-    later = {}
+    later: dict[str, dict[float, float]] = {}
     for m in ("kvzip", "tova"):
-        rel = {k: row_summary(cells, n, m, k)[1] for k in (0.1, 0.25, 0.5)}
-        if any(v is None for v in rel.values()):
-            raise KVTrimError(f"the headline quotes {m} at {n} tokens; its sweep lacks a task of the full cache's")
-        later[m] = rel
+        later[m] = {}
+        for k in (0.1, 0.25, 0.5):
+            if (v := row_summary(cells, n, m, k)[1]) is None:
+                raise KVTrimError(f"the headline quotes {m} at {n} tokens; its sweep lacks a task of the full cache's")
+            later[m][k] = v
     ahead = [k for k in (0.1, 0.25, 0.5) if max(r[k] for r in later.values()) > snapkv[k]]
     first = {k: max(later, key=lambda m: later[m][k]) for k in (0.1, 0.25, 0.5)}
     text = ", ".join(f"`{m}` {r[0.1]:.0%} / {r[0.25]:.0%} / {r[0.5]:.0%}" for m, r in later.items())
