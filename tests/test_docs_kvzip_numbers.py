@@ -32,7 +32,7 @@ def cells(table_text: str, heading: str | None = None) -> dict[str, list[str]]:
 
 def test_methods_md_kvzip_prose():
     md = ROOT / "docs" / "methods.md"
-    b = block(md, "kvtrim.tools.docs_tables kvzip_qwen")
+    b = block(md, "kvtrim.tools.docs_tables kvzip_qwen -->")
     score = cells(b)
     head = score["method @ keep"]
     col = {name: head.index(name) for name in ("multiturn", "niah_multikey")}
@@ -112,8 +112,7 @@ def test_methods_md_kvzip_natural_needles_prose():
     """The natural-needle counts quoted for kvzip are the spans table's cells."""
     md = ROOT / "docs" / "methods.md"
     text = md.read_text()
-    i = text.index("<!-- generated: benchmarks/bench_spans.py --merge")
-    t = cells(text[i:text.index("<!-- end generated -->", i)], "| config")
+    t = cells(block(md, "benchmarks/bench_spans.py --merge"), "| config")
     assert t["kvzip@0.2"] == ["4/8", "3/5", "", "", "7/13"]
     assert t["tova@0.2"][-1] == "3/13" and t["snapkv window=64@0.2"][-1] == "6/13"
     assert "7 of 13, as many as default `snapkv` and fewer than `kernel=11`\n(11)" in text
@@ -137,7 +136,7 @@ def test_methods_md_kvzip_16k_prose():
 def test_readme_one_question_pick_numbers():
     """The README's one-question pick quotes tova against snapkv from the joined 4k tables and the spans table."""
     md = ROOT / "docs" / "methods.md"
-    score = cells(block(md, "kvtrim.tools.docs_tables kvzip_qwen"))
+    score = cells(block(md, "kvtrim.tools.docs_tables kvzip_qwen -->"))
     head = score["method @ keep"]
     ns, vt = head.index("niah_single"), head.index("vt")
     assert (score["tova @0.1"][ns], score["snapkv @0.1"][ns]) == ("0.90", "0.60")
@@ -146,8 +145,7 @@ def test_readme_one_question_pick_numbers():
         i = head.index(task)
         assert all(float(score[f"tova @{k}"][i]) >= float(score[f"snapkv @{k}"][i]) for k in ("0.1", "0.25", "0.5")), task
     text = md.read_text()
-    i = text.index("<!-- generated: benchmarks/bench_spans.py --merge")
-    spans = cells(text[i:text.index("<!-- end generated -->", i)], "| config")
+    spans = cells(block(md, "benchmarks/bench_spans.py --merge"), "| config")
     assert spans["tova@0.2"][-1] == "3/13"
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "(one needle at keep 0.1: 0.90 against `snapkv`'s 0.60) except the variable chains (`vt`)" in readme

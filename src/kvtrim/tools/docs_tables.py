@@ -324,20 +324,23 @@ BEAT_VLLM_RUNS = ("idle_amx", "idle_amx_qwen8k", "idle_smollm2_noamx", "idle_qwe
 BEST_CONFIG = "snapkv@0.25+minference"  # kvtrim's configuration in those runs
 
 
+def _share(cells, n: int, m: str, k: float) -> float:
+    """The mean of each solved task's score relative to the full cache's (the tables' "rel. to full")."""
+    from kvtrim.eval.report import row_summary
+
+    rel = row_summary(cells, n, m, k)[1]
+    if rel is None:
+        raise KVTrimError(f"no score relative to the full cache for {m} @{k} at {n} tokens")
+    return rel
+
+
 def _later_methods(root: Path, n: int, snapkv: dict[float, float]) -> str:
     """The headline's clause on the methods measured after the sweep on its samples (``tova``, ``kvzip``;
     :data:`KVZIP_QWEN_DIRS` joined): their share at ``n`` tokens, and where they pass ``snapkv``'s."""
-    from kvtrim.eval.report import row_summary, summarize
+    from kvtrim.eval.report import summarize
 
-    lines, _ = _joined_sweeps(root, KVZIP_QWEN_DIRS)
-    cells = summarize(lines)["cells"]
-    later: dict[str, dict[float, float]] = {}
-    for m in ("kvzip", "tova"):
-        later[m] = {}
-        for k in (0.1, 0.25, 0.5):
-            if (v := row_summary(cells, n, m, k)[1]) is None:
-                raise KVTrimError(f"the headline quotes {m} at {n} tokens; its sweep lacks a task of the full cache's")
-            later[m][k] = v
+    cells = summarize(_joined_sweeps(root, KVZIP_QWEN_DIRS)[0])["cells"]
+    later = {m: {k: _share(cells, n, m, k) for k in (0.1, 0.25, 0.5)} for m in ("kvzip", "tova")}
     ahead = [k for k in (0.1, 0.25, 0.5) if max(r[k] for r in later.values()) > snapkv[k]]
     first = {k: max(later, key=lambda m: later[m][k]) for k in (0.1, 0.25, 0.5)}
     text = ", ".join(f"`{m}` {r[0.1]:.0%} / {r[0.25]:.0%} / {r[0.5]:.0%}" for m, r in later.items())
@@ -351,15 +354,8 @@ def _later_methods(root: Path, n: int, snapkv: dict[float, float]) -> str:
 def headline(root: Path) -> str:
     """The README's short summary of the results: a few numbers from the committed results, each claim
     checked here against them (a claim that no longer holds raises instead of printing)."""
-    from kvtrim.eval.report import MIN_FULL_SCORE, row_summary
+    from kvtrim.eval.report import MIN_FULL_SCORE
     from kvtrim.integrations.prefill import DEFAULT_MIN_LENGTH
-
-    def share(cells, n, m, k) -> float:
-        """The mean of each solved task's score relative to the full cache's (the tables' "rel. to full")."""
-        rel = row_summary(cells, n, m, k)[1]
-        if rel is None:
-            raise KVTrimError(f"no score relative to the full cache for {m} @{k} at {n} tokens")
-        return rel
 
     out = []
     rels: dict[tuple[int, str], dict[str, dict[float, float]]] = {}
@@ -368,7 +364,7 @@ def headline(root: Path) -> str:
         cells = _eval_cells(root, rel_dir)
         n = max(c["length"] for c in cells if c["prefill"] == "dense")
         methods = sorted({c["method"] for c in cells if c["method"] != "full"})
-        rels[(n, dtype)] = {m: {k: share(cells, n, m, k) for k in (0.1, 0.25, 0.5)} for m in methods}
+        rels[(n, dtype)] = {m: {k: _share(cells, n, m, k) for k in (0.1, 0.25, 0.5)} for m in methods}
     (n4, d4), (n16, d16) = rels
     order = sorted(rels[(n4, d4)], key=lambda m: -rels[(n4, d4)][m][0.5])
     for key, rel in rels.items():
