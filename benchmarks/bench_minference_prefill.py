@@ -47,7 +47,7 @@ from kvtrim import decoding, harness
 from kvtrim.cache import KVTrimCache
 from kvtrim.data import essays_text
 from kvtrim.integrations.hf import attach
-from kvtrim.integrations.prefill import SIZE_KEYS, SparsePrefill, make_prefill
+from kvtrim.integrations.prefill import SIZE_KEYS, SparsePrefill, calibration_length, make_prefill
 from kvtrim.machine import load_average
 from kvtrim.models import load_model
 
@@ -129,6 +129,8 @@ def build(pattern_config: str | None, model_name: str | None = None, dtype: str 
     model = lm.model
     mi = make_prefill(model, "minference", pattern_config, min_length=1)
     hooks = {"dense": SparsePrefill("dense"), "minference": mi}
+    for cfg in mi.configs:  # "minference@8222": one config whatever the length (minference picks per prompt)
+        hooks[f"minference@{calibration_length(cfg)}"] = SparsePrefill("minference", config=cfg, min_length=1)
     single_sizes = {}
     for pat in ("a_shape", "vertical_slash", "block_sparse"):
         sizes = median_sizes(mi.config, pat)
@@ -205,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "single_pattern_sizes": single_sizes,
         "pattern_config_search": mi.config.search,
+        "pattern_config_searches": [c.search for c in mi.configs],  # minference picks one per prompt length
         "isolated": bool(args.isolate),
         "order": "configurations interleaved; the order alternates between repetitions",
     }

@@ -30,9 +30,21 @@ import torch
 import torch.nn.functional as F
 
 from kvtrim import harness
-from kvtrim.attention import AShape, BlockSparse, VerticalSlash, sparse_attention_cpu, sparse_prefill
+from kvtrim.attention import AShape, BlockSparse, VerticalSlash, dense_layout, sparse_attention_cpu, sparse_prefill
+
+
+class AllBlocks:
+    """Every causal block listed (density 1): the kernel's rate per unit of work against SDPA's."""
+
+    def layout(self, q, k):
+        return dense_layout(q.shape[0], q.shape[1], q.shape[2], device=q.device)
+
+    def __repr__(self) -> str:
+        return "AllBlocks()"
+
 
 PATTERNS = {
+    "all_blocks": AllBlocks,
     "a_shape": lambda: AShape(n_init=1024, n_local=4096),
     "vertical_slash": lambda: VerticalSlash(k_v=1000, k_s=6096),
     "vertical_slash_small": lambda: VerticalSlash(k_v=500, k_s=200),
@@ -43,21 +55,34 @@ PATTERNS = {
 
 def table(records: list[dict]) -> str:
     """Markdown table of a kernel result (JSON lines)."""
-    lines = ["| T | path | kernel | density | estimate s | attention s | attention speed-up | GFLOP/s (executed) |",
-             "|---:|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| T | dtype | path | kernel | density | estimate s | attention s | attention speed-up | GFLOP/s (executed) | rate vs SDPA |",
+             "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    head = []
+    for i, r in enumerate(records):  # one machine line per run (a file may hold several runs, e.g. one per dtype)
+        if "machine" in r:
+            end = next((x["loadavg_end"] for x in records[i:] if x.get("kind") == "summary" and "loadavg_end" in x), None)
+            m = dict(r["machine"], loadavg_end=end or r["machine"]["loadavg_start"])
+            head.append(f"- {r.get('dtype', '')} run, {m['date'][:10]}: {harness.machine_line(m, r.get('threads', m.get('torch_threads')))}")
+    if head:
+        lines = head + [""] + lines
+    sdpa = {}
     for r in records:
+        dt = r.get("dtype", "")
         if r.get("kind") == "dense_sdpa":
-            lines.append(f"| {r['T']} | dense SDPA | torch | 1.000 | | {r['seconds']:.3f} | 1.00x | {r['gflops_per_s']:.0f} |")
+            sdpa[(r["T"], dt)] = r["gflops_per_s"]
+            lines.append(f"| {r['T']} | {dt} | dense SDPA | torch | 1.000 | | {r['seconds']:.3f} | 1.00x | {r['gflops_per_s']:.0f} | 1.00 |")
         elif r.get("kind") not in (None, "summary"):
-            lines.append(f"| {r['T']} | {r['kind']} | {r['kernel']} | {r['density']:.3f} | {r['estimate_s']:.3f} | "
-                         f"{r['attention_s']:.3f} | {r['speedup_attention']:.2f}x | {r['gflops_per_s_effective']:.0f} |")
+            rate = r["gflops_per_s_effective"] / sdpa[(r["T"], dt)] if (r["T"], dt) in sdpa else float("nan")
+            lines.append(f"| {r['T']} | {dt} | {r['kind']} | {r['kernel']} | {r['density']:.3f} | {r['estimate_s']:.3f} | "
+                         f"{r['attention_s']:.3f} | {r['speedup_attention']:.2f}x | {r['gflops_per_s_effective']:.0f} | {rate:.2f} |")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=3, warmup=1, out_help="write the JSON lines here")])
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=list(PATTERNS))
+    p.add_argument("--patterns", nargs="+", default=[n for n in PATTERNS if n != "all_blocks"], choices=list(PATTERNS),
+                   help="all_blocks: every causal block through the sparse kernel (its rate against SDPA's)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="default: float32 on CPU, float16 on CUDA")
     p.add_argument("--q-heads", type=int, default=9)

@@ -45,8 +45,16 @@ def table(d: dict) -> str:
     def k(n: int) -> str:
         return f"{n // 1024 if n % 1024 == 0 else round(n / 1000)}k"
 
-    head = ("| prefill | " + " | ".join(f"pass key {n}" for n in lengths) + " | pass key all | vs dense | "
-            + " | ".join(f"ppl {k(n)} (vs dense)" for n in ppl_lengths) + " | mean density |")
+    if not lengths:  # perplexity only
+        lines = ["| prefill | " + " | ".join(f"ppl {k(n)} (vs dense)" for n in ppl_lengths) + " |",
+                 "|---|" + "---:|" * len(ppl_lengths)]
+        for name, v in s.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{v['perplexity'][str(n)]:.3f} ({v['perplexity_vs_dense'][str(n)] - 1:+.2%}, density {v['ppl_density'][str(n)]:.2f})"
+                for n in ppl_lengths) + " |")
+        return "\n".join(lines)
+    head = "| " + " | ".join(["prefill", *(f"pass key {n}" for n in lengths), "pass key all", "vs dense",
+                              *(f"ppl {k(n)} (vs dense)" for n in ppl_lengths), "mean density"]) + " |"
     lines = [head, "|---|" + "---:|" * (len(lengths) + 3 + len(ppl_lengths))]
     for name, v in s.items():
         cells = []
@@ -59,10 +67,8 @@ def table(d: dict) -> str:
                 ppl.append(f"{v['perplexity'][n]:.3f} ({v['perplexity_vs_dense'][n] - 1:+.2%}, density {v['ppl_density'][n]:.2f})")
             else:
                 ppl.append("")
-        lines.append(
-            f"| {name} | " + " | ".join(cells) + f" | {v['passkey_correct']}/{v['passkey_samples']} | {v['passkey_vs_dense']:.0%} | "
-            + " | ".join(ppl) + f" | {v['mean_density']:.2f} |"
-        )
+        lines.append("| " + " | ".join([name, *cells, f"{v['passkey_correct']}/{v['passkey_samples']}",
+                                         f"{v['passkey_vs_dense']:.0%}", *ppl, f"{v['mean_density']:.2f}"]) + " |")
     # prefill time of the pass-key prompts: same process, configurations alternating per sample
     times = []
     for n in lengths:
@@ -80,6 +86,11 @@ def table(d: dict) -> str:
 def _hooks(model, args) -> dict[str, SparsePrefill | None]:
     hooks: dict[str, SparsePrefill | None] = {"dense": None}
     hooks["minference"] = make_prefill(model, "minference", args.pattern_config, min_length=1)
+    for spec in args.extra_config:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or name in hooks:
+            raise SystemExit(f"--extra-config takes NAME=FILE with a new NAME; got {spec!r}")
+        hooks[name] = make_prefill(model, "minference", path, min_length=1)
     for spec in args.single or []:
         name, _, rest = spec.partition(":")
         sizes = {k: int(v) for k, v in (kv.split("=") for kv in rest.split(",") if kv)}
@@ -120,11 +131,14 @@ def perplexity(model, ids: list[int], hook) -> tuple[float, dict | None]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[harness.options(reps=None, warmup=None)])
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 3072, 4096])
+    p.add_argument("--lengths", type=int, nargs="*", default=[1024, 2048, 3072, 4096],
+                   help="pass-key prompt lengths (none: perplexity only)")
     p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
     p.add_argument("--pattern-config", default=None, help="default: the config shipped for the model")
     p.add_argument("--single", nargs="*", help="extra single-pattern modes, e.g. block_sparse:k_b=8")
-    p.add_argument("--ppl-tokens", type=int, nargs="+", default=[4096, 8000])
+    p.add_argument("--extra-config", nargs="*", default=[], metavar="NAME=FILE",
+                   help="more per-head configs to compare, each under its NAME (e.g. a config searched at another length)")
+    p.add_argument("--ppl-tokens", type=int, nargs="*", default=[4096, 8000], help="perplexity lengths (none: pass key only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model (default: the embedded one), e.g. qwen2.5-0.5b")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
@@ -151,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kind": "passkey", "length": n, "prompt_tokens": len(ids), "depth": depth, "prefill": name,
                 "correct": s.answers[0] in r.answer, "answer": r.answer[:40], "prefill_seconds": r.prefill_seconds,
                 "density": r.prefill["density"] if r.prefill else 1.0,
+                "config_length": r.prefill.get("config_length") if r.prefill else None,
             })
     ppl = []
     text_ids = tok(pydoc_text())["input_ids"]
@@ -184,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": lm.source,
         "dtype": args.dtype,
         "pattern_config_search": hooks["minference"].config.search,
+        "pattern_config_searches": [c.search for c in hooks["minference"].configs],  # one is picked per prompt length
         "summary": summary,
         "rows": rows + ppl,
     }

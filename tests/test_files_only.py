@@ -61,7 +61,7 @@ READ_ALLOWED = {
     ("vlm.py", "load_image", "Image.open"): "decodes an image from the bytes files.read_bytes read (io.BytesIO)",
     ("budget.py", "shipped", "read_bytes"): "package data (an importlib.resources Traversable, perhaps in a zip), "
                                             "parsed with files.parse_json",
-    ("integrations/prefill.py", "shipped_config", "read_bytes"): "package data (an importlib.resources "
+    ("integrations/prefill.py", "shipped_configs", "read_bytes"): "package data (an importlib.resources "
                                                                   "Traversable), parsed with files.parse_json",
 }
 

@@ -201,6 +201,29 @@ def test_minference_without_a_config_for_the_model(model):
         make_prefill(model, "minference")
 
 
+def test_configs_searched_at_several_lengths_are_picked_per_prompt(model, long_prompt):
+    from kvtrim.integrations.prefill import pick_config
+
+    short = _config(model, {"pattern": "block_sparse", "k_b": 1})
+    short.search["length"] = 64
+    long = _config(model, {"pattern": "dense"})
+    long.search["length"] = 4096
+    assert pick_config([short, long], 250) is short  # log distance: 250/64 < 4096/250
+    assert pick_config([short, long], 600) is long
+    assert pick_config([short, long], 512) is long  # the geometric middle goes to the longer (denser) one
+    hook = SparsePrefill("minference", config=[long, short], min_length=1)
+    assert hook.configs == [short, long]
+    sparse = _logits(model, long_prompt, hook)
+    assert hook.stats()["config_length"] == 64 and hook.stats()["density"] < 0.5
+    hook.reset_stats()
+    longer = torch.cat([long_prompt] * 3, dim=1)  # 750 tokens: the dense config, the dense answer
+    torch.testing.assert_close(_logits(model, longer, hook), _logits(model, longer, None), atol=1e-5, rtol=1e-4)
+    assert hook.stats()["config_length"] == 4096 and hook.stats()["density"] == pytest.approx(1.0)
+    assert not torch.allclose(sparse, _logits(model, long_prompt, None), atol=1e-3)
+    with pytest.raises(KVTrimError, match="a PatternConfig or a sequence"):
+        SparsePrefill("minference", config=[short, "x.json"])
+
+
 def test_search_candidates_share_one_executed_cost():
     torch.manual_seed(0)
     t, d = 1500, 32
@@ -214,6 +237,55 @@ def test_search_candidates_share_one_executed_cost():
         assert lay.density() >= target * 0.6, (name, sizes, lay.density())  # sized up to the budget, not trivially small
     vs = [s for n, s, _ in cands if n == "vertical_slash"]
     assert all(s["k_v"] >= 30 and s["k_s"] >= 50 for s in vs)  # recorded sizes are the sizes that run
+
+
+def test_sampled_query_blocks_spread_over_the_prompt():
+    from kvtrim.tools.search_patterns import block_rows, sampled_blocks
+
+    keep = sampled_blocks(512, 32)
+    assert int(keep.sum()) == 32 and bool(keep[-1]) and bool(keep[0])
+    gaps = torch.diff(torch.nonzero(keep).flatten())
+    assert int(gaps.min()) >= 15 and int(gaps.max()) <= 17  # evenly spread
+    assert sampled_blocks(512, None) is None and sampled_blocks(8, 8) is None
+    with pytest.raises(KVTrimError, match="query_blocks must be >= 1"):
+        sampled_blocks(8, 0)
+    rows = block_rows(sampled_blocks(16, 2), 1000)  # blocks 0 and 15 (the last, partial: 1000 - 960 rows)
+    assert rows.tolist() == list(range(64)) + list(range(960, 1000))
+
+
+def test_restricted_layout_computes_the_kept_rows_only():
+    from kvtrim.attention import VerticalSlash, sparse_attention_cpu
+    from kvtrim.tools.search_patterns import block_rows, restrict, sampled_blocks
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 1000, 32) for _ in range(3))
+    lay = VerticalSlash(k_v=40, k_s=60).layout(q, k)
+    keep = sampled_blocks(16, 4)
+    full = sparse_attention_cpu(q, k, v, lay)
+    part = sparse_attention_cpu(q, k, v, restrict(lay, keep))
+    rows = block_rows(keep, 1000)
+    torch.testing.assert_close(part[:, :, rows], full[:, :, rows], rtol=0, atol=0)
+    others = torch.ones(1000, dtype=torch.bool)
+    others[rows] = False
+    assert bool((part[:, :, others] == 0).all())
+    assert restrict(lay, None) is lay
+
+
+def test_search_with_sampled_rows_scores_the_same_candidates(model, long_prompt):
+    from kvtrim.tools.search_patterns import SearchHook
+
+    every = SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, 0.6)
+    some = SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, 0.6, query_blocks=2)
+    _logits(model, long_prompt, every)
+    out = _logits(model, long_prompt, some)
+    torch.testing.assert_close(out, _logits(model, long_prompt, None), atol=1e-5, rtol=1e-4)  # the model ran dense
+    differ = 0
+    for ra, rb in zip(every.rows, some.rows):
+        for a, b in zip(ra, rb):
+            assert a["candidates"].keys() == b["candidates"].keys()  # the same candidates, measured on fewer rows
+            assert [c["density"] for c in a["candidates"].values()] == [c["density"] for c in b["candidates"].values()]
+            differ += any(x["error"] != y["error"] for x, y in zip(a["candidates"].values(), b["candidates"].values()))
+    assert differ > 0  # the sampled errors are measured on other rows
 
 
 def test_search_picks_the_lowest_error_candidate(model, long_prompt):
@@ -239,6 +311,7 @@ def test_search_picks_the_lowest_error_candidate(model, long_prompt):
         (["generate", "--prefill", "block_sparse", "--pattern-config", "/nonexistent.json", "--question", "q"], "does not exist"),
         (["search-patterns", "--density", "1.5", "--out", "/tmp/x.json"], "--density must be comma-separated numbers in (0, 1)"),
         (["search-patterns", "--length", "100", "--out", "/tmp/x.json"], "--length must be an integer >= 256"),
+        (["search-patterns", "--query-blocks", "-1", "--out", "/tmp/x.json"], "--query-blocks must be"),
         (["search-patterns", "--out", "/nonexistent/dir/x.json"], "does not exist"),
     ],
 )

@@ -126,6 +126,19 @@ def test_cpu_matches_reference_4001(name: str, kernel: str) -> None:
     _assert_within_rule(sparse_attention_cpu(q, k, v, layout, kernel=kernel), q, k, v, layout_to_mask(layout))
 
 
+@pytest.mark.parametrize("name", list(PATTERNS_4001))
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_cpu_low_precision_4001(name: str, kernel: str) -> None:  # block_sparse with k_b 11: more than one segment
+    """bfloat16 at a length where a query block lists more key blocks than one segment holds, not
+    all of them neighbours (the native kernel's packed path groups them), and the last block is partial."""
+    q, k, v = _qkv(4001, 64, 3, 1, torch.bfloat16, seed=4)
+    layout = (BlockSparse(k_b=11) if name == "block_sparse" else PATTERNS_4001[name]).layout(q, k)
+    assert int(layout.block_cnt.max()) > 8
+    out = sparse_attention_cpu(q, k, v, layout, kernel=kernel)
+    assert out.dtype == torch.bfloat16
+    _assert_within_rule(out, q, k, v, layout_to_mask(layout))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PATTERNS_4001))
 @pytest.mark.parametrize("kernel", KERNELS)

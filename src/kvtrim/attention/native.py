@@ -94,7 +94,12 @@ def load_native() -> bool:
                 name=_build_name(),
                 sources=[str(p) for p in _SOURCES],
                 extra_include_paths=[str(_CSRC)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+                # -mprefer-vector-width=512: GCC's default for many AVX-512 CPUs is 256-bit vectors,
+                # and the softmax's exponentials then ran at half width (docs/minference.md, "The
+                # CPU kernels' rates"). A CPU without AVX-512 has no 512-bit vectors, and the flag
+                # changes nothing there.
+                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-ffast-math",
+                              "-fno-finite-math-only"],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,

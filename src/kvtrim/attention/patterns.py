@@ -363,10 +363,19 @@ class BlockSparse:
         _positive("block_size", self.block_size)
 
     def layout(self, q: torch.Tensor, k: torch.Tensor, scaling: float | None = None) -> SparseLayout:
+        return self.layout_from_scores(self.block_scores(q, k, scaling, self.block_size), q.shape[2])
+
+    @staticmethod
+    def block_scores(q: torch.Tensor, k: torch.Tensor, scaling: float | None = None, block_size: int = 64) -> torch.Tensor:
+        """The pooled block scores ``[B, Hq, n, n]`` (float32): ``-inf`` above the diagonal, ``+inf`` on it.
+
+        They do not depend on ``k_b``, so one call serves every size (the pattern search sizes
+        ``k_b`` by bisection on them).
+        """
         g = check_qkv(q, k, k)
         b, hq, t, d = q.shape
         hkv = k.shape[1]
-        bs = self.block_size
+        bs = block_size
         scale = d**-0.5 if scaling is None else scaling
         n = math.ceil(t / bs)
         counts = (torch.arange(n, device=q.device) * bs).neg_().add_(t).clamp_(max=bs).float()[:, None]
@@ -381,9 +390,19 @@ class BlockSparse:
         causal = _causal_blocks(n, q.device)
         s.masked_fill_(~causal, float("-inf"))
         s.diagonal(dim1=-2, dim2=-1).fill_(float("inf"))
+        return s
+
+    def blocks_listed(self, n: int) -> int:
+        """Key blocks this size lists over ``n`` query blocks (query block ``i`` has ``i + 1`` causal ones)."""
+        kk = min(self.k_b, n)
+        return kk * (kk + 1) // 2 + (n - kk) * kk
+
+    def layout_from_scores(self, s: torch.Tensor, seq_len: int) -> SparseLayout:
+        """This size's layout from :meth:`block_scores`: each query block's top ``k_b`` key blocks."""
+        b, hq, n, _ = s.shape
         kk = min(self.k_b, n)
         top = s.topk(kk, dim=-1).indices
-        keep = torch.arange(kk, device=q.device)[None, :] < (torch.arange(n, device=q.device) + 1)[:, None]
-        bm = torch.zeros(b, hq, n, n, dtype=torch.bool, device=q.device)
+        keep = torch.arange(kk, device=s.device)[None, :] < (torch.arange(n, device=s.device) + 1)[:, None]
+        bm = torch.zeros(b, hq, n, n, dtype=torch.bool, device=s.device)
         bm.scatter_(-1, top, keep.expand(b, hq, n, kk))
-        return layout_from_block_mask(bm, t, bs)
+        return layout_from_block_mask(bm, seq_len, self.block_size)

@@ -36,7 +36,7 @@ def cmd_search_patterns(args) -> int:
     lm = load_from_args(args)
     tags = [args.tag] if args.tag else []
     cfg = search_patterns(lm.model, lm.tokenizer, length=args.length, target_density=levels, seed=args.seed, model_tags=tags,
-                          max_error=args.max_error)
+                          max_error=args.max_error, query_blocks=args.query_blocks or None)
     save_config(cfg, out, force=args.force)
     counts = cfg.counts()
     errs = [e["error"] for row in cfg.layers for e in row]
@@ -62,6 +62,9 @@ def add_search_patterns_command(sub) -> None:
     g.add_argument("--max-error", type=float_arg(0, min_open=True), default=0.05, metavar="E",
                    help="a head takes the cheapest level whose best pattern's relative output error is at most E, "
                         "else stays dense")
+    g.add_argument("--query-blocks", type=int_arg(0), default=32, metavar="N",
+                   help="measure each candidate's output error on N 64-row query blocks spread over the prompt "
+                        "(0: every row; slower, exhaustive). 32 is 1/16 of the rows at 32k")
     g.add_argument("--seed", type=seed_arg(), default=0, metavar="S", help="seed of the calibration prompt")
     o = s.add_argument_group("output")
     o.add_argument("--tag", help="model name substring the shipped config matches (packaging only)")

@@ -36,6 +36,7 @@ import math
 import os
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -200,12 +201,15 @@ class PatternConfig:
             raise KVTrimError(str(e).replace("pattern config", where, 1)) from None
 
 
-def shipped_config(model) -> PatternConfig | None:
-    """The config shipped in the package for this model, if any (matched by layer/head counts and name)."""
+def shipped_configs(model) -> list[PatternConfig]:
+    """The configs shipped in the package for this model (matched by layer/head counts and name),
+    shortest calibration length first; several when the model has configs searched at several
+    lengths (:func:`pick_config` chooses per prompt)."""
     ident = model_identity(model)
     root = resources.files("kvtrim.attention") / "configs"  # package data, beside the kernels
     if not root.is_dir():
-        return None
+        return []
+    found = []
     for f in sorted(root.iterdir(), key=lambda f: f.name):
         if not f.name.endswith(".json"):
             continue
@@ -213,8 +217,30 @@ def shipped_config(model) -> PatternConfig | None:
         m = d.get("model", {})
         same_shape = all(m.get(k) == ident[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"))
         if same_shape and any(tag in ident["name"] for tag in d.get("search", {}).get("model_tags", [])):
-            return PatternConfig(model=m, layers=d["layers"], search=d.get("search", {}))
-    return None
+            found.append(PatternConfig(model=m, layers=d["layers"], search=d.get("search", {})))
+    return sorted(found, key=calibration_length)
+
+
+def shipped_config(model) -> PatternConfig | None:
+    """The shipped config with the shortest calibration length for this model, if any (see :func:`shipped_configs`)."""
+    found = shipped_configs(model)
+    return found[0] if found else None
+
+
+def calibration_length(cfg: PatternConfig) -> int:
+    """The prompt length a config was searched at (0 when it does not say)."""
+    n = cfg.search.get("length", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
+def pick_config(configs: Sequence[PatternConfig], t: int) -> PatternConfig:
+    """The config for a ``t``-token prompt: the one searched at the length nearest to ``t`` on a log
+    scale (sizes are absolute, so a config gets sparser, and its error larger, as prompts grow past
+    its calibration length; measured in docs/minference.md). A tie goes to the longer calibration,
+    which is the denser one at ``t``."""
+    if len(configs) == 1:
+        return configs[0]
+    return min(configs, key=lambda c: (abs(math.log(max(calibration_length(c), 1) / max(t, 1))), -calibration_length(c)))
 
 
 class SparsePrefill:
@@ -231,10 +257,15 @@ class SparsePrefill:
             ``"triton"``, ``"reference"`` (explicit mask; tests only).
     """
 
-    def __init__(self, mode: str = "minference", config: PatternConfig | None = None, sizes: dict | None = None,
-                 min_length: int = DEFAULT_MIN_LENGTH, backend: str = "auto"):
+    def __init__(self, mode: str = "minference", config: PatternConfig | Sequence[PatternConfig] | None = None,
+                 sizes: dict | None = None, min_length: int = DEFAULT_MIN_LENGTH, backend: str = "auto"):
         if mode not in PREFILL_MODES:
             raise KVTrimError(f"unknown prefill mode {mode!r}; choose one of: {', '.join(PREFILL_MODES)}")
+        if isinstance(config, (list, tuple)):
+            if not config:
+                config = None
+            elif not all(isinstance(c, PatternConfig) for c in config):
+                raise KVTrimError("config must be a PatternConfig or a sequence of them")
         if mode == "minference" and config is None:
             raise KVTrimError("prefill mode 'minference' needs a pattern config (see `kvtrim search-patterns`)")
         if mode != "minference" and config is not None:
@@ -245,7 +276,13 @@ class SparsePrefill:
             raise KVTrimError(f"min_length must be a positive integer; got {min_length!r}")
         if backend not in ("auto", "cpu", "triton", "reference"):
             raise KVTrimError(f"backend must be auto, cpu, triton or reference; got {backend!r}")
-        self.mode, self.config, self.min_length, self.backend = mode, config, min_length, backend
+        #: every config (one per calibration length, shortest first); ``config`` is the one in use,
+        #: picked per prompt by :func:`pick_config`
+        if isinstance(config, PatternConfig):
+            config = [config]
+        self.configs: list[PatternConfig] = sorted(config or [], key=calibration_length)
+        self.mode, self.min_length, self.backend = mode, min_length, backend
+        self.config: PatternConfig | None = self.configs[0] if self.configs else None
         self.single = make_pattern(mode, **(sizes or {})) if mode in PATTERNS else None
         if mode != "dense" and (backend == "cpu" or (backend == "auto" and not torch.cuda.is_available())):
             # Build/load the native CPU kernel now, not inside the first forward: loading runs
@@ -280,11 +317,12 @@ class SparsePrefill:
             "attention_seconds": self.attention_seconds,
             "min_length": self.min_length,
             "kernel": self.kernel,
+            "config_length": calibration_length(self.config) if self.config is not None else None,
         }
 
     def check_model(self, model) -> None:
-        if self.config is not None:
-            self.config.check(model)
+        for cfg in self.configs:
+            cfg.check(model)
 
     # -- the hook ---------------------------------------------------------------------------
     def pattern_for(self, layer_idx: int, head: int):
@@ -389,6 +427,8 @@ class SparsePrefill:
                 self.attention_seconds += time.perf_counter() - t0
                 return out.transpose(1, 2).contiguous(), None
             return None
+        if len(self.configs) > 1:
+            self.config = pick_config(self.configs, t)
         t0 = time.perf_counter()
         layouts = self._layouts(layer_idx, query, key, scale)
         t1 = time.perf_counter()
@@ -447,15 +487,15 @@ def make_prefill(model, mode: str, pattern_config: str | Path | PatternConfig | 
     """Build the prefill hook for ``model``, resolving ``minference``'s config.
 
     ``pattern_config`` may be a path or a :class:`PatternConfig`; for ``minference`` without one,
-    the config shipped for the model is used, and a model with none gets a clear error.
+    the configs shipped for the model are used (one per calibration length, picked per prompt by
+    :func:`pick_config`), and a model with none gets a clear error.
     """
     if mode not in PREFILL_MODES:
         raise KVTrimError(f"unknown prefill mode {mode!r}; choose one of: {', '.join(PREFILL_MODES)}")
-    cfg = pattern_config
-    if isinstance(cfg, (str, Path)):
-        cfg = PatternConfig.load(cfg)
+    cfg: PatternConfig | list[PatternConfig] | None = (PatternConfig.load(pattern_config)
+                                                         if isinstance(pattern_config, (str, Path)) else pattern_config)
     if mode == "minference" and cfg is None:
-        cfg = shipped_config(model)
+        cfg = shipped_configs(model) or None
         if cfg is None:
             raise KVTrimError(
                 "no pattern config ships for this model; make one with "

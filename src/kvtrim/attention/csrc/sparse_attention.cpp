@@ -1,8 +1,8 @@
 // kvtrim: fused CPU sparse prefill attention (block + column layouts, online softmax).
 //
 // One task = one query head x one 64-row query block. A task walks the key blocks its layout
-// lists (runs of consecutive blocks are merged into one segment of up to kSeg keys, so the BLAS
-// calls are larger) and then its single key columns (gathered into a thread-local buffer), and
+// lists (up to kSeg keys per segment: runs of consecutive blocks, so the BLAS calls are larger, or,
+// on the packed AMX path, any blocks, so the softmax runs over longer rows) and then its single key columns (gathered into a thread-local buffer), and
 // keeps a running max / sum / normalised output per row, as a flash-attention kernel does: the scores of a
 // segment live only in a small thread-local buffer, there is no separate softmax pass, no
 // gathered copy of whole key blocks, and no padding between query blocks of different widths.
@@ -21,7 +21,8 @@
 // and the output accumulate in float32 throughout. bfloat16/float16 products go, where libtorch's
 // MKL provides it, to MKL's reduced-precision GEMM (bfloat16 x bfloat16 -> float32: AVX-512 BF16 /
 // AMX), reading q, k and v as they are; the probabilities are rounded to the input dtype for the
-// product with v, as PyTorch's own flash attention does. Without that GEMM (another BLAS, or
+// product with v, unnormalised (the output row is divided by its sum once, at the end), as
+// PyTorch's own flash attention does, in one vectorised pass with the exponential. Without that GEMM (another BLAS, or
 // KVTRIM_NATIVE_LOWP_GEMM=0) a task converts its query block and each key/value segment into
 // thread-local float32 tiles and uses sgemm. No whole-tensor copy is made either way; the output is
 // rounded once to the input dtype when a task writes its rows. Where PyTorch's brgemm micro-kernel
@@ -62,30 +63,24 @@ struct Scratch {
         qc(lowp ? 0 : kBlock * d), pl(lowp ? kBlock * kSeg : 0), kl(lowp ? kSeg * d : 0), vl(lowp ? kSeg * d : 0) {}
 };
 
-// Online-softmax update of rows [0, nr) with the scores s[nr, n] (row-major), leaving the
-// normalised probabilities in s for the product with the values (accumulate_*). `pre` scales the
-// scores first: 1 when the GEMM already applied the softmax scale (BLAS alpha), the scale itself
-// when the scores are raw products (the packed AMX path, whose GEMM has no alpha). Masked entries
-// are the sentinel before scaling, so the visibility test reads the raw maximum. With `lp` (the
-// packed path) the normalised probabilities are written rounded to T into lp[nr, n] instead of s,
-// in the same pass (the product with v reads them there).
+// Online-softmax update of rows [0, nr) with the float32 scores s[nr, n] (row-major), leaving the
+// normalised probabilities in s for the product with the values (accumulate_f32). Masked entries
+// are the sentinel; a row whose maximum is the sentinel has no visible key in this segment.
 template <typename T>
-inline void softmax_rows(Scratch<T>& w, int nr, int n, int d, float pre = 1.0f, T* lp = nullptr) {
+inline void softmax_rows(Scratch<T>& w, int nr, int n, int d) {
   float* s = w.s.data();
   for (int i = 0; i < nr; ++i) {
     float* row = s + static_cast<int64_t>(i) * n;
-    const float raw = row_max(row, n, kMasked);
-    if (raw <= kHidden) {  // no visible key for this row in this segment
-      if (lp) std::fill(lp + static_cast<int64_t>(i) * n, lp + static_cast<int64_t>(i + 1) * n, T(0.0f));
-      else std::fill(row, row + n, 0.0f);
+    const float mx = row_max(row, n, kMasked);
+    if (mx <= kHidden) {  // no visible key for this row in this segment
+      std::fill(row, row + n, 0.0f);
       continue;
     }
-    const float mx = raw * pre;
     const float m_new = std::max(w.m[i], mx);
     const float alpha = exp_neg(w.m[i] - m_new);  // 0 when m was the sentinel
     float sum = 0.0f;
     for (int j = 0; j < n; ++j) {
-      const float p = exp_neg(row[j] * pre - m_new);
+      const float p = exp_neg(row[j] - m_new);
       row[j] = p;
       sum += p;
     }
@@ -95,12 +90,7 @@ inline void softmax_rows(Scratch<T>& w, int nr, int n, int d, float pre = 1.0f, 
     // softmax(s) @ v; dividing once at the end would add a rounding step to every output.
     const float l_new = w.l[i] * alpha + sum;
     const float inv = 1.0f / l_new;
-    if (lp) {
-      T* dst = lp + static_cast<int64_t>(i) * n;
-      for (int j = 0; j < n; ++j) dst[j] = static_cast<T>(row[j] * inv);
-    } else {
-      for (int j = 0; j < n; ++j) row[j] *= inv;
-    }
+    for (int j = 0; j < n; ++j) row[j] *= inv;
     const float keep = w.l[i] * alpha * inv;
     if (keep != 1.0f) {
       float* o = w.o.data() + static_cast<int64_t>(i) * d;
@@ -111,9 +101,64 @@ inline void softmax_rows(Scratch<T>& w, int nr, int n, int d, float pre = 1.0f, 
   }
 }
 
-// o[nr, d] += p[nr, n] @ v[n, d] with the probabilities softmax_rows left in s; v row-major with
-// leading dimension ldv, float32 (float32 GEMM) or T (reduced-precision GEMM: p is rounded to T,
-// as PyTorch's flash attention rounds its probabilities for the same product).
+// The reduced-precision version (T = bfloat16 / float16), one pass fewer, as PyTorch's own CPU
+// flash attention runs it: the scores' row maximum, then in one pass exp(pre * s - m), summed in
+// float32 and rounded to T into lp[nr, n] for the product with v; the probabilities stay
+// unnormalised, the float32 output row is a running sum rescaled by exp(m_old - m_new) when the
+// maximum grows, and it is divided by the row's sum once, when the task writes it (finish_rows).
+// `pre` scales the scores first: 1 when the GEMM applied the softmax scale (BLAS alpha), the scale
+// itself when they are raw products (the packed AMX path, whose GEMM has no alpha).
+// bfloat16's bits of a finite float, rounded to nearest even (what c10::BFloat16 gives, without
+// its NaN branch, so the loop around it vectorises; probabilities are never NaN).
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+inline void softmax_rows_lowp(Scratch<T>& w, int nr, int n, int d, float pre, T* lp) {
+  const float* s = w.s.data();
+  for (int i = 0; i < nr; ++i) {
+    const float* row = s + static_cast<int64_t>(i) * n;
+    T* dst = lp + static_cast<int64_t>(i) * n;
+    const float raw = row_max(row, n, kMasked);
+    if (raw <= kHidden) {  // no visible key for this row in this segment
+      std::fill(dst, dst + n, T(0.0f));
+      continue;
+    }
+    const float m_new = std::max(w.m[i], raw * pre);
+    const float alpha = exp_neg(w.m[i] - m_new);  // 0 when m was the sentinel
+    float sum = 0.0f;
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < n; ++j) {
+        const float p = exp_neg(row[j] * pre - m_new);
+        bits[j] = bf16_bits(p);
+        sum += p;
+      }
+    } else {
+      float* tmp = w.s.data() + static_cast<int64_t>(i) * n;  // this row's scores, read once above
+      for (int j = 0; j < n; ++j) {
+        const float p = exp_neg(tmp[j] * pre - m_new);
+        tmp[j] = p;
+        sum += p;
+      }
+      for (int j = 0; j < n; ++j) dst[j] = static_cast<T>(tmp[j]);
+    }
+    if (alpha != 1.0f) {
+      float* o = w.o.data() + static_cast<int64_t>(i) * d;
+      for (int c = 0; c < d; ++c) o[c] *= alpha;
+    }
+    w.l[i] = w.l[i] * alpha + sum;
+    w.m[i] = m_new;
+  }
+}
+
+// o[nr, d] += p[nr, n] @ v[n, d]; v row-major with leading dimension ldv: float32, with the
+// probabilities softmax_rows left in s, or T, with those softmax_rows_lowp rounded to T into pl (as
+// PyTorch's flash attention rounds its probabilities for the same product).
 template <typename T>
 inline void accumulate_f32(Scratch<T>& w, int nr, int n, int d, const float* v, int ldv) {
   gemm('N', 'N', d, nr, n, 1.0f, v, ldv, w.s.data(), n, 1.0f, w.o.data(), d);
@@ -121,7 +166,6 @@ inline void accumulate_f32(Scratch<T>& w, int nr, int n, int d, const float* v, 
 
 template <typename T>
 inline void accumulate_lowp(Scratch<T>& w, int nr, int n, int d, const T* v, int ldv) {
-  rows_from_f32(w.s.data(), n, nr, n, w.pl.data());
   gemm_lowp('N', 'N', d, nr, n, 1.0f, v, ldv, w.pl.data(), n, 1.0f, w.o.data(), d);
 }
 
@@ -281,54 +325,67 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       std::fill(w.l.begin(), w.l.end(), 0.0f);
       const int32_t* blocks = bidx + task * maxb;
       const int nblk = bcnt[task];
-      // Key blocks: runs of consecutive indices, up to kSeg keys per segment.
+      // Key blocks, up to kSeg keys per segment: with the packed path any kSeg / kBlock listed
+      // blocks (each block's products go to its own columns of the segment's scores, so the blocks
+      // need not be neighbours: one softmax pass and one rescale of the output per segment instead
+      // of per block); otherwise runs of consecutive blocks (one GEMM over the run's keys).
+      // Every block holds kBlock keys but the sequence's last one, which sorts last.
+      auto width = [&](int b) { return std::min(kBlock, t - b * kBlock); };
       for (int j = 0; j < nblk;) {
         int e = j + 1;
-        while (e < nblk && blocks[e] == blocks[e - 1] + 1 && (e - j + 1) * kBlock <= kSeg) ++e;
-        const int k0 = blocks[j] * kBlock, k1 = std::min(t, blocks[e - 1] * kBlock + kBlock);
-        const int n = k1 - k0;
+        if (packed) {
+          e = std::min(nblk, j + kSeg / kBlock);
+        } else {
+          while (e < nblk && blocks[e] == blocks[e - 1] + 1 && (e - j + 1) * kBlock <= kSeg) ++e;
+        }
+        int n = 0;
+        for (int x = j; x < e; ++x) n += width(blocks[x]);
         float* s = w.s.data();
-        if (packed) {  // raw products per 64-key block (scaled in softmax_rows)
-          for (int b = blocks[j]; b <= blocks[e - 1]; ++b) {
-            float* sb = s + (b * kBlock - k0);
+        if (packed) {  // raw products per 64-key block (scaled in softmax_rows_lowp)
+          for (int x = j, off = 0; x < e; off += width(blocks[x]), ++x) {
+            const int b = blocks[x];
             if (b < nfull)
               at::native::cpublas::brgemm(nr, kBlock, d, ldq, kBlock, n, false, qrows,
-                                          pk.data() + (static_cast<int64_t>(kvh) * nfull + b) * bsz, sb);
+                                          pk.data() + (static_cast<int64_t>(kvh) * nfull + b) * bsz, s + off);
             else
-              gemm_lowp('T', 'N', t - b * kBlock, nr, d, 1.0f, kh + static_cast<int64_t>(b) * kBlock * ldk, ldk, qrows,
-                        ldq, 0.0f, sb, n);
+              gemm_lowp('T', 'N', width(b), nr, d, 1.0f, kh + static_cast<int64_t>(b) * kBlock * ldk, ldk, qrows, ldq,
+                        0.0f, s + off, n);
           }
         } else {
-          scores(kh + static_cast<int64_t>(k0) * ldk, ldk, n, w.kc.data());
+          scores(kh + static_cast<int64_t>(blocks[j]) * kBlock * ldk, ldk, n, w.kc.data());
         }
-        if (k1 - 1 > r0) {  // the segment reaches the query block: causal mask
-          for (int i = 0; i < nr; ++i)
-            for (int c = std::max(0, r0 + i + 1 - k0); c < n; ++c) s[i * n + c] = kMasked;
-        }
-        if (window && std::max<int64_t>(k0, n_init) <= static_cast<int64_t>(r0) + nr - 1 - n_local) {
-          for (int i = 0; i < nr; ++i) {
-            const int64_t hide_to = static_cast<int64_t>(r0) + i - n_local;  // keys <= this are out of the window
-            for (int64_t c = std::max<int64_t>(k0, n_init); c <= std::min<int64_t>(hide_to, k1 - 1); ++c)
-              s[i * n + (c - k0)] = kMasked;
+        for (int x = j, off = 0; x < e; off += width(blocks[x]), ++x) {
+          const int kb0 = blocks[x] * kBlock, wb = width(blocks[x]);
+          if (kb0 + wb - 1 > r0) {  // the block reaches the query block: causal mask
+            for (int i = 0; i < nr; ++i)
+              for (int c = std::max(0, r0 + i + 1 - kb0); c < wb; ++c) s[i * n + off + c] = kMasked;
+          }
+          if (window && std::max<int64_t>(kb0, n_init) <= static_cast<int64_t>(r0) + nr - 1 - n_local) {
+            for (int i = 0; i < nr; ++i) {
+              const int64_t hide_to = static_cast<int64_t>(r0) + i - n_local;  // keys <= this are out of the window
+              for (int64_t c = std::max<int64_t>(kb0, n_init); c <= std::min<int64_t>(hide_to, kb0 + wb - 1); ++c)
+                s[i * n + off + (c - kb0)] = kMasked;
+            }
           }
         }
         if (packed) {
           T* pl = w.pl.data();
-          softmax_rows(w, nr, n, d, fscale, pl);
-          for (int b = blocks[j]; b <= blocks[e - 1]; ++b) {
-            const T* pb = pl + (b * kBlock - k0);
+          softmax_rows_lowp(w, nr, n, d, fscale, pl);
+          for (int x = j, off = 0; x < e; off += width(blocks[x]), ++x) {
+            const int b = blocks[x];
             if (b < nfull)
               for (int c0 = 0; c0 < d; c0 += 64)
-                at::native::cpublas::brgemm(nr, std::min(64, d - c0), kBlock, n, std::min(64, d - c0), d, true, pb,
+                at::native::cpublas::brgemm(nr, std::min(64, d - c0), kBlock, n, std::min(64, d - c0), d, true, pl + off,
                                             pv.data() + (static_cast<int64_t>(kvh) * nfull + b) * bsz + kBlock * c0,
                                             w.o.data() + c0);
             else
-              gemm_lowp('N', 'N', d, nr, t - b * kBlock, 1.0f, vh + static_cast<int64_t>(b) * kBlock * ldv, ldv, pb, n,
+              gemm_lowp('N', 'N', d, nr, width(b), 1.0f, vh + static_cast<int64_t>(b) * kBlock * ldv, ldv, pl + off, n,
                         1.0f, w.o.data(), d);
           }
         } else {
-          softmax_rows(w, nr, n, d);
-          values(vh + static_cast<int64_t>(k0) * ldv, ldv, n, w.vc.data());
+          if (lowp) softmax_rows_lowp(w, nr, n, d, 1.0f, w.pl.data());
+          else softmax_rows(w, nr, n, d);
+          values(vh + static_cast<int64_t>(blocks[j]) * kBlock * ldv, ldv, n, w.vc.data());
         }
         j = e;
       }
@@ -361,10 +418,11 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
             if (key > row || (window && key >= n_init && row - key >= n_local)) s[i * n + c] = kMasked;
           }
         }
-        softmax_rows(w, nr, n, d);
         if (lowp) {
+          softmax_rows_lowp(w, nr, n, d, 1.0f, w.pl.data());
           accumulate_lowp(w, nr, n, d, static_cast<const T*>(w.vl.data()), d);
         } else {
+          softmax_rows(w, nr, n, d);
           accumulate_f32(w, nr, n, d, static_cast<const float*>(w.vc.data()), d);
         }
       }
@@ -375,7 +433,8 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
           std::fill(dst, dst + d, T(0.0f));
         } else {
           const float* src = w.o.data() + static_cast<int64_t>(i) * d;
-          for (int c = 0; c < d; ++c) dst[c] = static_cast<T>(src[c]);  // the one rounding to T
+          const float inv = lowp ? 1.0f / w.l[i] : 1.0f;  // the reduced-precision rows are unnormalised sums
+          for (int c = 0; c < d; ++c) dst[c] = static_cast<T>(src[c] * inv);  // the one rounding to T
         }
       }
     }

@@ -147,13 +147,17 @@ def _prefill_hook(mode: str, cfg: PluginConfig, vc) -> SparsePrefill:
     hook = make_prefill(shim, mode, pattern_config=cfg.pattern_config, sizes=cfg.sizes or None,
                         min_length=cfg.min_length)
     tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-    if hook.config is not None and tp > 1:
-        full = hook.config
-        n_h = full.model["num_attention_heads"] // tp
-        model = dict(full.model, num_attention_heads=n_h,
-                     num_key_value_heads=max(1, full.model.get("num_key_value_heads", n_h * tp) // tp))
-        hook.config = PatternConfig(model=model, layers=[row[rank * n_h:(rank + 1) * n_h] for row in full.layers],
-                                    search=full.search)
+    if hook.configs and tp > 1:
+
+        def sliced(full: PatternConfig) -> PatternConfig:
+            n_h = full.model["num_attention_heads"] // tp
+            model = dict(full.model, num_attention_heads=n_h,
+                         num_key_value_heads=max(1, full.model.get("num_key_value_heads", n_h * tp) // tp))
+            return PatternConfig(model=model, layers=[row[rank * n_h:(rank + 1) * n_h] for row in full.layers],
+                                 search=full.search)
+
+        hook.configs = [sliced(c) for c in hook.configs]
+        hook.config = hook.configs[0]
     return hook
 
 

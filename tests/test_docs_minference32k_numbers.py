@@ -1,0 +1,109 @@
+"""The numbers docs/minference.md quotes in prose about the 32k search, its agreement with the
+exhaustive search, the 32k configs' perplexity and the CPU kernel's rate are those of the
+committed result files (whose tables test_docs checks)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = " ".join((ROOT / "docs" / "minference.md").read_text().split())  # prose lines wrap anywhere
+
+
+def _json(name: str):
+    return json.loads((RESULTS / name).read_text())
+
+
+def _jsonl(name: str) -> list[dict]:
+    return [json.loads(line) for line in (RESULTS / name).read_text().splitlines() if line.strip()]
+
+
+def test_agreement_prose_matches_the_result():
+    d = _json("search_agreement_qwen32k.json")
+    row = next(r for r in d["summary"] if r["max_error"] == 0.05 and r["query_blocks"] == 32)
+    assert f"choice for {row['same_choice']} of {row['heads']} heads" in DOC
+    assert f"{row['mean_true_error']:.4f} against {row['mean_true_error_exhaustive']:.4f}" in DOC
+    assert row["over_tolerance"] == 1 and f"one head's true error ({row['worst_true_error']:.3f})" in DOC
+    assert f"{row['sampled_seconds']:.1f} s against {row['exhaustive_seconds']:.1f} s" in DOC
+    strict = next(r for r in d["summary"] if r["max_error"] == 0.02 and r["query_blocks"] == 32)
+    assert strict["over_tolerance"] == 2 and f"two heads through whose error on all rows is {strict['worst_true_error']:.3f}" in DOC
+    assert abs(row["mean_density"] - row["mean_density_exhaustive"]) < 0.01  # "at the same density"
+
+
+def test_search_seconds_prose_matches_the_config():
+    s = _json("qwen_patterns32k_e0.02.json")["search"]
+    assert s["query_blocks"] == 32 and s["threads"] == 1 and s["max_error"] == 0.02
+    assert f"It took {s['seconds']:,.0f} s of wall time ({s['cpu_seconds']:,.0f} s of CPU) on one core" in DOC
+    assert s["seconds"] < 3600
+    shipped = json.loads((ROOT / "src/kvtrim/attention/configs/qwen2.5-coder-0.5b-instruct-32k.json").read_text())
+    assert shipped["search"]["max_error"] == 0.05 and shipped["search"]["loosened_from"] == 0.02
+    assert shipped["search"]["length"] == s["length"]
+
+
+def test_ppl_prose_matches_the_result():
+    v = _json("minference_ppl_qwen32k_configs.json")["summary"]
+    e05, e8k = v["e0.05"], v["minference"]
+    assert f"within {e05['perplexity_vs_dense']['32000'] - 1:.2%} of dense at density {e05['ppl_density']['32000']:.2f}" in DOC
+    assert f"{e8k['perplexity_vs_dense']['32000'] - 1:+.2%} at density {e8k['ppl_density']['32000']:.2f} for the 8k config" in DOC
+    rel = {k: v[k]["perplexity_vs_dense"]["32000"] for k in ("e0.02", "e0.03", "e0.05")}
+    assert rel["e0.02"] > rel["e0.03"] and rel["e0.02"] > rel["e0.05"]  # "0.02 was worse than 0.03 and 0.05"
+    assert max(rel.values()) - 1 < 0.02
+
+
+def test_kernel_rate_prose_matches_the_result():
+    rows = _jsonl("cpu_kernel_rate.jsonl")
+    sdpa = {(r["T"], r["dtype"]): r["gflops_per_s"] for r in rows if r.get("kind") == "dense_sdpa"}
+    rate: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("kernel") == "native":
+            rate.setdefault(r["dtype"], []).append(r["gflops_per_s_effective"] / sdpa[(r["T"], r["dtype"])])
+    bf, f32 = rate["bfloat16"], rate["float32"]
+    assert f"({min(bf):.1f}-{max(bf):.1f} of its rate here)" in DOC
+    assert f"float32 kernel runs at {min(f32):.2f}-{max(f32):.2f} of SDPA's rate" in DOC
+    before = _jsonl("cpu_kernel_rate_before.jsonl")
+    old = {(r["T"], r["dtype"], r["kind"]): r["attention_s"] for r in before if r.get("kernel") == "native"}
+    new = {(r["T"], r["dtype"], r["kind"]): r["attention_s"] for r in rows if r.get("kernel") == "native"}
+    assert old.keys() == new.keys()
+    assert all(new[k] < old[k] for k in new)  # the change made every measured case faster
+
+
+def _records(name: str) -> dict[tuple[int, str], dict]:
+    return {(r["length"], r["config"]): r for r in _json(name)["records"]}
+
+
+def test_bf16_rerun_prose_matches_the_tables():
+    new, old = _records("minference_prefill_qwen_bf16_32kconfig.json"), _records("minference_prefill_qwen_bf16.json")
+    ppl = _json("minference_ppl_qwen32k_configs.json")["summary"]
+    i = DOC.index("- **The 32k target is half met.**")
+    para = DOC[i:DOC.index("compare rows within one table", i)]
+    dense, sparse, eight = new[(32768, "dense")], new[(32768, "minference")], new[(32768, "minference@8222")]
+    assert f"within {ppl['e0.05']['perplexity_vs_dense']['32000'] - 1:.2%} of dense" in para
+    assert f"is {sparse['speedup_wall']:.2f}x faster end to end, not the 2x" in para
+    assert f"config at 32k is {eight['speedup_wall']:.2f}x faster but {ppl['minference']['perplexity_vs_dense']['32000'] - 1:.2%} worse" in para
+    assert f"need density {sparse['density']:.2f}" in para and f"would take {sparse['density']:.2f} of dense" in para
+    ideal = dense["wall_seconds"] / (dense["wall_seconds"] - dense["attention_seconds"]
+                                     + sparse["density"] * dense["attention_seconds"] + sparse["estimate_seconds"])
+    assert ideal < 2 and f"({ideal:.2f}x by the" in para
+    for n in (8192, 16384):
+        assert abs(new[(n, "minference")]["density"] - old[(n, "minference")]["density"]) < 0.002  # "at the same densities"
+    assert (f"attention {new[(8192, 'minference')]['speedup_attention']:.2f}x at 8k where it was "
+            f"{old[(8192, 'minference')]['speedup_attention']:.2f}x") in para
+    assert (f"{new[(16384, 'minference')]['speedup_attention']:.2f}x at 16k where it was "
+            f"{old[(16384, 'minference')]['speedup_attention']:.2f}x") in para
+    assert (f"end to end at 8k ({new[(8192, 'minference')]['speedup_wall']:.2f}x; it was "
+            f"{old[(8192, 'minference')]['speedup_wall']:.2f}x)") in para
+    assert (f"dense 8k: {new[(8192, 'dense')]['wall_seconds']:.1f} s against {old[(8192, 'dense')]['wall_seconds']:.1f} s"
+            in DOC[i:])
+
+
+def test_passkey_with_the_shipped_pair():
+    d = _json("minference_quality_qwen32k_configs.json")
+    rows = {(r["depth"], r["prefill"]): r for r in d["rows"]}
+    assert [s["length"] for s in d["pattern_config_searches"]] == [8222, 32777]
+    for depth in (0.1, 0.4, 0.7, 0.95):
+        dense, sparse = rows[(depth, "dense")], rows[(depth, "minference")]
+        assert sparse["config_length"] == 32777
+        assert sparse["correct"] or not dense["correct"]  # every key dense finds, sparse finds
+    assert not rows[(0.7, "dense")]["correct"] and rows[(0.7, "dense")]["answer"] != rows[(0.7, "minference")]["answer"]
