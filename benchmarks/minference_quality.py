@@ -32,7 +32,7 @@ from kvtrim.eval.tasks import passkey
 from kvtrim.generation import generate_ids
 from kvtrim.integrations.hf import attach
 from kvtrim.integrations.prefill import SparsePrefill, make_prefill
-from kvtrim.models import build_prompt_ids, load_model
+from kvtrim.models import build_prompt_ids, extend_context, load_model
 from kvtrim.policies.full import Full
 
 
@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight and KV dtype (default float32)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
+                   help="stretch the model's RoPE past its trained context (kvtrim.models.extend_context), e.g. yarn:2")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -153,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
 
     lm = load_model(args.model, dtype=args.dtype)
     model, tok = lm.model, lm.tokenizer
+    if args.rope_scaling:
+        kind, _, factor = args.rope_scaling.partition(":")
+        extend_context(model, float(factor), kind)
     hooks = _hooks(model, args)
     rows = []
     jobs = [(n, d) for n in args.lengths for d in args.depths]
@@ -198,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": harness.finish_record(machine),
         "model": lm.source,
         "dtype": args.dtype,
+        "rope_scaling": args.rope_scaling,
+        "context": int(model.config.max_position_embeddings),
         "pattern_config_search": hooks["minference"].config.search,
         "pattern_config_searches": [c.search for c in hooks["minference"].configs],  # one is picked per prompt length
         "summary": summary,

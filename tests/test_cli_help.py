@@ -66,7 +66,7 @@ def test_the_numeric_options_show_their_range_and_default():
 
 def test_generate_groups_its_options():
     groups = {g.title: [a.dest for a in g._group_actions] for g in COMMANDS["generate"]._action_groups}
-    assert groups["model"] == ["model", "dtype", "device", "threads"]
+    assert groups["model"] == ["model", "dtype", "device", "rope_scaling", "threads"]
     assert {"method", "keep", "max_tokens", "quality"} <= set(groups["method and budget"])
     assert {"prefill", "prefill_min_length", "prefill_chunk"} <= set(groups["prefill"])
     assert {"max_new_tokens", "sample", "temperature", "top_p", "top_k", "seed"} <= set(groups["generation"])

@@ -598,3 +598,48 @@ def next_turn_ids(tokenizer, question: str, plain: bool = False) -> list[int]:
         add_generation_prompt=True, tokenize=False)
     tail = text[text.index(mark) + len(mark):]
     return list(tokenizer(tail, add_special_tokens=False)["input_ids"])
+
+
+#: RoPE scalings :func:`extend_context` applies (transformers' own implementations of each).
+ROPE_SCALINGS = ("yarn", "linear")
+
+
+def extend_context(model, factor: float, kind: str = "yarn") -> int:
+    """Stretch a RoPE model's positions to ``factor`` times its trained context; returns the new context.
+
+    ``yarn`` is the scheme Qwen2.5 documents for prompts past 32k tokens (its ``rope_scaling``
+    entry: ``{"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}``);
+    ``linear`` divides every position by ``factor``. The model's config gets the scaling (with the
+    trained context as ``original_max_position_embeddings``) and its rotary embedding is rebuilt,
+    as its own class, from it: transformers computes the frequencies. A static scaling, like the
+    one Qwen2.5 ships, applies to short prompts too; Qwen's notes say it may cost some quality
+    there, so use it for long ones.
+
+    Raises ``KVTrimError``: a factor below 1, an unknown kind, a model whose RoPE already has a
+    scaling, or one without a single rotary embedding at ``model.model.rotary_emb``.
+    """
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 <= float(factor) <= 64.0:
+        raise KVTrimError(f"RoPE scaling factor must be a number in [1, 64]; got {factor!r}")
+    if kind not in ROPE_SCALINGS:
+        raise KVTrimError(f"unknown RoPE scaling {kind!r}; choose one of: {', '.join(ROPE_SCALINGS)}")
+    cfg = model.config.get_text_config(decoder=True)
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise KVTrimError(f"the model's RoPE is already scaled ({rope.get('rope_type', rope.get('type'))}); "
+                          "kvtrim scales only a plain RoPE")
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb"):
+        raise KVTrimError("RoPE scaling needs a model with one rotary embedding at model.model.rotary_emb "
+                          "(a Llama/Qwen2-style causal LM)")
+    trained = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    if trained <= 0:
+        raise KVTrimError("the model's config names no max_position_embeddings to scale from")
+    theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    rope = {"rope_type": kind, "factor": float(factor), "rope_theta": theta}
+    if kind == "yarn":
+        rope["original_max_position_embeddings"] = trained
+    cfg.rope_parameters = rope
+    cfg.max_position_embeddings = int(trained * factor)
+    device = next(model.parameters()).device
+    inner.rotary_emb = type(inner.rotary_emb)(cfg).to(device)
+    return cfg.max_position_embeddings

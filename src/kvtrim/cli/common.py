@@ -183,9 +183,10 @@ def list_arg(kind: type, minimum: float, maximum: float | None = None, *, open_e
 
 
 # ----------------------------------------------------------------------------- the model
-def model_options(sp, *, threads: bool = True):
-    """The options group ``model`` of a command that loads one: ``--model``, ``--dtype``, ``--device`` and
-    (with ``threads``) ``--threads``, read by :func:`check_model_options` and :func:`load_from_args`.
+def model_options(sp, *, threads: bool = True, rope: bool = True):
+    """The options group ``model`` of a command that loads one: ``--model``, ``--dtype``, ``--device``,
+    (with ``rope``) ``--rope-scaling`` and (with ``threads``) ``--threads``, read by
+    :func:`check_model_options` and :func:`load_from_args`.
     Returns the group, for a command's own model options."""
     from kvtrim.models import DTYPE_CHOICES
 
@@ -196,6 +197,10 @@ def model_options(sp, *, threads: bool = True):
                         "the CPU has it; auto: bfloat16 weights and KV, computed per phase in what measures fastest "
                         "here, float32 prefill on a CPU without bf16 arithmetic; kvtrim's scores stay float32)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    if rope:
+        g.add_argument("--rope-scaling", type=_rope_scaling, metavar="KIND:FACTOR",
+                       help="stretch the model's RoPE to FACTOR x its trained context: yarn:4 is what Qwen2.5 "
+                            "documents for 128k tokens (yarn or linear; kvtrim.models.extend_context) [default: none]")
     if threads:
         g.add_argument("--threads", type=int_arg(1, MAX_THREADS), metavar="N",
                        help="torch threads for the model's work [default: torch's, one per core]")
@@ -244,11 +249,33 @@ def check_model_options(args) -> None:
             raise KVTrimError(f"--threads {args.threads} is more than torch can set ({str(e).strip()})") from None
 
 
-def load_from_args(args):
-    """``kvtrim.models.load_model`` with the command's --model, --dtype and --device."""
-    from kvtrim.models import load_model
+def _rope_scaling(text: str) -> tuple[str, float]:
+    """``--rope-scaling KIND:FACTOR``, checked when the command line is parsed."""
+    from kvtrim.models import ROPE_SCALINGS
 
-    return load_model(args.model, dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
+    kind, sep, factor = text.partition(":")
+    try:
+        value = float(factor)
+    except ValueError:
+        value = float("nan")
+    if not sep or kind not in ROPE_SCALINGS or not 1.0 <= value <= 64.0:
+        raise argparse.ArgumentTypeError(f"must be KIND:FACTOR with KIND one of {', '.join(ROPE_SCALINGS)} and "
+                                         f"1 <= FACTOR <= 64 (e.g. yarn:4); got {text!r}")
+    return kind, value
+
+
+def load_from_args(args):
+    """``kvtrim.models.load_model`` with the command's --model, --dtype and --device, and its
+    --rope-scaling applied (:func:`kvtrim.models.extend_context`)."""
+    from kvtrim.models import extend_context, load_model
+
+    lm = load_model(args.model, dtype=getattr(args, "dtype", None), device=getattr(args, "device", None))
+    scaling = getattr(args, "rope_scaling", None)
+    if scaling is not None:
+        kind, factor = scaling
+        n = extend_context(lm.model, factor, kind)
+        print(f"kvtrim: {kind} RoPE scaling x{factor:g}: context {n} tokens", file=sys.stderr)
+    return lm
 
 
 # ----------------------------------------------------------------------------- --quality

@@ -140,6 +140,8 @@ def cmd_calibrate(args) -> int:
     check_output(out, "--out", force=args.force)  # a link, an existing file: refused before the sweep
     runs = args.runs or str(out.with_suffix("")) + "-runs"
     check_out_dir(runs)
+    if args.build_only and getattr(args, "rope_scaling", None):
+        raise KVTrimError("--rope-scaling changes the model a sweep runs; --build-only runs none")
     if args.build_only:  # the model's label and config are enough: no weights are loaded
         from transformers import AutoConfig
 
@@ -255,7 +257,7 @@ def add_eval_commands(sub) -> None:
     c.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="speed and memory: prefill vs length, decode per token, resident KV bytes, peak RSS")
-    g = model_options(b, threads=False)
+    g = model_options(b, threads=False, rope=False)  # its runs load the model in kvtrim.eval.bench
     g.add_argument("--threads", type=int_arg(1, MAX_THREADS), metavar="N", help="torch threads, recorded with the result [default: torch's, one per core]")
     m = b.add_argument_group("methods and budget")
     m.add_argument("--methods", default="full,snapkv,streaming_llm", metavar="A,B", help="comma-separated methods")
