@@ -107,3 +107,19 @@ def test_passkey_with_the_shipped_pair():
         assert sparse["config_length"] == 32777
         assert sparse["correct"] or not dense["correct"]  # every key dense finds, sparse finds
     assert not rows[(0.7, "dense")]["correct"] and rows[(0.7, "dense")]["answer"] != rows[(0.7, "minference")]["answer"]
+
+
+def test_yarn_64k_prose_matches_the_result():
+    d = _json("minference_quality_qwen64k_yarn2.json")
+    assert d["rope_scaling"] == "yarn:2" and d["context"] == 65536
+    rows = {(r["kind"], r["prefill"]): r for r in d["rows"]}
+    dense_pk, sparse_pk = rows[("passkey", "dense")], rows[("passkey", "minference")]
+    assert dense_pk["correct"] and not sparse_pk["correct"] and sparse_pk["config_length"] == 32777
+    v = d["summary"]
+    assert f"its perplexity on the 64k-token text ({v['dense']['perplexity']['64000']:.3f})" in DOC
+    assert f"perplexity is {v['minference']['perplexity_vs_dense']['64000'] - 1:.2%} above dense" in DOC
+    lo, hi = sorted((rows[("perplexity", "minference")]["density"], sparse_pk["density"]))
+    assert f"(density {lo:.2f}-{hi:.2f}:" in DOC
+    assert f"(dense {dense_pk['prefill_seconds']:.1f} s, sparse {sparse_pk['prefill_seconds']:.1f} s)" in DOC
+    k32 = _json("minference_ppl_qwen32k_configs.json")["summary"]["dense"]["perplexity"]["32000"]
+    assert f"({k32:.3f} above)" in DOC and v["dense"]["perplexity"]["64000"] < k32
