@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from kvtrim import decoding, harness
 from kvtrim.cache import KVTrimCache
+from kvtrim.cli.common import rope_scaling_arg
 from kvtrim.data import pydoc_text
 from kvtrim.eval.tasks import passkey
 from kvtrim.generation import generate_ids
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight and KV dtype (default float32)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--rope-scaling", default=None, metavar="KIND:FACTOR",
+    p.add_argument("--rope-scaling", type=rope_scaling_arg, default=None, metavar="KIND:FACTOR",
                    help="stretch the model's RoPE past its trained context (kvtrim.models.extend_context), e.g. yarn:2")
     args = p.parse_args(argv)
     if args.threads:
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model, dtype=args.dtype)
     model, tok = lm.model, lm.tokenizer
     if args.rope_scaling:
-        kind, _, factor = args.rope_scaling.partition(":")
-        extend_context(model, float(factor), kind)
+        kind, factor = args.rope_scaling
+        extend_context(model, factor, kind)
     hooks = _hooks(model, args)
     rows = []
     jobs = [(n, d) for n in args.lengths for d in args.depths]
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": harness.finish_record(machine),
         "model": lm.source,
         "dtype": args.dtype,
-        "rope_scaling": args.rope_scaling,
+        "rope_scaling": f"{args.rope_scaling[0]}:{args.rope_scaling[1]:g}" if args.rope_scaling else None,
         "context": int(model.config.max_position_embeddings),
         "pattern_config_search": hooks["minference"].config.search,
         "pattern_config_searches": [c.search for c in hooks["minference"].configs],  # one is picked per prompt length

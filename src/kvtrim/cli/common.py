@@ -198,7 +198,7 @@ def model_options(sp, *, threads: bool = True, rope: bool = True):
                         "here, float32 prefill on a CPU without bf16 arithmetic; kvtrim's scores stay float32)")
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     if rope:
-        g.add_argument("--rope-scaling", type=_rope_scaling, metavar="KIND:FACTOR",
+        g.add_argument("--rope-scaling", type=rope_scaling_arg, metavar="KIND:FACTOR",
                        help="stretch the model's RoPE to FACTOR x its trained context: yarn:4 is what Qwen2.5 "
                             "documents for 128k tokens (yarn or linear; kvtrim.models.extend_context) [default: none]")
     if threads:
@@ -249,8 +249,9 @@ def check_model_options(args) -> None:
             raise KVTrimError(f"--threads {args.threads} is more than torch can set ({str(e).strip()})") from None
 
 
-def _rope_scaling(text: str) -> tuple[str, float]:
-    """``--rope-scaling KIND:FACTOR``, checked when the command line is parsed."""
+def rope_scaling_arg(text: str) -> tuple[str, float]:
+    """``--rope-scaling KIND:FACTOR`` as ``(kind, factor)``, checked when the command line is parsed
+    (an argparse ``type``; benchmark scripts take the option through it too)."""
     from kvtrim.models import ROPE_SCALINGS
 
     kind, sep, factor = text.partition(":")
