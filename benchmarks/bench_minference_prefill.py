@@ -6,7 +6,9 @@ For each length, one prefill forward (full KV cache, ``logits_to_keep=1``, throu
 medians over ``--reps`` after one warm-up at that length (lengths >= 16k: ``--long-reps``, default 1, no warm-up; the warm-up is negligible
 there). Beyond the model's trained context (8k for the embedded model, 32k for qwen2.5-0.5b) the
 RoPE is scaled linearly (factor = length / context; timing only, the outputs are not judged there);
-within it the model's own RoPE is used unchanged.
+within it the model's own RoPE is used unchanged. ``--rope-scaling KIND:FACTOR`` sets one scaling
+for every length instead (e.g. ``yarn:2``, the scaling a config was searched under at 64k), and
+``--extra-config NAME=FILE`` times another searched config beside the shipped ones.
 
 Configurations:
 - ``dense``: SDPA (``is_causal``), timed inside the same hook so attention-only time is measured
@@ -18,7 +20,8 @@ Configurations:
 Reported per (length, config): wall seconds and process CPU seconds (the CPU time is robust to
 other load on a shared machine when ``--threads 1``), executed attention density, attention
 seconds (kernel alone) and index-estimation seconds, the end-to-end and attention-only speedups
-vs dense, and the estimation overhead as a fraction of the prefill. Summary: the crossover length
+vs dense, the estimation overhead as a fraction of the prefill and, with ``--isolate``, the peak
+resident memory of the forward's process (model weights included). Summary: the crossover length
 (smallest measured length at which the config beat dense end to end).
 
     python benchmarks/bench_minference_prefill.py --lengths 2048 4096 8192 16384 32768 \\
@@ -36,7 +39,9 @@ slower outside the attention, whichever it was; isolated runs remove that effect
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import resource
 import statistics
 import sys
 import time
@@ -45,23 +50,26 @@ import torch
 
 from kvtrim import decoding, harness
 from kvtrim.cache import KVTrimCache
+from kvtrim.cli.common import rope_scaling_arg
 from kvtrim.data import essays_text
 from kvtrim.integrations.hf import attach
 from kvtrim.integrations.prefill import SIZE_KEYS, SparsePrefill, calibration_length, make_prefill
 from kvtrim.machine import load_average
-from kvtrim.models import load_model
+from kvtrim.models import extend_context, load_model
 
 
 def table(d: dict) -> str:
     """The markdown table of a prefill result (docs/minference.md)."""
     m = d["machine"]
+    peak = any("peak_rss_mib" in r for r in d["records"])  # isolated runs since 2026-12-07
     lines = [
         f"{d.get('model') or 'SmolLM2-135M-Instruct'}, {d.get('dtype', 'float32')}, torch {d.get('versions', m)['torch']}, {m.get('torch_threads')} threads, {d['date'][:10]}; "
         "median wall seconds of one prefill forward (reps per row), configurations interleaved"
         + ("; every forward in its own process." if d.get("isolated") else "."),
         "",
-        "| length | prefill | density | wall s | speed-up | CPU s | attention s (kernel) | attention speed-up | 1/density | estimation share | reps |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| length | prefill | density | wall s | speed-up | CPU s | attention s (kernel) | attention speed-up | 1/density | estimation share | reps |"
+        + (" peak RSS GiB |" if peak else ""),
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak else ""),
     ]
     for r in d["records"]:
         sp = f"{r['speedup_wall']:.2f}x" if "speedup_wall" in r else ""
@@ -70,6 +78,7 @@ def table(d: dict) -> str:
         lines.append(
             f"| {r['length']} | {r['config']} | {r['density']:.3f} | {r['wall_seconds']:.2f} | {sp} | {r['cpu_seconds']:.1f} | "
             f"{r['attention_seconds']:.2f} | {asp} | {ideal} | {r['estimate_fraction']:.1%} | {r['reps']} |"
+            + (f" {r['peak_rss_mib'] / 1024:.1f} |" if "peak_rss_mib" in r else " |" if peak else "")
         )
     if d.get("summary"):
         lines.append("")
@@ -83,19 +92,23 @@ def table(d: dict) -> str:
     return "\n".join(lines)
 
 
-def scale_rope(model, length: int, base_ctx: int) -> None:
-    """Linear RoPE scaling so ``length`` positions map into the trained range (timing only).
+def scale_rope(model, length: int, base_ctx: int, spec: tuple[str, float] | None = None) -> None:
+    """The RoPE for a prompt of ``length`` tokens (:func:`kvtrim.models.extend_context`).
 
-    The model's rotary module is rebuilt, as its own class, from the changed config."""
-    cfg = model.config
-    factor = max(1.0, length / base_ctx)
-    if factor == 1.0 and not getattr(model, "_kvtrim_rope_scaled", False):
-        return  # within the trained context: the model's own RoPE, untouched
-    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    cfg.rope_parameters = {"rope_type": "linear" if factor > 1 else "default", "factor": factor, "rope_theta": theta}
-    cfg.max_position_embeddings = max(base_ctx, length)
-    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
-    model._kvtrim_rope_scaled = True
+    With ``spec`` (``--rope-scaling KIND:FACTOR``) that scaling, at every length; without it, past
+    the trained context a linear scaling by ``length / base_ctx`` (timing only), within it the
+    model's own RoPE. The model's original RoPE is restored first, so lengths can follow one
+    another in one process."""
+    cfg = model.config.get_text_config(decoder=True)
+    orig = getattr(model, "_kvtrim_rope_orig", None)
+    if orig is None:
+        orig = model._kvtrim_rope_orig = (copy.deepcopy(cfg.rope_parameters), cfg.max_position_embeddings,
+                                          model.model.rotary_emb)
+    cfg.rope_parameters, cfg.max_position_embeddings, model.model.rotary_emb = copy.deepcopy(orig[0]), orig[1], orig[2]
+    if spec is None and length <= base_ctx:
+        return
+    kind, factor = spec or ("linear", length / base_ctx)
+    extend_context(model, factor, kind)
 
 
 def median_sizes(cfg, pattern: str) -> dict:
@@ -123,12 +136,23 @@ def one_prefill(model, ids: list[int], hook) -> tuple[float, float, dict]:
     return wall[0], c1 - c0, hook.stats()
 
 
-def build(pattern_config: str | None, model_name: str | None = None, dtype: str = "float32"):
-    """The model (default: the embedded one), its hooks by configuration name, the single-pattern sizes and the prompt ids."""
+def build(pattern_config: str | None, model_name: str | None = None, dtype: str = "float32", extra: tuple[str, ...] = (),
+          rope: tuple[str, float] | None = None):
+    """The model (default: the embedded one), its hooks by configuration name, the single-pattern sizes and the prompt ids.
+
+    With ``rope`` (``--rope-scaling``) the model is scaled before the hooks are made, so
+    ``minference`` takes the configs searched under that scaling (``shipped_configs``)."""
     lm = load_model(model_name, dtype=dtype)
     model = lm.model
+    if rope is not None:
+        scale_rope(model, 0, int(model.config.max_position_embeddings), rope)
     mi = make_prefill(model, "minference", pattern_config, min_length=1)
     hooks = {"dense": SparsePrefill("dense"), "minference": mi}
+    for spec in extra:  # --extra-config NAME=FILE: another searched config under its own name
+        name, sep, path = spec.partition("=")
+        if not sep or not name or name in hooks:
+            raise SystemExit(f"--extra-config takes NAME=FILE with a new NAME; got {spec!r}")
+        hooks[name] = make_prefill(model, "minference", path, min_length=1)
     for cfg in mi.configs:  # "minference@8222": one config whatever the length (minference picks per prompt)
         hooks[f"minference@{calibration_length(cfg)}"] = SparsePrefill("minference", config=cfg, min_length=1)
     single_sizes = {}
@@ -146,14 +170,16 @@ def prompt(all_ids: list[int], n: int) -> list[int]:
     return all_ids[:n]
 
 
-def run_one(n: int, name: str, pattern_config: str | None, model_name: str | None = None, dtype: str = "float32") -> int:
+def run_one(n: int, name: str, args) -> int:
     """A child of ``--isolate``: one forward (after one warm-up below 16k) in this fresh process, reported to the parent."""
-    lm, hooks, _, all_ids = build(pattern_config, model_name, dtype)
-    scale_rope(lm.model, n, int(lm.model.config.max_position_embeddings))
+    lm, hooks, _, all_ids = build(args.pattern_config, args.model, args.dtype, tuple(args.extra_config), args.rope_scaling)
+    scale_rope(lm.model, n, int(lm.model.config.max_position_embeddings), args.rope_scaling)
     ids = prompt(all_ids, n)
     if n < 16384:
         one_prefill(lm.model, ids, hooks[name])
     wall, cpu, stats = one_prefill(lm.model, ids, hooks[name])
+    # the process's peak resident memory (KiB on Linux): the model, its warm-up and this forward
+    stats["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     harness.child_result({"wall": wall, "cpu": cpu, "stats": stats})
     return 0
 
@@ -167,6 +193,10 @@ def isolated(n: int, name: str, args) -> tuple[float, float, dict]:
     if args.model:
         argv += ["--model", args.model]
     argv += ["--dtype", args.dtype]
+    if args.rope_scaling:
+        argv += ["--rope-scaling", f"{args.rope_scaling[0]}:{args.rope_scaling[1]:g}"]
+    if args.extra_config:
+        argv += ["--extra-config", *args.extra_config]
     rec = harness.isolated(__file__, argv)
     return rec["wall"], rec["cpu"], rec["stats"]
 
@@ -183,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight and KV dtype (default float32; the sparse kernel computes scores in float32 either way)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--extra-config", nargs="*", default=[], metavar="NAME=FILE",
+                   help="more per-head configs to time, each under its NAME (e.g. one not shipped yet)")
+    p.add_argument("--rope-scaling", type=rope_scaling_arg, default=None, metavar="KIND:FACTOR",
+                   help="this RoPE scaling at every length (kvtrim.models.extend_context; default: linear, "
+                        "past the trained context only)")
     p.add_argument("--isolate", action="store_true",
                    help="run every forward in a fresh process (no order or allocator effects between configurations)")
     p.add_argument("--one", nargs=2, metavar=("LENGTH", "CONFIG"), help=argparse.SUPPRESS)  # a child of --isolate
@@ -190,12 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.one:
-        return run_one(int(args.one[0]), args.one[1], args.pattern_config, args.model, args.dtype)
+        return run_one(int(args.one[0]), args.one[1], args)
     if harness.start(p, args, table=table):
         return 0
 
     machine = harness.machine_record()
-    lm, hooks, single_sizes, all_ids = build(args.pattern_config, args.model, args.dtype)
+    lm, hooks, single_sizes, all_ids = build(args.pattern_config, args.model, args.dtype, tuple(args.extra_config),
+                                             args.rope_scaling)
     model, mi = lm.model, hooks["minference"]
     base_ctx = int(model.config.max_position_embeddings)
     records = []
@@ -205,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "model": lm.source,
         "dtype": args.dtype,
+        "rope_scaling": f"{args.rope_scaling[0]}:{args.rope_scaling[1]:g}" if args.rope_scaling else None,
+        "extra_configs": {spec.partition("=")[0]: hooks[spec.partition("=")[0]].config.search for spec in args.extra_config},
         "single_pattern_sizes": single_sizes,
         "pattern_config_search": mi.config.search,
         "pattern_config_searches": [c.search for c in mi.configs],  # minference picks one per prompt length
@@ -212,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "order": "configurations interleaved; the order alternates between repetitions",
     }
     for n in args.lengths:
-        scale_rope(model, n, base_ctx)
+        scale_rope(model, n, base_ctx, args.rope_scaling)
         ids = prompt(all_ids, n)
         names = args.configs if (n < 16384 or args.long_configs is None) else args.long_configs
         reps = args.reps if n < 16384 else args.long_reps
@@ -239,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 "attention_seconds": attn, "estimate_seconds": est, "estimate_fraction": est / wall,
                 "loadavg": [load0, load_average()],
             }
+            if all("peak_rss_mib" in r[2] for r in rr):  # --isolate: one process per forward
+                rec["peak_rss_mib"] = max(r[2]["peak_rss_mib"] for r in rr)
             if dense_wall:
                 rec["speedup_wall"] = dense_wall / wall
                 rec["speedup_cpu"] = dense_cpu / cpu

@@ -236,6 +236,46 @@ def test_output_buffers_that_alias_or_overlap_are_not_written_by_the_kernel() ->
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_takes_flat_layouts_without_padding(dtype: torch.dtype) -> None:
+    """The flat layout (each row's entries only, one after another) gives exactly the padded
+    layout's output, for heads of very different widths; a flat list shorter than its counts, or
+    an index out of range in it, is refused before anything is read."""
+    from kvtrim.attention.native import native_sparse_attention
+
+    q, k, v = _qkv(500, 64, 4, 2, seed=9)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    wide = VerticalSlash(k_v=300, k_s=4).layout(q[:, :1], k[:, :1])  # hundreds of single columns per row
+    narrow = BlockSparse(k_b=2).layout(q[:, 1:2], k[:, :1])
+    lays = [wide, narrow, AShape(n_init=8, n_local=100).layout(q[:, 2:3], k[:, 1:2])]
+    heads, head_kv = [0, 1, 2], [0, 0, 1]
+
+    def padded(name: str) -> torch.Tensor:
+        w = max(getattr(lay, name).shape[-1] for lay in lays)
+        return torch.stack([torch.nn.functional.pad(getattr(lay, name)[0, 0], (0, w - getattr(lay, name).shape[-1])) for lay in lays])
+
+    def flat(name: str, cnt: str) -> torch.Tensor:
+        return torch.cat([getattr(lay, name)[0, 0][torch.arange(getattr(lay, name).shape[-1]) < getattr(lay, cnt)[0, 0][:, None]]
+                          for lay in lays])
+
+    cnts = {c: torch.stack([getattr(lay, c)[0, 0] for lay in lays]) for c in ("block_cnt", "col_cnt")}
+    assert int(cnts["col_cnt"][0].max()) > 100 and int(cnts["col_cnt"][1].max()) == 0
+    win = ([-1, -1, 8], [-1, -1, 100])
+    want = native_sparse_attention(q[0], k[0], v[0], heads, head_kv, padded("block_idx"), cnts["block_cnt"],
+                                   padded("col_idx"), cnts["col_cnt"], *win, 0.125)
+    fb, fc = flat("block_idx", "block_cnt"), flat("col_idx", "col_cnt")
+    assert fc.numel() == int(cnts["col_cnt"].sum())
+    got = native_sparse_attention(q[0], k[0], v[0], heads, head_kv, fb, cnts["block_cnt"], fc, cnts["col_cnt"], *win, 0.125)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="shorter than its counts"):
+        native_sparse_attention(q[0], k[0], v[0], heads, head_kv, fb, cnts["block_cnt"], fc[:-1], cnts["col_cnt"], *win, 0.125)
+    bad = fc.clone()
+    bad[0] = 499  # a column past its query block's last row
+    with pytest.raises(RuntimeError, match="column index out of range"):
+        native_sparse_attention(q[0], k[0], v[0], heads, head_kv, fb, cnts["block_cnt"], bad, cnts["col_cnt"], *win, 0.125)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 @settings(max_examples=40, deadline=None)
 @given(t=st.integers(1, 300), d=st.sampled_from([64, 128]), data=st.data())
 def test_native_kernel_property(t: int, d: int, data) -> None:

@@ -136,12 +136,14 @@ def sparse_attention_heads(
                 raise ValueError("each layout must be a one-head layout for the inputs' T")
             if lay.block_size != NATIVE_BLOCK:
                 raise ValueError(f"the native kernel runs block_size={NATIVE_BLOCK}; layout has {lay.block_size}")
-        mb = max(1, max(lay.block_idx.shape[-1] for lay in layouts))
-        mc = max(1, max(lay.col_idx.shape[-1] for lay in layouts))
-
-        def stack(name: str, width: int) -> torch.Tensor:
-            rows = [getattr(lay, name)[0, 0] for lay in layouts]
-            return torch.stack([torch.nn.functional.pad(r, (0, width - r.shape[-1])) for r in rows]).to(torch.int32)
+        def flat(idx: str, cnt: str) -> torch.Tensor:
+            # Every head's rows, entries only (the kernel's flat layout): padding each head to the
+            # widest head's rows would cost memory and time in proportion to heads x rows x width.
+            parts = []
+            for lay in layouts:
+                x, c = getattr(lay, idx)[0, 0], getattr(lay, cnt)[0, 0]
+                parts.append(x[torch.arange(x.shape[-1]) < c[:, None]])
+            return torch.cat(parts).to(torch.int32)
 
         window = [lay.n_init is not None and lay.n_local is not None for lay in layouts]
         n_init = [lay.n_init if w else -1 for lay, w in zip(layouts, window)]
@@ -149,8 +151,8 @@ def sparse_attention_heads(
         direct = out if out is not None and writable_in_place(out, q, k, v) else None
         res = native_sparse_attention(
             q[0], k[0], v[0], idx, idx // g,
-            stack("block_idx", mb), torch.stack([lay.block_cnt[0, 0] for lay in layouts]),
-            stack("col_idx", mc), torch.stack([lay.col_cnt[0, 0] for lay in layouts]), n_init, n_local, scale,
+            flat("block_idx", "block_cnt"), torch.stack([lay.block_cnt[0, 0] for lay in layouts]),
+            flat("col_idx", "col_cnt"), torch.stack([lay.col_cnt[0, 0] for lay in layouts]), n_init, n_local, scale,
             out=None if direct is None else direct[0],
         )
         if direct is not None:

@@ -177,7 +177,9 @@ def native_sparse_attention(q, k, v, heads, head_kv, block_idx, block_cnt, col_i
     """One batch row: ``q [Hq, T, D]``, ``k``/``v`` ``[Hkv, T, D]``; row ``i`` of the layout is query
     head ``heads[i]`` and reads KV head ``head_kv[i]``.
 
-    Layout tensors are ``[H, n_blocks, ...]`` (``H = len(heads)``); ``n_init``/``n_local`` ``[H]``
+    Layout tensors are ``[H, n_blocks, ...]`` (``H = len(heads)``); ``block_idx`` and ``col_idx``
+    may instead be flat (1-D: every row's entries one after another, in row order, as many as its
+    count; no padding to the widest row); ``n_init``/``n_local`` ``[H]``
     (negative: no A-shape window). q, k, v are float32, bfloat16 or float16 (k and v are taken
     in q's dtype) and read through their strides (not copied when their last dimension is
     contiguous); the kernel computes in float32 and writes the output in q's dtype.

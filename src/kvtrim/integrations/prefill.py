@@ -201,10 +201,22 @@ class PatternConfig:
             raise KVTrimError(str(e).replace("pattern config", where, 1)) from None
 
 
+def rope_scaling_of(model) -> str | None:
+    """The RoPE scaling a model runs under, as ``--rope-scaling`` writes it (``"yarn:2"``), or
+    ``None`` for its plain RoPE. A search records it (``search["rope_scaling"]``): a config found
+    under one scaling describes the heads of that model, not of the unscaled one."""
+    cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return None if kind == "default" else f"{kind}:{float(rope.get('factor', 1.0)):g}"
+
+
 def shipped_configs(model) -> list[PatternConfig]:
     """The configs shipped in the package for this model (matched by layer/head counts and name),
     shortest calibration length first; several when the model has configs searched at several
-    lengths (:func:`pick_config` chooses per prompt)."""
+    lengths (:func:`pick_config` chooses per prompt). Configs searched under the RoPE scaling the
+    model runs with (:func:`rope_scaling_of`; none for a plain model) come first: only they are
+    returned when any ships, else the unscaled ones (the nearest there is)."""
     ident = model_identity(model)
     root = resources.files("kvtrim.attention") / "configs"  # package data, beside the kernels
     if not root.is_dir():
@@ -218,7 +230,11 @@ def shipped_configs(model) -> list[PatternConfig]:
         same_shape = all(m.get(k) == ident[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"))
         if same_shape and any(tag in ident["name"] for tag in d.get("search", {}).get("model_tags", [])):
             found.append(PatternConfig(model=m, layers=d["layers"], search=d.get("search", {})))
-    return sorted(found, key=calibration_length)
+    scaling = rope_scaling_of(model)
+    same = [c for c in found if c.search.get("rope_scaling") == scaling]
+    if not same and scaling is not None:
+        same = [c for c in found if c.search.get("rope_scaling") is None]
+    return sorted(same, key=calibration_length)
 
 
 def shipped_config(model) -> PatternConfig | None:

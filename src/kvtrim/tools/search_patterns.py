@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from kvtrim.attention.cpu import sparse_attention_cpu
 from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash, vertical_slash_layout
 from kvtrim.errors import KVTrimError
-from kvtrim.integrations.prefill import PatternConfig, model_identity
+from kvtrim.integrations.prefill import PatternConfig, model_identity, rope_scaling_of
 
 A_SHAPE_SINKS = (64, 256)
 VS_RATIOS = ((1, 6), (1, 1), (6, 1))  # k_v : k_s
@@ -328,6 +328,9 @@ def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT
         "machine": platform.machine(),
         "model_tags": list(model_tags or []),
     }
+    scaling = rope_scaling_of(model)
+    if scaling is not None:  # e.g. --rope-scaling yarn:2: shipped_configs matches it
+        search["rope_scaling"] = scaling
     return PatternConfig(model=ident, layers=[r for r in hook.rows if r is not None], search=search)  # every row is set (checked above)
 
 

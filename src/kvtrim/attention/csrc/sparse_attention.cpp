@@ -193,7 +193,10 @@ inline bool packed_path() {
 // with the row stride as the BLAS leading dimension). Task row h (H rows) is query head
 // q_head[h], reads KV head head_kv[h] and writes out[out_head[h]]; rows with no visible key are
 // written as zeros. Scores are scaled by `scale`.
-// block_idx [H, nb, maxb], block_cnt [H, nb], col_idx [H, nb, maxc], col_cnt [H, nb] (int32).
+// block_idx [H, nb, maxb], block_cnt [H, nb], col_idx [H, nb, maxc], col_cnt [H, nb] (int32);
+// or block_idx / col_idx flat (1-D): the rows' entries one after another, row i's at the sum of
+// the counts before it (no padding to the widest row: one head with thousands of verticals
+// would otherwise widen every row of every head of the call).
 // n_init / n_local [H] (int32): the A-shape window of row h; negative: no window.
 template <typename T>
 void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q_head,
@@ -209,10 +212,14 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(head_kv.numel() == hq && out_head.numel() == hq && n_init.numel() == hq && n_local.numel() == hq,
               "per-row tensors must have H entries");
   const int nb = (t + kBlock - 1) / kBlock;
-  TORCH_CHECK(block_cnt.size(0) == hq && block_cnt.size(1) == nb && block_idx.size(0) == hq && block_idx.size(1) == nb &&
-                  col_cnt.size(0) == hq && col_cnt.size(1) == nb && col_idx.size(0) == hq && col_idx.size(1) == nb,
-              "layout shape does not match [H, n_blocks]");
-  const int maxb = block_idx.size(2), maxc = col_idx.size(2);
+  TORCH_CHECK(block_cnt.dim() == 2 && col_cnt.dim() == 2 && block_cnt.size(0) == hq && block_cnt.size(1) == nb &&
+                  col_cnt.size(0) == hq && col_cnt.size(1) == nb, "layout counts do not match [H, n_blocks]");
+  const bool flat_b = block_idx.dim() == 1, flat_c = col_idx.dim() == 1;
+  TORCH_CHECK(flat_b || (block_idx.dim() == 3 && block_idx.size(0) == hq && block_idx.size(1) == nb),
+              "block_idx must be [H, n_blocks, max_blocks] or flat");
+  TORCH_CHECK(flat_c || (col_idx.dim() == 3 && col_idx.size(0) == hq && col_idx.size(1) == nb),
+              "col_idx must be [H, n_blocks, max_cols] or flat");
+  const int64_t maxb = flat_b ? INT32_MAX : block_idx.size(2), maxc = flat_c ? INT32_MAX : col_idx.size(2);
   const int32_t* qhp = q_head.data_ptr<int32_t>();
   const int32_t* hkvp = head_kv.data_ptr<int32_t>();
   const int32_t* ohp = out_head.data_ptr<int32_t>();
@@ -238,18 +245,28 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const int32_t* ccnt = col_cnt.data_ptr<int32_t>();
   T* op = out.data_ptr<T>();
 
-  // Bounds are checked once here, so the kernel never reads outside k/v.
-  for (int64_t i = 0; i < block_cnt.numel(); ++i) {
+  // Where each row's entries start (padded: row * width; flat: the counts before it). Bounds are
+  // checked once here, so the kernel never reads outside the layout or k/v.
+  const int64_t nrow = static_cast<int64_t>(hq) * nb;
+  std::vector<int64_t> boff(nrow), coff(nrow);
+  int64_t bsum = 0, csum = 0;
+  for (int64_t i = 0; i < nrow; ++i) {
     TORCH_CHECK(bcnt[i] >= 0 && bcnt[i] <= maxb && ccnt[i] >= 0 && ccnt[i] <= maxc, "layout count out of range");
+    boff[i] = flat_b ? bsum : i * maxb;
+    coff[i] = flat_c ? csum : i * maxc;
+    bsum += bcnt[i];
+    csum += ccnt[i];
+  }
+  TORCH_CHECK(!flat_b || bsum <= block_idx.numel(), "flat block_idx is shorter than its counts");
+  TORCH_CHECK(!flat_c || csum <= col_idx.numel(), "flat col_idx is shorter than its counts");
+  for (int64_t i = 0; i < nrow; ++i) {
     const int qb = i % nb;
-    for (int j = 0; j < bcnt[i]; ++j) {
-      const int b = bidx[i * maxb + j];
-      TORCH_CHECK(b >= 0 && b <= qb && (j == 0 || b > bidx[i * maxb + j - 1]), "block index not ascending or not causal");
-    }
-    for (int j = 0; j < ccnt[i]; ++j) {
-      const int c = cidx[i * maxc + j];
-      TORCH_CHECK(c >= 0 && c < t && c < (qb + 1) * kBlock, "column index out of range");
-    }
+    const int32_t* bi = bidx + boff[i];
+    for (int j = 0; j < bcnt[i]; ++j)
+      TORCH_CHECK(bi[j] >= 0 && bi[j] <= qb && (j == 0 || bi[j] > bi[j - 1]), "block index not ascending or not causal");
+    const int32_t* ci = cidx + coff[i];
+    for (int j = 0; j < ccnt[i]; ++j)
+      TORCH_CHECK(ci[j] >= 0 && ci[j] < t && ci[j] < (qb + 1) * kBlock, "column index out of range");
   }
 
   // Tasks, most expensive first.
@@ -323,7 +340,7 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       std::fill(w.o.begin(), w.o.end(), 0.0f);
       std::fill(w.m.begin(), w.m.end(), kMasked);
       std::fill(w.l.begin(), w.l.end(), 0.0f);
-      const int32_t* blocks = bidx + task * maxb;
+      const int32_t* blocks = bidx + boff[task];
       const int nblk = bcnt[task];
       // Key blocks, up to kSeg keys per segment: with the packed path any kSeg / kBlock listed
       // blocks (each block's products go to its own columns of the segment's scores, so the blocks
@@ -391,7 +408,7 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       }
       // Single columns, gathered kSeg at a time (as float32 rows, or as they are for the
       // reduced-precision GEMM).
-      const int32_t* cols = cidx + task * maxc;
+      const int32_t* cols = cidx + coff[task];
       for (int c0 = 0; c0 < ccnt[task]; c0 += kSeg) {
         const int n = std::min(kSeg, ccnt[task] - c0);
         for (int c = 0; c < n; ++c) {
@@ -560,25 +577,48 @@ std::vector<at::Tensor> vertical_slash_layout(const at::Tensor& v_idx, const at:
   for (int64_t i = 0; i < s_off.numel(); ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < t, "slash offset out of range");
   std::vector<std::vector<int32_t>> blocks(h_n * n), cols(h_n * n);
   at::parallel_for(0, h_n, 1, [&](int64_t h0, int64_t h1) {
-    std::vector<char> hit(n);
+    std::vector<char> hit(n), diag(n + 1);
+    std::vector<int64_t> vstart(n + 1);
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t* v = vp + h * n_v;
       const int64_t* o = sp + h * n_s;
+      // In a full query block qb, slash o = a * bs + r crosses key blocks qb - a and, when r > 0,
+      // qb - a - 1 (clipped at block 0; none when qb < a): which blocks a slash hits depends only
+      // on the block distance qb - kb, so it is tabulated once per head (diag) instead of per row.
+      std::fill(diag.begin(), diag.end(), 0);
+      for (int64_t j = 0; j < n_s; ++j) {
+        const int64_t a = o[j] / bs;
+        diag[a] = 1;
+        if (o[j] % bs && a + 1 < n) diag[a + 1] = 1;
+      }
+      // verticals by key block: v[vstart[kb] .. vstart[kb + 1]) lie in key block kb (v is sorted)
+      for (int64_t kb = 0, j = 0; kb <= n; ++kb) {
+        while (j < n_v && v[j] < kb * bs) ++j;
+        vstart[kb] = j;
+      }
       for (int64_t qb = 0; qb < n; ++qb) {
         const int64_t qs = qb * bs, qe = std::min(qs + bs, t);
-        std::fill(hit.begin(), hit.end(), 0);
-        for (int64_t j = 0; j < n_s; ++j) {
-          const int64_t hi = qe - 1 - o[j];
-          if (hi < 0) continue;
-          hit[std::max<int64_t>(qs - o[j], 0) / bs] = 1;
-          hit[hi / bs] = 1;
+        if (qe - qs == bs) {
+          for (int64_t kb = 0; kb <= qb; ++kb) hit[kb] = diag[qb - kb];
+        } else {  // a partial last block: the slashes one by one
+          std::fill(hit.begin(), hit.end(), 0);
+          for (int64_t j = 0; j < n_s; ++j) {
+            const int64_t hi = qe - 1 - o[j];
+            if (hi < 0) continue;
+            hit[std::max<int64_t>(qs - o[j], 0) / bs] = 1;
+            hit[hi / bs] = 1;
+          }
         }
         std::vector<int32_t>& b = blocks[h * n + qb];
-        for (int64_t kb = 0; kb <= qb; ++kb)
-          if (hit[kb]) b.push_back(static_cast<int32_t>(kb));
         std::vector<int32_t>& c = cols[h * n + qb];
-        for (int64_t j = 0; j < n_v && v[j] <= qe - 1; ++j)
-          if (!hit[v[j] / bs] && (j == 0 || v[j] != v[j - 1])) c.push_back(static_cast<int32_t>(v[j]));
+        for (int64_t kb = 0; kb <= qb; ++kb) {
+          if (hit[kb]) {
+            b.push_back(static_cast<int32_t>(kb));
+            continue;
+          }
+          for (int64_t j = vstart[kb]; j < vstart[kb + 1] && v[j] <= qe - 1; ++j)
+            if (j == 0 || v[j] != v[j - 1]) c.push_back(static_cast<int32_t>(v[j]));
+        }
       }
     }
   });
