@@ -21,7 +21,8 @@ Reported per (length, config): wall seconds and process CPU seconds (the CPU tim
 other load on a shared machine when ``--threads 1``), executed attention density, attention
 seconds (kernel alone) and index-estimation seconds, the end-to-end and attention-only speedups
 vs dense, the estimation overhead as a fraction of the prefill and, with ``--isolate``, the peak
-resident memory of the forward's process (model weights included). Summary: the crossover length
+resident memory of the forward's process (its model loading included, which can be the larger
+peak) and, on Linux, the peak during the timed forward alone. Summary: the crossover length
 (smallest measured length at which the config beat dense end to end).
 
     python benchmarks/bench_minference_prefill.py --lengths 2048 4096 8192 16384 32768 \\
@@ -45,6 +46,7 @@ import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -62,14 +64,15 @@ def table(d: dict) -> str:
     """The markdown table of a prefill result (docs/minference.md)."""
     m = d["machine"]
     peak = any("peak_rss_mib" in r for r in d["records"])  # isolated runs since 2026-12-07
+    fwd = any("forward_peak_rss_mib" in r for r in d["records"])
     lines = [
         f"{d.get('model') or 'SmolLM2-135M-Instruct'}, {d.get('dtype', 'float32')}, torch {d.get('versions', m)['torch']}, {m.get('torch_threads')} threads, {d['date'][:10]}; "
         "median wall seconds of one prefill forward (reps per row), configurations interleaved"
         + ("; every forward in its own process." if d.get("isolated") else "."),
         "",
         "| length | prefill | density | wall s | speed-up | CPU s | attention s (kernel) | attention speed-up | 1/density | estimation share | reps |"
-        + (" peak RSS GiB |" if peak else ""),
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak else ""),
+        + (" process peak RSS GiB |" if peak else "") + (" forward peak RSS GiB |" if fwd else ""),
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak else "") + ("---:|" if fwd else ""),
     ]
     for r in d["records"]:
         sp = f"{r['speedup_wall']:.2f}x" if "speedup_wall" in r else ""
@@ -79,6 +82,7 @@ def table(d: dict) -> str:
             f"| {r['length']} | {r['config']} | {r['density']:.3f} | {r['wall_seconds']:.2f} | {sp} | {r['cpu_seconds']:.1f} | "
             f"{r['attention_seconds']:.2f} | {asp} | {ideal} | {r['estimate_fraction']:.1%} | {r['reps']} |"
             + (f" {r['peak_rss_mib'] / 1024:.1f} |" if "peak_rss_mib" in r else " |" if peak else "")
+            + (f" {r['forward_peak_rss_mib'] / 1024:.1f} |" if "forward_peak_rss_mib" in r else " |" if fwd else "")
         )
     if d.get("summary"):
         lines.append("")
@@ -170,6 +174,27 @@ def prompt(all_ids: list[int], n: int) -> list[int]:
     return all_ids[:n]
 
 
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (Linux: ``5`` into ``/proc/self/clear_refs`` sets VmHWM back to
+    the current RSS); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return peak_rss_mib() is not None
+    except OSError:
+        return False
+
+
+def peak_rss_mib() -> float | None:
+    """VmHWM (peak resident set) of this process in MiB, from ``/proc/self/status``; None elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def run_one(n: int, name: str, args) -> int:
     """A child of ``--isolate``: one forward (after one warm-up below 16k) in this fresh process, reported to the parent."""
     lm, hooks, _, all_ids = build(args.pattern_config, args.model, args.dtype, tuple(args.extra_config), args.rope_scaling)
@@ -177,9 +202,12 @@ def run_one(n: int, name: str, args) -> int:
     ids = prompt(all_ids, n)
     if n < 16384:
         one_prefill(lm.model, ids, hooks[name])
+    reset = reset_peak_rss()
     wall, cpu, stats = one_prefill(lm.model, ids, hooks[name])
-    # the process's peak resident memory (KiB on Linux): the model, its warm-up and this forward
+    # the process's peak resident memory (KiB on Linux): the model's loading, its warm-up and this forward
     stats["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if reset:  # and the peak during this forward alone (the weights are resident already)
+        stats["forward_peak_rss_mib"] = peak_rss_mib()
     harness.child_result({"wall": wall, "cpu": cpu, "stats": stats})
     return 0
 
@@ -277,8 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                 "attention_seconds": attn, "estimate_seconds": est, "estimate_fraction": est / wall,
                 "loadavg": [load0, load_average()],
             }
-            if all("peak_rss_mib" in r[2] for r in rr):  # --isolate: one process per forward
-                rec["peak_rss_mib"] = max(r[2]["peak_rss_mib"] for r in rr)
+            for key in ("peak_rss_mib", "forward_peak_rss_mib"):  # --isolate: one process per forward
+                if all(key in r[2] for r in rr):
+                    rec[key] = max(r[2][key] for r in rr)
             if dense_wall:
                 rec["speedup_wall"] = dense_wall / wall
                 rec["speedup_cpu"] = dense_cpu / cpu

@@ -123,3 +123,79 @@ def test_yarn_64k_prose_matches_the_result():
     assert f"(dense {dense_pk['prefill_seconds']:.1f} s, sparse {sparse_pk['prefill_seconds']:.1f} s)" in DOC
     k32 = _json("minference_ppl_qwen32k_configs.json")["summary"]["dense"]["perplexity"]["32000"]
     assert f"({k32:.3f} above)" in DOC and v["dense"]["perplexity"]["64000"] < k32
+
+
+def test_tolerance_prose_matches_the_result():
+    v = _json("minference_ppl_qwen32k_tolerances.json")["summary"]
+    e1 = v["e0.1"]
+    assert (f"tolerance 0.1 gives density {e1['ppl_density']['32000']:.2f} at "
+            f"{e1['perplexity_vs_dense']['32000'] - 1:+.2%}") in DOC
+    assert e1["perplexity_vs_dense"]["32000"] - 1 > 0.02  # "past the target"
+    looser = [v[k]["perplexity_vs_dense"]["32000"] - 1 for k in ("e0.15", "e0.2", "e0.3")]
+    assert min(looser) >= 0.03 and max(looser) <= 0.06  # "cost 3-5%"
+    assert f"Below density {v['minference']['ppl_density']['32000']:.2f} perplexity climbs" in DOC
+
+
+def test_index_build_rerun_prose_matches_the_tables():
+    new, old = _records("minference_prefill_qwen_bf16_flat.json"), _records("minference_prefill_qwen_bf16_32kconfig.json")
+    n32, o32 = new[(32768, "minference")], old[(32768, "minference")]
+    assert (f"took {n32['estimate_seconds']:.2f} s of the 32k prefill where it took {o32['estimate_seconds']:.2f} s "
+            f"({n32['estimate_fraction']:.1%} of the forward against {o32['estimate_fraction']:.1%})") in DOC
+    n8, o8 = new[(8192, "minference")], old[(8192, "minference")]
+    assert f"{n8['estimate_seconds']:.2f} s at 8k against {o8['estimate_seconds']:.2f} s" in DOC
+    assert f"({n32['attention_seconds']:.2f} s against {o32['attention_seconds']:.2f} s)" in DOC
+    assert abs(n32["attention_seconds"] / o32["attention_seconds"] - 1) < 0.02  # "did not change measurably"
+    assert f"the 32k ratio is {n32['speedup_wall']:.2f}x against {o32['speedup_wall']:.2f}x" in DOC
+    drift = new[(32768, "dense")]["wall_seconds"] / old[(32768, "dense")]["wall_seconds"] - 1
+    assert f"the dense forward was {drift:.0%} slower" in DOC
+    peaks = {round(r["peak_rss_mib"] / 1024, 1) for r in new.values()}
+    assert len(peaks) == 1 and f"was {peaks.pop():.1f} GiB for dense and sparse alike" in DOC
+
+
+def test_64k_prefill_prose_matches_the_table():
+    r = {x["config"]: x for x in _json("minference_prefill_qwen_bf16_64k_yarn2.json")["records"]}
+    dn, mi, c32 = r["dense"], r["minference"], r["c32k"]
+    assert f"(density {mi['density']:.3f}) the prefill is {mi['speedup_wall']:.2f}x faster" in DOC
+    assert f"Attention is {dn['attention_seconds']:.2f} s of the dense forward's {dn['wall_seconds']:.2f} s" in DOC
+    rate = dn["attention_seconds"] * mi["density"] / mi["attention_seconds"]
+    assert f"ran it in {mi['attention_seconds']:.2f} s at a density of {mi['density']:.3f}, {rate:.2f} of SDPA's rate" in DOC
+    ideal = dn["wall_seconds"] / (dn["wall_seconds"] - dn["attention_seconds"] + dn["attention_seconds"] * mi["density"]
+                                  + mi["estimate_seconds"])
+    assert f"the ratio at this density would be {ideal:.2f}x" in DOC and ideal < 3
+    assert f"sparser here ({c32['density']:.3f}) and {c32['speedup_wall']:.2f}x faster" in DOC
+    assert (f"was {dn['peak_rss_mib'] / 1024:.1f} GiB dense and {mi['peak_rss_mib'] / 1024:.1f} GiB sparse" in DOC
+            and f"buffers, {(mi['peak_rss_mib'] - dn['peak_rss_mib']) / 1024:.1f} GiB here" in DOC)
+    s64 = _json("qwen_patterns64k_yarn2_e0.02.json")["search"]
+    assert f"It took {s64['seconds']:,.0f} s of wall time ({s64['cpu_seconds']:,.0f} s of CPU) on one core" in DOC
+    s32 = _json("qwen_patterns32k_e0.02.json")["search"]
+    assert f"about {s64['seconds'] / s32['seconds']:.1f} times the 32k search" in DOC
+    shipped = json.loads((ROOT / "src/kvtrim/attention/configs/qwen2.5-coder-0.5b-instruct-64k-yarn2.json").read_text())
+    assert shipped["search"]["rope_scaling"] == "yarn:2" and shipped["search"]["max_error"] == 0.05
+
+
+def test_64k_search_prose_matches_the_records():
+    from kvtrim.integrations.prefill import PatternConfig
+    from kvtrim.tools.search_patterns import with_tolerance
+
+    dens, dense_heads = {}, {}
+    for n, name in ((32, "qwen_patterns32k_e0.02.json"), (64, "qwen_patterns64k_yarn2_e0.02.json")):
+        cfg = PatternConfig.load(RESULTS / name)
+        dense_heads[n] = sum(e["pattern"] == "dense" for row in cfg.layers for e in row)
+        d = [e["density"] for row in with_tolerance(cfg, 0.05).layers for e in row]
+        dens[n] = sum(d) / len(d)
+    assert f"the density is {dens[64]:.2f} at 64k against {dens[32]:.2f} at 32k" in DOC and dens[64] > dens[32]
+    assert f"and {dense_heads[64]} heads found no pattern within 0.02 ({dense_heads[32]} at 32k)" in DOC
+
+
+def test_64k_quality_prose_matches_the_result():
+    d = _json("minference_quality_qwen64k_yarn2_64kconfig.json")
+    assert d["rope_scaling"] == "yarn:2"
+    rows = {(r["kind"], r["prefill"]): r for r in d["rows"]}
+    assert rows[("passkey", "dense")]["correct"] and rows[("passkey", "minference")]["correct"]
+    assert not rows[("passkey", "e0.1")]["correct"] and rows[("passkey", "minference")]["config_length"] == 65558
+    v = d["summary"]
+    mi, e1 = v["minference"]["perplexity_vs_dense"]["64000"] - 1, v["e0.1"]["perplexity_vs_dense"]["64000"] - 1
+    assert f"its perplexity is {mi:.2%} above dense (target 2%" in DOC and mi > 0.02
+    assert f"holds perplexity ({e1:+.2%}) and loses the pass key" in DOC and e1 < 0.02
+    old = _json("minference_quality_qwen64k_yarn2.json")["summary"]["minference"]["perplexity_vs_dense"]["64000"] - 1
+    assert f"the 32k config's was {old:.2%})" in DOC
