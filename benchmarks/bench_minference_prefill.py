@@ -35,6 +35,10 @@ slower outside the attention, whichever it was; isolated runs remove that effect
 
     python benchmarks/bench_minference_prefill.py --isolate --lengths 16384 32768 --long-reps 3 \\
         --configs dense minference --out results/minference_prefill_long_isolated.json
+
+``--compare-unfused`` (with ``--isolate``) also runs each config as ``CONFIG:unfused``, its process
+loading the model with ``KVTRIM_CPU_FUSION=0`` (no fused MLPs or RMS norms, :mod:`kvtrim.cpu_layers`),
+interleaved with the fused one; every record names the fused modules it ran with.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import resource
 import statistics
 import sys
@@ -53,11 +58,15 @@ import torch
 from kvtrim import decoding, harness
 from kvtrim.cache import KVTrimCache
 from kvtrim.cli.common import rope_scaling_arg
+from kvtrim.cpu_layers import fused_count
 from kvtrim.data import essays_text
 from kvtrim.integrations.hf import attach
 from kvtrim.integrations.prefill import SIZE_KEYS, SparsePrefill, calibration_length, make_prefill
 from kvtrim.machine import load_average
 from kvtrim.models import extend_context, load_model
+from kvtrim.rope import scaling_label
+
+UNFUSED = ":unfused"  # --compare-unfused: a config run on the model without fused CPU layers
 
 
 def table(d: dict) -> str:
@@ -204,6 +213,7 @@ def run_one(n: int, name: str, args) -> int:
         one_prefill(lm.model, ids, hooks[name])
     reset = reset_peak_rss()
     wall, cpu, stats = one_prefill(lm.model, ids, hooks[name])
+    stats["cpu_layers_fused"] = fused_count(lm.model)
     # the process's peak resident memory (KiB on Linux): the model's loading, its warm-up and this forward
     stats["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if reset:  # and the peak during this forward alone (the weights are resident already)
@@ -222,10 +232,14 @@ def isolated(n: int, name: str, args) -> tuple[float, float, dict]:
         argv += ["--model", args.model]
     argv += ["--dtype", args.dtype]
     if args.rope_scaling:
-        argv += ["--rope-scaling", f"{args.rope_scaling[0]}:{args.rope_scaling[1]:g}"]
+        argv += ["--rope-scaling", scaling_label(*args.rope_scaling)]
     if args.extra_config:
         argv += ["--extra-config", *args.extra_config]
-    rec = harness.isolated(__file__, argv)
+    env = None
+    if name.endswith(UNFUSED):  # the same config on a model whose CPU layers are not fused (kvtrim.cpu_layers)
+        argv[2] = name[: -len(UNFUSED)]
+        env = {**os.environ, "KVTRIM_CPU_FUSION": "0"}
+    rec = harness.isolated(__file__, argv, env=env)
     return rec["wall"], rec["cpu"], rec["stats"]
 
 
@@ -248,8 +262,17 @@ def main(argv: list[str] | None = None) -> int:
                         "past the trained context only)")
     p.add_argument("--isolate", action="store_true",
                    help="run every forward in a fresh process (no order or allocator effects between configurations)")
+    p.add_argument("--compare-unfused", action="store_true",
+                   help=f"with --isolate: also run every config as CONFIG{UNFUSED}, on the model loaded with "
+                        "KVTRIM_CPU_FUSION=0 (no fused CPU layers), interleaved with the fused one")
     p.add_argument("--one", nargs=2, metavar=("LENGTH", "CONFIG"), help=argparse.SUPPRESS)  # a child of --isolate
     args = p.parse_args(argv)
+    if args.compare_unfused:
+        if not args.isolate:
+            p.error("--compare-unfused needs --isolate (each forward in its own process, loaded with or without fusion)")
+        args.configs = [c for name in args.configs for c in (name, name + UNFUSED)]
+        if args.long_configs is not None:
+            args.long_configs = [c for name in args.long_configs for c in (name, name + UNFUSED)]
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.one:
@@ -269,12 +292,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "model": lm.source,
         "dtype": args.dtype,
-        "rope_scaling": f"{args.rope_scaling[0]}:{args.rope_scaling[1]:g}" if args.rope_scaling else None,
+        "rope_scaling": scaling_label(*args.rope_scaling) if args.rope_scaling else None,
         "extra_configs": {spec.partition("=")[0]: hooks[spec.partition("=")[0]].config.search for spec in args.extra_config},
         "single_pattern_sizes": single_sizes,
         "pattern_config_search": mi.config.search,
         "pattern_config_searches": [c.search for c in mi.configs],  # minference picks one per prompt length
         "isolated": bool(args.isolate),
+        "cpu_layers_fused": fused_count(model),  # this process's model; a child's is in its records
         "order": "configurations interleaved; the order alternates between repetitions",
     }
     for n in args.lengths:
@@ -305,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                 "attention_seconds": attn, "estimate_seconds": est, "estimate_fraction": est / wall,
                 "loadavg": [load0, load_average()],
             }
+            if all("cpu_layers_fused" in r[2] for r in rr):
+                rec["cpu_layers_fused"] = rr[0][2]["cpu_layers_fused"]
             for key in ("peak_rss_mib", "forward_peak_rss_mib"):  # --isolate: one process per forward
                 if all(key in r[2] for r in rr):
                     rec[key] = max(r[2][key] for r in rr)

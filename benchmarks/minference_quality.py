@@ -35,6 +35,7 @@ from kvtrim.integrations.hf import attach
 from kvtrim.integrations.prefill import SparsePrefill, make_prefill
 from kvtrim.models import build_prompt_ids, extend_context, load_model
 from kvtrim.policies.full import Full
+from kvtrim.rope import scaling_label
 
 
 def table(d: dict) -> str:
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": harness.finish_record(machine),
         "model": lm.source,
         "dtype": args.dtype,
-        "rope_scaling": f"{args.rope_scaling[0]}:{args.rope_scaling[1]:g}" if args.rope_scaling else None,
+        "rope_scaling": scaling_label(*args.rope_scaling) if args.rope_scaling else None,
         "context": int(model.config.max_position_embeddings),
         "pattern_config_search": hooks["minference"].config.search,
         "pattern_config_searches": [c.search for c in hooks["minference"].configs],  # one is picked per prompt length

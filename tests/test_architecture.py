@@ -197,7 +197,7 @@ def test_policies_import_only_base_helpers():
 RANKS = [
     ("leaves", ("kvtrim.errors", "kvtrim.validate")),
     ("kernels", ("kvtrim.attention",)),
-    ("base helpers", ("kvtrim.scores", "kvtrim.rope", "kvtrim.spans", "kvtrim.decisions", "kvtrim.cpu_linear",
+    ("base helpers", ("kvtrim.scores", "kvtrim.rope", "kvtrim.spans", "kvtrim.decisions", "kvtrim.cpu_linear", "kvtrim.cpu_layers",
                       "kvtrim.mixed_precision", "kvtrim.files")),
     ("policies", ("kvtrim.policies", "kvtrim.registry")),
     ("core", ("kvtrim.storage", "kvtrim.lowbit_storage", "kvtrim.ragged_storage", "kvtrim.rerotation", "kvtrim.persistence", "kvtrim.cache",

@@ -40,3 +40,22 @@ def test_results_md_names_the_amx_rerun_loss():
     text = " ".join((ROOT / "docs" / "results.md").read_text().split())
     assert (f"by {1 / cmp[32000]['e2e_seconds_vllm_over_kvtrim']:.2f}x at 32k and "
             f"{1 / cmp[7680]['e2e_seconds_vllm_over_kvtrim']:.2f}x at 8k") in text
+
+
+def test_fused_rerun_prose_matches_the_result():
+    rows, cmp = _rows("idle_qwen_amx_fused.json")
+    before, cmp_before = _rows("idle_qwen_amx_flat.json")
+    v8, v32, k8, k32 = rows[(7680, "vllm")], rows[(32000, "vllm")], rows[(7680, "kvtrim")], rows[(32000, "kvtrim")]
+    assert cmp[32000]["target_met"] and not cmp[7680]["target_met"]  # "Met at 32k, missed at 8k"
+    assert f"At 32k kvtrim is ahead by {cmp[32000]['e2e_seconds_vllm_over_kvtrim']:.2f}x end to end, its prefill " \
+           f"{k32['prefill_seconds']:.2f} s against vLLM's {v32['prefill_seconds']:.2f} s " \
+           f"({before[(32000, 'kvtrim')]['prefill_seconds']:.2f} s in the run before" in DOC
+    assert f"by {1 / cmp[7680]['e2e_seconds_vllm_over_kvtrim']:.2f}x ({1 / cmp_before[7680]['e2e_seconds_vllm_over_kvtrim']:.2f}x " \
+           f"before): kvtrim prefills in {k8['prefill_seconds']:.2f} s against {v8['prefill_seconds']:.2f} s and its decode step " \
+           f"takes {k8['decode_ms_per_token']:.1f} against {v8['decode_ms_per_token']:.1f} ms per token" in DOC
+    assert f"({k32['decode_ms_per_token']:.1f} against {v32['decode_ms_per_token']:.1f} ms at 32k" in DOC
+    assert all(c["decode_ms_per_token_vllm_over_kvtrim"] < 1 for c in cmp.values())  # "vLLM's at both lengths"
+    text = " ".join((ROOT / "docs" / "results.md").read_text().split())
+    assert (f"has kvtrim ahead at 32k by {cmp[32000]['e2e_seconds_vllm_over_kvtrim']:.2f}x and vLLM ahead at 8k by "
+            f"{1 / cmp[7680]['e2e_seconds_vllm_over_kvtrim']:.2f}x (prefill {1 / cmp[7680]['prefill_seconds_vllm_over_kvtrim']:.2f}x, "
+            f"decode step {1 / cmp[7680]['decode_ms_per_token_vllm_over_kvtrim']:.2f}x)") in text

@@ -400,6 +400,29 @@ def test_search_takes_the_cheapest_level_within_the_error_tolerance(model, long_
     assert seen_sparse
 
 
+def test_a_loosened_config_is_the_one_a_looser_search_makes(model, long_prompt):
+    """with_tolerance reads the candidates a search recorded (their labels, through
+    parse_candidate_label) and picks what a search at the looser tolerance picks."""
+    from kvtrim.integrations.prefill import PatternConfig
+    from kvtrim.tools.search_patterns import SearchHook, candidate_label, parse_candidate_label, with_tolerance
+
+    assert parse_candidate_label(candidate_label(0.25, "vertical_slash", {"n_vertical": 64, "n_slash": 8})) == \
+        (0.25, "vertical_slash", {"n_vertical": 64, "n_slash": 8})
+    hooks = {}
+    for eps in (0.3, 0.5):
+        hooks[eps] = SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, [0.7, 0.4], max_error=eps)
+        _logits(model, long_prompt, hooks[eps])
+    counts = {k: getattr(model.config, k) for k in ("num_hidden_layers", "num_attention_heads")}
+    tight = PatternConfig(model=counts, layers=hooks[0.3].rows, search={"max_error": 0.3})
+    loose = with_tolerance(tight, 0.5)
+    keys = ("pattern", "level", "error")
+    got = [[{k: e[k] for k in keys} for e in row] for row in loose.layers]
+    want = [[{k: e[k] for k in keys} for e in row] for row in hooks[0.5].rows]
+    assert got == want
+    with pytest.raises(KVTrimError, match="can only be loosened"):
+        with_tolerance(tight, 0.2)
+
+
 def test_bad_cpu_kernel_choice_is_refused_when_the_hook_is_made(monkeypatch):
     monkeypatch.setenv("KVTRIM_CPU_KERNEL", "fastest")
     with pytest.raises(KVTrimError, match="KVTRIM_CPU_KERNEL"):

@@ -476,6 +476,15 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
+def cpu_fusion_enabled() -> bool:
+    """Whether :func:`load_model` fuses a CPU model's element-wise layers (:mod:`kvtrim.cpu_layers`):
+    yes unless the environment variable ``KVTRIM_CPU_FUSION`` is ``0`` (for comparisons)."""
+    value = os.environ.get("KVTRIM_CPU_FUSION", "1").strip()
+    if value not in ("0", "1"):
+        raise KVTrimError(f"KVTRIM_CPU_FUSION must be 0 or 1; got {value!r}")
+    return value == "1"
+
+
 def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str | None = torch.float32,
                device: torch.device | str | None = "cpu", *, pack_linears: bool | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer.
@@ -499,6 +508,11 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
             mixed plan reads the plain weights); a linear tied to the input embeddings is left
             plain (packing it would copy it). ``False`` never packs; ``True`` packs where it
             applies, tied linears too. Undo with :func:`kvtrim.cpu_linear.unpack_linears`.
+
+    On a CPU (unless ``KVTRIM_CPU_FUSION=0``; not with ``auto``'s mixed plan) the gated MLPs over
+    packed linears and the RMS norms are replaced by fused ones (:func:`kvtrim.cpu_layers.fuse_layers`:
+    the element-wise passes folded into the products and one-pass norms; same results up to the
+    dtype's rounding). Undo with :func:`kvtrim.cpu_layers.unfuse_layers`.
 
     Raises:
         KVTrimError: an unknown dtype, or a device that is not ``cpu``/``cuda[:N]`` or not there.
@@ -542,6 +556,10 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype | str 
         from kvtrim.cpu_linear import pack_linears as pack
 
         pack(m, tied=bool(pack_linears))
+    if dev.type == "cpu" and not plan.mixed and cpu_fusion_enabled():
+        from kvtrim.cpu_layers import fuse_layers
+
+        fuse_layers(m)
     return LoadedModel(model=m, tokenizer=tok, source=label, dtypes=plan)
 
 
@@ -622,11 +640,12 @@ def extend_context(model, factor: float, kind: str = "yarn") -> int:
         raise KVTrimError(f"RoPE scaling factor must be a number in [1, 64]; got {factor!r}")
     if kind not in ROPE_SCALINGS:
         raise KVTrimError(f"unknown RoPE scaling {kind!r}; choose one of: {', '.join(ROPE_SCALINGS)}")
+    from kvtrim.integrations.prefill import rope_scaling_of
+
+    if (current := rope_scaling_of(model)) is not None:
+        raise KVTrimError(f"the model's RoPE is already scaled ({current}); kvtrim scales only a plain RoPE")
     cfg = model.config.get_text_config(decoder=True)
     rope = dict(getattr(cfg, "rope_parameters", None) or {})
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise KVTrimError(f"the model's RoPE is already scaled ({rope.get('rope_type', rope.get('type'))}); "
-                          "kvtrim scales only a plain RoPE")
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb"):
         raise KVTrimError("RoPE scaling needs a model with one rotary embedding at model.model.rotary_emb "

@@ -240,3 +240,8 @@ def find_inv_freq(model: torch.nn.Module) -> torch.Tensor | None:
         if name.endswith(("rotary_emb.inv_freq", f"rotary_emb.{FULL}_inv_freq")):
             return buf.detach().float()
     return None
+
+
+def scaling_label(kind: str, factor: float) -> str:
+    """A RoPE scaling as ``--rope-scaling`` writes it: ``("yarn", 2.0)`` -> ``"yarn:2"``."""
+    return f"{kind}:{float(factor):g}"

@@ -2,7 +2,7 @@
 
 The sources are ``csrc/sparse_attention.cpp`` (sparse prefill), ``csrc/fused_scores.cpp`` (dense
 causal attention that also returns a KV method's scores), ``csrc/lowbit_decode.cpp`` (a decode
-step's attention over low-bit KV codes) and ``csrc/common.h``, shipped in the package. It is compiled once per
+step's attention over low-bit KV codes), ``csrc/cpu_layers.cpp`` (a one-pass RMS norm) and ``csrc/common.h``, shipped in the package. It is compiled once per
 machine and install (per CPU capability, since it is built with ``-march=native``, and per
 checkout and torch install, so that two of them never rebuild each other's) with
 :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ``ninja``; 12-15 s on 2 cores)
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["NATIVE_BLOCK", "NATIVE_DTYPES", "cpu_kernel", "kernel_for", "load_native", "native_causal_attention_scores",
-           "native_lowbit_decode", "native_sparse_attention",
+           "native_lowbit_decode", "native_rms_norm", "native_sparse_attention",
            "native_vertical_slash_layout",
            "native_vertical_slash_scores", "writable_in_place"]
 
@@ -40,7 +40,8 @@ NATIVE_BLOCK = 64  # the kernel's query/key block (kBlock in the source)
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "sparse_attention.cpp", _CSRC / "fused_scores.cpp", _CSRC / "lowbit_decode.cpp"]  # + csrc/common.h
+_SOURCES = [_CSRC / "sparse_attention.cpp", _CSRC / "fused_scores.cpp", _CSRC / "lowbit_decode.cpp",
+            _CSRC / "cpu_layers.cpp"]  # + csrc/common.h
 _CHOICES = ("auto", "native", "torch")
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -309,3 +310,17 @@ def native_lowbit_decode(query: torch.Tensor, kv, logits: torch.Tensor, scale: f
         rows(kv.value_scale), rows(kv.value_zero), bias_t, rot_index, rot_table, bool(interleaved), int(kv.bits),
         float(scale), logits.view(b * hkv, g, -1))
     return m.view(b, hkv, g, 1), lsum.view(b, hkv, g, 1), acc.view(b, hkv, g, -1)
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The RMS norm of Llama-family models (``weight * (x / sqrt(mean(x**2) + eps))``, the normalised
+    row rounded to x's dtype before the product, as transformers computes it) in one pass, on the CPU.
+
+    ``x [..., H]`` and ``weight [H]`` share a dtype (float32, bfloat16 or float16); returns a new
+    tensor like ``x``. Sums in float32 in its own order, so a value can differ from transformers'
+    in its last bits: by at most one unit in the last place in bfloat16, a few in float32
+    (``csrc/cpu_layers.cpp``; tests/test_cpu_layers.py).
+    """
+    if not load_native():
+        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    return torch.ops.kvtrim_native.rms_norm(x, weight, float(eps))

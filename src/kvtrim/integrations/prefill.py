@@ -48,6 +48,7 @@ from kvtrim.attention.native import cpu_kernel, kernel_for
 from kvtrim.attention.patterns import AShape, BlockSparse, SparseLayout, VerticalSlash, vertical_slash_layout
 from kvtrim.errors import KVTrimError
 from kvtrim.files import parse_json, read_json, write_atomic
+from kvtrim.rope import scaling_label
 
 FORMAT = "kvtrim-pattern-config/1"
 PREFILL_MODES = ("dense", "minference", "a_shape", "vertical_slash", "block_sparse")
@@ -207,8 +208,8 @@ def rope_scaling_of(model) -> str | None:
     under one scaling describes the heads of that model, not of the unscaled one."""
     cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     rope = dict(getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {})
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    return None if kind == "default" else f"{kind}:{float(rope.get('factor', 1.0)):g}"
+    kind = str(rope.get("rope_type", rope.get("type", "default")))
+    return None if kind == "default" else scaling_label(kind, rope.get("factor", 1.0))
 
 
 def shipped_configs(model) -> list[PatternConfig]:

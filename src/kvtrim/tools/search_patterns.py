@@ -230,7 +230,7 @@ class SearchHook:
                 for name, sizes, lay in cands:
                     o = sparse_attention_cpu(qh, kh, vh, restrict(lay, keep), scale)[:, :, rows]
                     err = float((o - ref).norm() / ref_norm)
-                    label = f"{level}:" + name + ":" + ",".join(f"{a}={b}" for a, b in sizes.items())
+                    label = candidate_label(level, name, sizes)
                     errors[label] = {"error": round(err, 6), "density": round(lay.density(), 4)}
                     if best is None or err < best["error"]:
                         best = {"pattern": name, **sizes, "error": round(err, 6), "density": round(lay.density(), 4), "level": level}
@@ -334,6 +334,18 @@ def search_patterns(model, tokenizer, length: int = 8192, target_density=DEFAULT
     return PatternConfig(model=ident, layers=[r for r in hook.rows if r is not None], search=search)  # every row is set (checked above)
 
 
+def candidate_label(level: float, name: str, sizes: dict[str, int]) -> str:
+    """The key a search records a tried candidate under: ``"LEVEL:PATTERN:size=n,..."``
+    (``"0.1:vertical_slash:n_vertical=1000,n_slash=600"``); :func:`parse_candidate_label` reads it back."""
+    return f"{level}:{name}:" + ",".join(f"{a}={b}" for a, b in sizes.items())
+
+
+def parse_candidate_label(label: str) -> tuple[float, str, dict[str, int]]:
+    """``(level, pattern, sizes)`` of a :func:`candidate_label`."""
+    level_s, name, sizes_s = label.split(":", 2)
+    return float(level_s), name, {k: int(v) for k, v in (kv.split("=") for kv in sizes_s.split(",") if kv)}
+
+
 def with_tolerance(cfg: PatternConfig, max_error: float) -> PatternConfig:
     """The config a search with the looser tolerance ``max_error`` would have made, from the
     candidates ``cfg``'s search recorded (no model run): a search stops at each head's first level
@@ -349,9 +361,7 @@ def with_tolerance(cfg: PatternConfig, max_error: float) -> PatternConfig:
         for e in row:
             best: dict[float, tuple[float, str, dict]] = {}
             for label, c in e.get("candidates", {}).items():
-                level_s, name, sizes_s = label.split(":", 2)
-                level = float(level_s)
-                sizes = {k: int(v) for k, v in (kv.split("=") for kv in sizes_s.split(",") if kv)}
+                level, name, sizes = parse_candidate_label(label)
                 if level not in best or c["error"] < best[level][0]:
                     best[level] = (c["error"], name, {**sizes, "density": c["density"]})
             chosen = {"pattern": "dense", "error": 0.0, "density": 1.0, "level": None}
