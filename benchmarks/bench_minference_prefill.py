@@ -93,7 +93,7 @@ def table(d: dict) -> str:
             + (f" {r['peak_rss_mib'] / 1024:.1f} |" if "peak_rss_mib" in r else " |" if peak else "")
             + (f" {r['forward_peak_rss_mib'] / 1024:.1f} |" if "forward_peak_rss_mib" in r else " |" if fwd else "")
         )
-    if d.get("summary"):
+    if d.get("summary") and any(r["config"] == "dense" for r in d["records"]):  # a crossover needs a dense row
         lines.append("")
         for name, s in d["summary"].items():
             measured = sorted({r["length"] for r in d["records"] if r["config"] == name})

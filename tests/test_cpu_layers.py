@@ -14,6 +14,7 @@ from kvtrim.attention.native import load_native, native_rms_norm
 from kvtrim.errors import KVTrimError
 from kvtrim.generation import generate_ids
 from kvtrim.registry import create_policy
+from kvtrim.session_file import weights_digest
 
 needs_native = pytest.mark.skipif(not load_native(), reason="kvtrim's native CPU kernel cannot be built here")
 needs_packing = pytest.mark.skipif(not cl.packing_supported(), reason="oneDNN has no bfloat16 support on this CPU")
@@ -71,12 +72,14 @@ def test_fusing_a_model_keeps_its_weights_and_logits_and_is_undone_exactly():
     ids = torch.randint(3, 128, (1, 41), generator=torch.Generator().manual_seed(0))
     mlps = [layer.mlp for layer in model.model.layers]
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    digest = weights_digest(model)
     with torch.no_grad():
         ref = model(ids).logits.float()
     assert fl.fuse_layers(model) == 2 + 5  # 2 MLPs; 2 norms per layer and the final one
     assert fl.fused_count(model) == {"mlp": 2, "rms_norm": 5}
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert weights_digest(model) == digest  # a saved session still matches the fused model
     with torch.no_grad():
         fused = model(ids).logits.float()
     assert ((fused - ref).norm() / ref.norm()) < 2e-2  # bfloat16 rounding of the SiLU, nothing more
@@ -163,6 +166,14 @@ def test_a_float32_model_gets_its_norms_fused_and_the_same_tokens():
     plain = run()
     assert fl.fuse_layers(model) == 5  # no packed linears in float32: norms only
     assert run() == plain
+
+
+@needs_packing
+def test_the_torch_kernel_choice_leaves_the_norms_alone(monkeypatch):
+    monkeypatch.setenv("KVTRIM_CPU_KERNEL", "torch")
+    model = _bf16_packed_model()
+    assert fl.fuse_layers(model) == 2  # the MLPs (oneDNN), not the norms (native code)
+    assert fl.fused_count(model) == {"mlp": 2, "rms_norm": 0}
 
 
 def test_the_environment_switch_is_checked(monkeypatch):

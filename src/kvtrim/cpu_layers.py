@@ -147,11 +147,12 @@ def _agrees(original: nn.Module, fused: nn.Module, width: int, dtype: torch.dtyp
 def fuse_layers(model: nn.Module) -> int:
     """Replace the model's gated MLPs over packed bfloat16 linears by :class:`FusedGatedMLP` and its
     float32/bfloat16 RMS norms by :class:`FusedRMSNorm` (module docstring), in place; returns how
-    many modules were replaced. The native kernel is built on first use; where it cannot be, the
-    norms are left alone. Undo with :func:`unfuse_layers`."""
-    from kvtrim.attention.native import load_native
+    many modules were replaced. The native kernel is built on first use; where it cannot be (or
+    ``KVTRIM_CPU_KERNEL=torch`` asks for the PyTorch path), the norms are left alone. Undo with
+    :func:`unfuse_layers`."""
+    from kvtrim.attention.native import cpu_kernel
 
-    native = load_native()
+    native = cpu_kernel() == "native"  # KVTRIM_CPU_KERNEL=torch: no native code, so the norms stay as they are
     post_ops = _mlp_post_ops_available()
     n = 0
     for parent in list(model.modules()):

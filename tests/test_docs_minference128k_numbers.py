@@ -1,0 +1,53 @@
+"""The numbers docs/minference.md quotes in prose about 128k under YaRN x4 (a sparse run, the dense
+side computed from one layer's SDPA) are those of the committed result files, and the check that
+lets the attention part carry over (32k, measured both ways) holds in the files it names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = " ".join((ROOT / "docs" / "minference.md").read_text().split())
+
+
+def _computed() -> dict:
+    return json.loads((RESULTS / "dense_computed_128k.json").read_text())
+
+
+def test_the_computed_dense_row_is_its_inputs_arithmetic():
+    d = _computed()
+    run = next(r for r in json.loads((RESULTS / "minference_prefill_qwen_bf16_128k_yarn4.json").read_text())["records"]
+               if r["config"] == "c64k")
+    sdpa = next(json.loads(line) for line in (RESULTS / "cpu_kernel_rate_128k.jsonl").read_text().splitlines()
+                if '"dense_sdpa"' in line)
+    assert d["computed"] and d["length"] == run["length"] == sdpa["T"] == 131072
+    assert d["sdpa_seconds_per_layer"] == sdpa["seconds"] and d["sparse"]["wall_seconds"] == run["wall_seconds"]
+    rest = run["wall_seconds"] - run["attention_seconds"] - run["estimate_seconds"]
+    assert abs(d["dense_seconds"] - (rest + 24 * sdpa["seconds"])) < 1e-9
+    assert run["cpu_layers_fused"] == {"mlp": 24, "rms_norm": 49}  # "with fused CPU layers"
+
+
+def test_the_32k_check_behind_the_computation():
+    sdpa32 = next(json.loads(line) for line in (RESULTS / "cpu_kernel_rate.jsonl").read_text().splitlines()
+                  if '"dense_sdpa"' in line and '"T": 32768' in line and '"bfloat16"' in line)
+    model32 = next(r for r in json.loads((RESULTS / "minference_prefill_qwen_bf16_fused.json").read_text())["records"]
+                   if r["length"] == 32768 and r["config"] == "dense")
+    assert f"24 random-tensor SDPA calls took {24 * sdpa32['seconds']:.1f} s and the model's own dense attention " \
+           f"{model32['attention_seconds']:.2f} s" in DOC
+    assert abs(24 * sdpa32["seconds"] / model32["attention_seconds"] - 1) < 0.02
+
+
+def test_128k_prose_matches_the_results():
+    d = _computed()
+    s = d["sparse"]
+    assert f"density {s['density']:.3f}" in DOC
+    assert f"**{d['speedup']:.2f}x at 128k against a computed dense prefill, target 5x: not met.**" in DOC
+    assert d["speedup"] < 5
+    assert f"Attention would be {d['dense_attention_seconds']:.1f} s of the dense prefill's {d['dense_seconds']:.1f} s" in DOC
+    assert f"in {s['attention_seconds']:.1f} s at density {s['density']:.3f}, {d['kernel_rate_vs_sdpa']:.2f} of SDPA's rate" in DOC
+    assert f"took {s['estimate_seconds']:.1f} s ({s['estimate_seconds'] / s['wall_seconds']:.1%} of the sparse prefill)" in DOC
+    ideal = d["dense_seconds"] / (s["density"] * d["dense_attention_seconds"] + s["estimate_seconds"] + d["rest_of_forward_seconds"])
+    assert f"At SDPA's own rate this density would give {ideal:.2f}x" in DOC
+    assert f"peaked at {s['peak_rss_mib'] / 1024:.1f} GiB resident" in DOC
