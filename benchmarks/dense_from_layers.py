@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--prefill, --kernel, --config and --layers are required")
     prefill = json.loads(Path(args.prefill).read_text())
     kernel_rows = [json.loads(line) for line in Path(args.kernel).read_text().splitlines() if line.strip()]
-    res = compute(prefill, kernel_rows, args.config, args.layers)
+    try:
+        res = compute(prefill, kernel_rows, args.config, args.layers)
+    except KVTrimError as e:
+        p.error(str(e))
     res["inputs"] = {"prefill": args.prefill, "kernel": args.kernel}
     harness.write_json(args.out, res)
     print(table(res))

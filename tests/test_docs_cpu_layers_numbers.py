@@ -49,3 +49,15 @@ def test_quality_prose_matches_the_result():
     assert f"at {100 * bf['top1_agreement']:.2f}% of the positions against {100 * bu['top1_agreement']:.2f}%" in DOC
     assert f"its logits move by {ff['logit_rel_error']:.2e}" in DOC
     assert f"{ff['perplexity']:.4f}" == f"{s['float32 unfused']['perplexity']:.4f}"  # "not at all in four decimals"
+
+
+def test_slices_prose_matches_the_result():
+    d = json.loads((RESULTS / "mlp_slices.json").read_text())
+    r = {x["config"]: x for x in d["rows"]}
+    assert d["default_slice"] == 512
+    assert f"The post-operations alone make the MLP {r['fused, one piece']['speedup']:.2f}x faster" in DOC
+    assert f"({r['fused, slices of 512']['speedup']:.2f}x at 512 tokens, the slice kvtrim uses" in DOC
+    best = min(d["rows"], key=lambda x: x["ms"])
+    assert best["config"] == "fused, slices of 512"  # MLP_CHUNK_ROWS: "measured fastest of 128-2,048"
+    near = [x for x in d["rows"] if x["config"] in ("fused, slices of 256", "fused, slices of 1024", "fused, slices of 2048")]
+    assert all(x["ms"] / best["ms"] < 1.05 for x in near)  # "256 to 2,048 are within a few percent of it"
