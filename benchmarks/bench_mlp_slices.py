@@ -80,10 +80,9 @@ def run(args) -> dict:
 
 def table(d: dict) -> str:
     m = d["machine"]
-    flags = ", ".join(m.get("cpu_matrix_flags") or [])
     lines = [f"One gated MLP of {d['shapes']}'s shapes ({d['hidden']} -> {d['intermediate']} -> {d['hidden']}), random bfloat16 "
-             f"weights packed, {d['tokens']} tokens; torch {m['torch']}, {m['torch_threads']} threads, {m.get('cpu_model')} ({flags}), "
-             f"{m['date'][:10]}; median of {d['reps']} interleaved rounds. kvtrim's slice: {d['default_slice']} tokens.", "",
+             f"weights packed, {d['tokens']} tokens; {harness.machine_line(m, m['torch_threads'])}, {m['date'][:10]}; "
+             f"median of {d['reps']} interleaved rounds. kvtrim's slice: {d['default_slice']} tokens.", "",
              "| MLP | ms | faster than transformers' |", "|---|---:|---:|"]
     lines += [f"| {r['config']} | {r['ms']:.1f} | {r['speedup']:.2f}x |" for r in d["rows"]]
     return "\n".join(lines)
@@ -97,11 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if harness.start(p, args, table=table):
         return 0
-    machine = harness.machine_record()
-    res = run(args)
-    res["machine"] = harness.finish_record(machine)
-    harness.write_json(args.out, res)
-    print(table(res))
+    record = harness.machine_record()
+    harness.publish(args.out, run(args), record, table)
     return 0
 
 

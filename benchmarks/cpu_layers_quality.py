@@ -83,8 +83,9 @@ def run(args) -> dict:
 
 def table(d: dict) -> str:
     m = d["machine"]
-    lines = [f"{d['model']}, {len(d['windows'])} windows of {d['tokens']} tokens of the pydoc topics, torch {m['torch']}, "
-             f"{m['date'][:10]}; means over the windows; reference = float32 unfused.", "",
+    lines = [f"{d['model']}, {len(d['windows'])} windows of {d['tokens']} tokens of the pydoc topics; "
+             f"{harness.machine_line(m, m['torch_threads'])}, {m['date'][:10]}; means over the windows; "
+             "reference = float32 unfused.", "",
              "| model as run | fused modules (MLPs, RMS norms) | perplexity | logits: relative error vs reference | same top token as reference |",
              "|---|---|---:|---:|---:|"]
     for s in d["summary"]:
@@ -103,11 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if harness.start(p, args, table=table):
         return 0
-    machine = harness.machine_record()
-    res = run(args)
-    res["machine"] = harness.finish_record(machine)
-    harness.write_json(args.out, res)
-    print(table(res))
+    record = harness.machine_record()
+    harness.publish(args.out, run(args), record, table)
     return 0
 
 

@@ -35,7 +35,9 @@ from tqdm import tqdm
 
 from kvtrim import harness
 from kvtrim.attention.cpu import sparse_attention_cpu
+from kvtrim.cli.common import rope_scaling_arg
 from kvtrim.errors import KVTrimError
+from kvtrim.rope import scaling_label
 from kvtrim.tools.search_patterns import DEFAULT_LEVELS, HeadCandidates, block_rows, calibration_ids, restrict, sampled_blocks
 
 
@@ -145,7 +147,8 @@ def summarise(heads: list[dict], samples: list[int], max_errors: list[float]) ->
 
 def table(d: dict) -> str:
     """Markdown table of an agreement result (docs/minference.md)."""
-    lines = [f"{d['model']}, calibration {d['length']} tokens, layers {', '.join(map(str, d['layers']))} "
+    rope = f", RoPE {d['rope_scaling']}" if d.get("rope_scaling") else ""
+    lines = [f"{d['model']}, calibration {d['length']} tokens{rope}, layers {', '.join(map(str, d['layers']))} "
              f"({d['summary'][0]['heads']} heads), every level of {', '.join(map(str, d['levels']))} evaluated; "
              f"{harness.machine_line(d['machine'], d['threads'])}.",
              "",
@@ -173,15 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--query-blocks", type=int, nargs="+", default=[8, 16, 32, 64])
     p.add_argument("--max-error", type=float, nargs="+", default=[0.02, 0.05])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rope-scaling", type=rope_scaling_arg, default=None, metavar="KIND:FACTOR",
+                   help="run the model under this RoPE scaling (e.g. yarn:2, as the 64k search ran)")
     args = p.parse_args(argv)
     if harness.start(p, args, table=table):
         return 0
     from kvtrim.cache import KVTrimCache, cache_keyword
     from kvtrim.integrations.hf import attach
-    from kvtrim.models import load_model
+    from kvtrim.models import extend_context, load_model
 
     record = harness.machine_record()
     lm = load_model(args.model)
+    if args.rope_scaling:
+        extend_context(lm.model, args.rope_scaling[1], args.rope_scaling[0])
     n_layers = lm.model.config.num_hidden_layers
     if any(not 0 <= li < n_layers for li in args.layers):
         p.error(f"--layers must lie in [0, {n_layers})")
@@ -196,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     bar.close()
     result = {"benchmark": "search_agreement", "model": Path(lm.source).name, "calibration": desc, "length": len(ids),
+              "rope_scaling": scaling_label(*args.rope_scaling) if args.rope_scaling else None,
               "layers": sorted(args.layers), "levels": sorted(args.levels), "threads": torch.get_num_threads(),
               "seconds": round(time.perf_counter() - t0, 1),
               "summary": summarise(hook.heads, args.query_blocks, args.max_error), "heads": hook.heads}
