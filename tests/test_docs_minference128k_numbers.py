@@ -51,3 +51,19 @@ def test_128k_prose_matches_the_results():
     ideal = d["dense_seconds"] / (s["density"] * d["dense_attention_seconds"] + s["estimate_seconds"] + d["rest_of_forward_seconds"])
     assert f"At SDPA's own rate this density would give {ideal:.2f}x" in DOC
     assert f"peaked at {s['peak_rss_mib'] / 1024:.1f} GiB resident" in DOC
+
+
+def test_64k_agreement_prose_matches_the_result():
+    d = json.loads((RESULTS / "search_agreement_qwen64k_yarn2.json").read_text())
+    assert d["rope_scaling"] == "yarn:2" and d["layers"] == [3] and d["length"] > 65536
+    r = {(x["max_error"], x["query_blocks"]): x for x in d["summary"]}
+    a, b = r[(0.05, 32)], r[(0.02, 32)]
+    assert (f"made the exhaustive choice for {a['same_choice']} of {a['heads']} heads and the same pattern for all "
+            f"{a['heads']}") in DOC and a["same_pattern"] == a["heads"]
+    assert f"(worst {a['worst_true_error']:.3f}), and the sampled choices are sparser (density {a['mean_density']:.3f} " \
+           f"against {a['mean_density_exhaustive']:.3f}; mean true error {a['mean_true_error']:.4f} against " \
+           f"{a['mean_true_error_exhaustive']:.4f})" in DOC
+    assert a["over_tolerance"] == 2 and b["over_tolerance"] == 0  # "two heads ... went over", "no head went over"
+    assert f"(worst {b['worst_true_error']:.3f}), with {b['same_choice']} of {b['heads']} choices the same" in DOC
+    assert f"The candidate runs took {a['sampled_seconds']:.1f} s against {a['exhaustive_seconds']:.1f} s" in DOC
+    assert f"took {d['seconds']:,.0f} s of one core" in DOC
