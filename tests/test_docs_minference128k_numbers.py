@@ -67,3 +67,16 @@ def test_64k_agreement_prose_matches_the_result():
     assert f"(worst {b['worst_true_error']:.3f}), with {b['same_choice']} of {b['heads']} choices the same" in DOC
     assert f"The candidate runs took {a['sampled_seconds']:.1f} s against {a['exhaustive_seconds']:.1f} s" in DOC
     assert f"took {d['seconds']:,.0f} s of one core" in DOC
+
+
+def test_64k_fused_rerun_prose_matches_the_results():
+    def recs(name):
+        return {r["config"]: r for r in json.loads((RESULTS / name).read_text())["records"]}
+    new, old = recs("minference_prefill_qwen_bf16_64k_yarn2_fused.json"), recs("minference_prefill_qwen_bf16_64k_yarn2.json")
+    assert new["dense"]["cpu_layers_fused"]["mlp"] == 24 and "cpu_layers_fused" not in old["dense"]
+    assert (f"the dense forward takes {new['dense']['wall_seconds']:.2f} s ({old['dense']['wall_seconds']:.2f} s above) and "
+            f"the sparse one {new['minference']['wall_seconds']:.2f} s ({old['minference']['wall_seconds']:.2f} s)") in DOC
+    assert f"**{new['minference']['speedup_wall']:.2f}x at 64k, target 3x still not met.**" in DOC
+    assert new["minference"]["speedup_wall"] < 3
+    assert (f"fell to {new['dense']['peak_rss_mib'] / 1024:.1f} GiB dense and {new['minference']['peak_rss_mib'] / 1024:.1f} "
+            f"GiB sparse ({old['dense']['peak_rss_mib'] / 1024:.1f} and {old['minference']['peak_rss_mib'] / 1024:.1f} above)") in DOC
