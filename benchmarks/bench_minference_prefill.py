@@ -223,7 +223,8 @@ def run_one(n: int, name: str, args) -> int:
 
 
 def isolated(n: int, name: str, args) -> tuple[float, float, dict]:
-    argv = ["--one", str(n), name]
+    unfused = name.endswith(UNFUSED)  # the same config on a model whose CPU layers are not fused (kvtrim.cpu_layers)
+    argv = ["--one", str(n), name[: -len(UNFUSED)] if unfused else name]
     if args.pattern_config:
         argv += ["--pattern-config", args.pattern_config]
     if args.threads:
@@ -235,10 +236,7 @@ def isolated(n: int, name: str, args) -> tuple[float, float, dict]:
         argv += ["--rope-scaling", scaling_label(*args.rope_scaling)]
     if args.extra_config:
         argv += ["--extra-config", *args.extra_config]
-    env = None
-    if name.endswith(UNFUSED):  # the same config on a model whose CPU layers are not fused (kvtrim.cpu_layers)
-        argv[2] = name[: -len(UNFUSED)]
-        env = {**os.environ, "KVTRIM_CPU_FUSION": "0"}
+    env = {**os.environ, "KVTRIM_CPU_FUSION": "0"} if unfused else None
     rec = harness.isolated(__file__, argv, env=env)
     return rec["wall"], rec["cpu"], rec["stats"]
 

@@ -377,7 +377,7 @@ def test_dense_entries_of_a_config_run_dense(model, long_prompt):
 
 
 def test_search_takes_the_cheapest_level_within_the_error_tolerance(model, long_prompt):
-    from kvtrim.tools.search_patterns import SearchHook
+    from kvtrim.tools.search_patterns import SearchHook, parse_candidate_label
 
     eps = 0.3
     hook = SearchHook(model.config.num_hidden_layers, model.config.num_attention_heads, [0.7, 0.4], max_error=eps)
@@ -388,7 +388,7 @@ def test_search_takes_the_cheapest_level_within_the_error_tolerance(model, long_
         for e in row:
             best = {}
             for label, c in e["candidates"].items():
-                lvl = float(label.split(":")[0])
+                lvl = parse_candidate_label(label)[0]
                 best[lvl] = min(best.get(lvl, 1e9), c["error"])
             if e["pattern"] == "dense":
                 assert all(v > eps for v in best.values())

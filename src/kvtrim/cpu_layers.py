@@ -32,6 +32,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kvtrim.attention.native import cpu_kernel, load_native
 from kvtrim.cpu_linear import PackedLinear
 
 __all__ = ["MLP_CHUNK_ROWS", "FusedGatedMLP", "FusedRMSNorm", "fuse_layers", "fused_count", "unfuse_layers"]
@@ -95,6 +96,8 @@ class FusedRMSNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, eps: float) -> None:
         super().__init__()
+        if not load_native():  # forward calls the native op directly, without asking again
+            raise RuntimeError("FusedRMSNorm needs kvtrim's native CPU kernel, which could not be built here")
         self.weight = cast(nn.Parameter, norm.weight)
         self.variance_epsilon = float(eps)
         self._original = (norm,)
@@ -103,11 +106,11 @@ class FusedRMSNorm(nn.Module):
         return self._original[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from kvtrim.attention.native import native_rms_norm
-
         if x.dtype != self.weight.dtype or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
             return self._original[0](x)
-        return native_rms_norm(x, self.weight, self.variance_epsilon)
+        # kvtrim.attention.native.native_rms_norm without its per-call build check (done in __init__):
+        # this runs twice per layer at every decode step
+        return torch.ops.kvtrim_native.rms_norm(x, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fused"
@@ -150,8 +153,6 @@ def fuse_layers(model: nn.Module) -> int:
     many modules were replaced. The native kernel is built on first use; where it cannot be (or
     ``KVTRIM_CPU_KERNEL=torch`` asks for the PyTorch path), the norms are left alone. Undo with
     :func:`unfuse_layers`."""
-    from kvtrim.attention.native import cpu_kernel
-
     native = cpu_kernel() == "native"  # KVTRIM_CPU_KERNEL=torch: no native code, so the norms stay as they are
     post_ops = _mlp_post_ops_available()
     n = 0
