@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -51,6 +52,18 @@ PATTERNS = {
     "block_sparse": lambda: BlockSparse(k_b=100),
     "block_sparse_32": lambda: BlockSparse(k_b=32),
 }
+
+
+def cpu_attention(q, k, v, layout, kernel: str):
+    """One CPU path: ``native``, ``native-ungrouped`` (the native kernel with
+    ``KVTRIM_NATIVE_QUERY_GROUPS=0`` for this call: one query block per task) or ``torch``."""
+    if kernel != "native-ungrouped":
+        return sparse_attention_cpu(q, k, v, layout, kernel=kernel)
+    os.environ["KVTRIM_NATIVE_QUERY_GROUPS"] = "0"
+    try:
+        return sparse_attention_cpu(q, k, v, layout, kernel="native")
+    finally:
+        del os.environ["KVTRIM_NATIVE_QUERY_GROUPS"]
 
 
 def table(records: list[dict]) -> str:
@@ -89,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpu-kernels", nargs="+", default=["native"], choices=["native", "torch"],
-                   help="CPU paths to time side by side (default: native; add torch for the PyTorch fallback)")
+    p.add_argument("--cpu-kernels", nargs="+", default=["native"], choices=["native", "native-ungrouped", "torch"],
+                   help="CPU paths to time side by side (default: native; native-ungrouped: the native kernel with "
+                        "one query block per task, KVTRIM_NATIVE_QUERY_GROUPS=0; torch: the PyTorch fallback)")
     args = p.parse_args(argv)
     if harness.start(p, args, table=table):
         return 0
@@ -135,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 if kn == "triton":
                     fns[f"attention:{name}:{kn}"] = lambda lay=layouts[name]: sparse_prefill(q, k, v, lay, backend=backend)
                 else:
-                    fns[f"attention:{name}:{kn}"] = lambda lay=layouts[name], kn=kn: sparse_attention_cpu(q, k, v, lay, kernel=kn)
+                    fns[f"attention:{name}:{kn}"] = lambda lay=layouts[name], kn=kn: cpu_attention(q, k, v, lay, kn)
 
         def timed(fn_name: str, rep: int) -> None:
             fns[fn_name]()

@@ -9,6 +9,7 @@ bound gets an absolute floor of 4 float32 ulps of 1.0 (measured: both errors 2-9
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -137,6 +138,17 @@ def test_cpu_low_precision_4001(name: str, kernel: str) -> None:  # block_sparse
     out = sparse_attention_cpu(q, k, v, layout, kernel=kernel)
     assert out.dtype == torch.bfloat16
     _assert_within_rule(out, q, k, v, layout_to_mask(layout))
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("groups", ["1", "0"])
+def test_query_groups_switch(groups: str, monkeypatch) -> None:
+    """``KVTRIM_NATIVE_QUERY_GROUPS=0`` (one query block per task, read on every call) and the
+    default both pass the rule on an A-shape layout in bfloat16 (windows cut through the groups)."""
+    monkeypatch.setenv("KVTRIM_NATIVE_QUERY_GROUPS", groups)
+    q, k, v = _qkv(1500, 64, 4, 2, torch.bfloat16, seed=5)
+    layout = AShape(n_init=70, n_local=300).layout(q, k)
+    _assert_within_rule(sparse_attention_cpu(q, k, v, layout, kernel="native"), q, k, v, layout_to_mask(layout))
 
 
 @pytest.mark.slow
@@ -302,6 +314,30 @@ def test_native_kernel_property(t: int, d: int, data) -> None:
     # read out of bounds) is orders of magnitude above this floor. The T = 63/500/4001 tests keep
     # the strict rule.
     _assert_within_rule(out, q, k, v, layout_to_mask(lay), ulps_of_max=16)
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@settings(max_examples=30, deadline=None)
+@given(t=st.integers(1, 1100), d=st.sampled_from([64, 128]), keep=st.floats(0.2, 1.0), windowed=st.booleans(),
+       data=st.data())
+def test_native_kernel_property_low_precision(t: int, d: int, keep: float, windowed: bool, data) -> None:
+    """bfloat16 (on a CPU with AMX, the packed path, which takes up to 8 neighbouring query blocks
+    per task: the key blocks all of them list in one product, then each block's own): any causal
+    set of blocks (each kept with probability ``keep``, so neighbours share some and not others),
+    single columns and an A-shape window give the reference's output within the tolerance rule."""
+    n = math.ceil(t / 64)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    bm = (torch.rand(1, 2, n, n, generator=g) < keep) & torch.ones(n, n, dtype=torch.bool).tril()
+    lay = layout_from_block_mask(bm, t)
+    cols = data.draw(st.lists(st.integers(0, t - 1), max_size=40))
+    if cols:
+        lay = _with_columns(lay, sorted(set(cols)))
+    if windowed:
+        lay = dataclasses.replace(lay, n_init=data.draw(st.integers(0, t)), n_local=data.draw(st.integers(1, t)))
+    q, k, v = _qkv(t, d, 2, 1, torch.bfloat16, seed=t)
+    out = sparse_attention_cpu(q, k, v, lay, kernel="native")
+    assert out.dtype == torch.bfloat16
+    _assert_within_rule(out, q, k, v, layout_to_mask(lay))
 
 
 def _with_columns(lay, cols: list[int]):

@@ -1,6 +1,8 @@
 // kvtrim: fused CPU sparse prefill attention (block + column layouts, online softmax).
 //
-// One task = one query head x one 64-row query block. A task walks the key blocks its layout
+// One task = one query head x one 64-row query block (on the packed AMX path, kGroup consecutive
+// query blocks: the key blocks all of them list are computed for all their rows at once, then each
+// block's others). A task walks the key blocks its layout
 // lists (up to kSeg keys per segment: runs of consecutive blocks, so the BLAS calls are larger, or,
 // on the packed AMX path, any blocks, so the softmax runs over longer rows) and then its single key columns (gathered into a thread-local buffer), and
 // keeps a running max / sum / normalised output per row, as a flash-attention kernel does: the scores of a
@@ -53,21 +55,27 @@ namespace {
 
 constexpr int kBlock = 64;       // rows per query block, keys per key block (the layout's block_size)
 constexpr int kSeg = 512;        // keys per segment (merged consecutive blocks or gathered columns)
+constexpr int kGroup = 8;        // query blocks per task on the packed path (their shared key blocks in one product)
 
+// A thread's buffers: scores and probabilities of one segment (up to `rows` query rows x kSeg keys),
+// and the running output / max / sum of a task's rows (up to `rows`). The per-row functions below
+// take `r` (the first of their rows in the task) and use the scores from the buffer's start.
 template <typename T>
 struct Scratch {
+  int d;
   std::vector<float> s, o, m, l, kc, vc, qc;
   std::vector<T> pl, kl, vl;  // reduced-precision GEMM operands: probabilities, gathered key/value columns
-  Scratch(int d, bool lowp)
-      : s(kBlock * kSeg), o(kBlock * d), m(kBlock), l(kBlock), kc(lowp ? 0 : kSeg * d), vc(lowp ? 0 : kSeg * d),
-        qc(lowp ? 0 : kBlock * d), pl(lowp ? kBlock * kSeg : 0), kl(lowp ? kSeg * d : 0), vl(lowp ? kSeg * d : 0) {}
+  Scratch(int d, bool lowp, int rows)
+      : d(d), s(rows * kSeg), o(rows * d), m(rows), l(rows), kc(lowp ? 0 : kSeg * d), vc(lowp ? 0 : kSeg * d),
+        qc(lowp ? 0 : rows * d), pl(lowp ? rows * kSeg : 0), kl(lowp ? kSeg * d : 0), vl(lowp ? kSeg * d : 0) {}
+  float* out(int r) { return o.data() + static_cast<int64_t>(r) * d; }
 };
 
 // Online-softmax update of rows [0, nr) with the float32 scores s[nr, n] (row-major), leaving the
 // normalised probabilities in s for the product with the values (accumulate_f32). Masked entries
 // are the sentinel; a row whose maximum is the sentinel has no visible key in this segment.
 template <typename T>
-inline void softmax_rows(Scratch<T>& w, int nr, int n, int d) {
+inline void softmax_rows(Scratch<T>& w, int r, int nr, int n, int d) {
   float* s = w.s.data();
   for (int i = 0; i < nr; ++i) {
     float* row = s + static_cast<int64_t>(i) * n;
@@ -76,8 +84,8 @@ inline void softmax_rows(Scratch<T>& w, int nr, int n, int d) {
       std::fill(row, row + n, 0.0f);
       continue;
     }
-    const float m_new = std::max(w.m[i], mx);
-    const float alpha = exp_neg(w.m[i] - m_new);  // 0 when m was the sentinel
+    const float m_new = std::max(w.m[r + i], mx);
+    const float alpha = exp_neg(w.m[r + i] - m_new);  // 0 when m was the sentinel
     float sum = 0.0f;
     for (int j = 0; j < n; ++j) {
       const float p = exp_neg(row[j] - m_new);
@@ -88,16 +96,16 @@ inline void softmax_rows(Scratch<T>& w, int nr, int n, int d) {
     // probabilities are divided by the new running sum *before* the product with v, as a plain
     // softmax does, and the old row is reweighted by its share. With one segment this is exactly
     // softmax(s) @ v; dividing once at the end would add a rounding step to every output.
-    const float l_new = w.l[i] * alpha + sum;
+    const float l_new = w.l[r + i] * alpha + sum;
     const float inv = 1.0f / l_new;
     for (int j = 0; j < n; ++j) row[j] *= inv;
-    const float keep = w.l[i] * alpha * inv;
+    const float keep = w.l[r + i] * alpha * inv;
     if (keep != 1.0f) {
-      float* o = w.o.data() + static_cast<int64_t>(i) * d;
+      float* o = w.out(r + i);
       for (int c = 0; c < d; ++c) o[c] *= keep;
     }
-    w.l[i] = l_new;
-    w.m[i] = m_new;
+    w.l[r + i] = l_new;
+    w.m[r + i] = m_new;
   }
 }
 
@@ -117,7 +125,7 @@ inline uint16_t bf16_bits(float x) {
 }
 
 template <typename T>
-inline void softmax_rows_lowp(Scratch<T>& w, int nr, int n, int d, float pre, T* lp) {
+inline void softmax_rows_lowp(Scratch<T>& w, int r, int nr, int n, int d, float pre, T* lp) {
   const float* s = w.s.data();
   for (int i = 0; i < nr; ++i) {
     const float* row = s + static_cast<int64_t>(i) * n;
@@ -127,8 +135,8 @@ inline void softmax_rows_lowp(Scratch<T>& w, int nr, int n, int d, float pre, T*
       std::fill(dst, dst + n, T(0.0f));
       continue;
     }
-    const float m_new = std::max(w.m[i], raw * pre);
-    const float alpha = exp_neg(w.m[i] - m_new);  // 0 when m was the sentinel
+    const float m_new = std::max(w.m[r + i], raw * pre);
+    const float alpha = exp_neg(w.m[r + i] - m_new);  // 0 when m was the sentinel
     float sum = 0.0f;
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
@@ -148,11 +156,11 @@ inline void softmax_rows_lowp(Scratch<T>& w, int nr, int n, int d, float pre, T*
       for (int j = 0; j < n; ++j) dst[j] = static_cast<T>(tmp[j]);
     }
     if (alpha != 1.0f) {
-      float* o = w.o.data() + static_cast<int64_t>(i) * d;
+      float* o = w.out(r + i);
       for (int c = 0; c < d; ++c) o[c] *= alpha;
     }
-    w.l[i] = w.l[i] * alpha + sum;
-    w.m[i] = m_new;
+    w.l[r + i] = w.l[r + i] * alpha + sum;
+    w.m[r + i] = m_new;
   }
 }
 
@@ -160,13 +168,13 @@ inline void softmax_rows_lowp(Scratch<T>& w, int nr, int n, int d, float pre, T*
 // probabilities softmax_rows left in s, or T, with those softmax_rows_lowp rounded to T into pl (as
 // PyTorch's flash attention rounds its probabilities for the same product).
 template <typename T>
-inline void accumulate_f32(Scratch<T>& w, int nr, int n, int d, const float* v, int ldv) {
-  gemm('N', 'N', d, nr, n, 1.0f, v, ldv, w.s.data(), n, 1.0f, w.o.data(), d);
+inline void accumulate_f32(Scratch<T>& w, int r, int nr, int n, int d, const float* v, int ldv) {
+  gemm('N', 'N', d, nr, n, 1.0f, v, ldv, w.s.data(), n, 1.0f, w.out(r), d);
 }
 
 template <typename T>
-inline void accumulate_lowp(Scratch<T>& w, int nr, int n, int d, const T* v, int ldv) {
-  gemm_lowp('N', 'N', d, nr, n, 1.0f, v, ldv, w.pl.data(), n, 1.0f, w.o.data(), d);
+inline void accumulate_lowp(Scratch<T>& w, int r, int nr, int n, int d, const T* v, int ldv) {
+  gemm_lowp('N', 'N', d, nr, n, 1.0f, v, ldv, w.pl.data(), n, 1.0f, w.out(r), d);
 }
 
 // The packed AMX path (bfloat16/float16 where PyTorch's brgemm micro-kernel can pack its operand:
@@ -269,13 +277,6 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       TORCH_CHECK(ci[j] >= 0 && ci[j] < t && ci[j] < (qb + 1) * kBlock, "column index out of range");
   }
 
-  // Tasks, most expensive first.
-  const int64_t ntask = static_cast<int64_t>(hq) * nb;
-  std::vector<int64_t> cost(ntask), order(ntask);
-  for (int64_t i = 0; i < ntask; ++i) cost[i] = static_cast<int64_t>(bcnt[i]) * kBlock + ccnt[i];
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  std::atomic<int64_t> next{0};
   const float fscale = static_cast<float>(scale);
 
   const bool lowp = lowp_gemm<T>();
@@ -284,6 +285,13 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const int nfull = t / kBlock;  // full 64-key blocks; a partial last one goes through MKL
   const int64_t bsz = static_cast<int64_t>(kBlock) * d;
   std::vector<T> pk(packed ? hkv * nfull * bsz : 0), pv(packed ? hkv * nfull * bsz : 0);
+  // Packed v of KV head kvh, column chunk c0 (width cw = min(64, d - c0)), key block b: a chunk's
+  // blocks are contiguous (kBlock * cw elements each); the packed (VNNI) layout runs along the keys
+  // in pairs, so blocks b .. b + r - 1 read from block b's start are the packed [r * kBlock, cw] operand.
+  auto pv_at = [&](int64_t kvh, int c0, int64_t b) {
+    return pv.data() + kvh * nfull * bsz + static_cast<int64_t>(nfull) * kBlock * c0 +
+           b * kBlock * std::min(64, d - c0);
+  };
   if (packed && nfull > 0) {
     const auto st = std::is_same_v<T, c10::BFloat16> ? at::kBFloat16 : at::kHalf;
     at::parallel_for(0, static_cast<int64_t>(hkv) * nfull, 1, [&](int64_t b0, int64_t b1) {
@@ -294,162 +302,233 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
         for (int r = 0; r < kBlock; ++r)
           for (int c = 0; c < d; ++c) tr[static_cast<int64_t>(c) * kBlock + r] = kb[static_cast<int64_t>(r) * ldk + c];
         at::native::cpublas::pack(d, kBlock, kBlock, kBlock, st, st, tr.data(), pk.data() + i * bsz);
-        // v in column chunks of up to 64 (the widths the micro-kernel packs), chunk c0 at kBlock * c0
+        // v in column chunks of up to 64 (the widths the micro-kernel packs), each chunk's blocks one
+        // after another (pv_at), so a run of consecutive blocks is one packed [run keys, chunk] operand
         for (int c0 = 0; c0 < d; c0 += 64)
           at::native::cpublas::pack(kBlock, std::min(64, d - c0), ldv, std::min(64, d - c0), st, st,
-                                    vp + kvh * sv + b * kBlock * ldv + c0, pv.data() + i * bsz + kBlock * c0);
+                                    vp + kvh * sv + b * kBlock * ldv + c0, pv_at(kvh, c0, b));
       }
     });
   }
 
+  // Tasks: one query head x `group` consecutive 64-row query blocks (kGroup on the packed path,
+  // one block otherwise), most expensive first, handed out one per thread at a time. A group's
+  // rows share one running output; the key blocks that every one of its query blocks lists are
+  // computed for all its rows at once (fewer, larger micro-kernel calls: the AMX products of 64
+  // rows are dominated by their fixed costs), then each query block's other key blocks and its
+  // columns for its own 64 rows. Neighbouring query blocks share most of their key blocks (a
+  // window or a run of top-k blocks moves by at most one block per query block).
+  // KVTRIM_NATIVE_QUERY_GROUPS=0: one query block per task on the packed path too (read per call,
+  // so a benchmark can time both in one process; same outputs within the tolerance rule).
+  const int group = packed && !switched_off("KVTRIM_NATIVE_QUERY_GROUPS") ? kGroup : 1;
+  const int ng = (nb + group - 1) / group;
+  const int64_t ntask = static_cast<int64_t>(hq) * ng;
+  std::vector<int64_t> cost(ntask, 0), order(ntask);
+  for (int64_t i = 0; i < ntask; ++i)
+    for (int qb = (i % ng) * group; qb < std::min(nb, static_cast<int>(i % ng) * group + group); ++qb) {
+      const int64_t row = (i / ng) * nb + qb;
+      cost[i] += static_cast<int64_t>(bcnt[row]) * kBlock + ccnt[row];
+    }
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Scratch<T> w(d, lowp);
+    Scratch<T> w(d, lowp, group * kBlock);
+    std::vector<int32_t> shared, own;
+    std::vector<int> pos(group);
     for (int64_t it = next.fetch_add(1); it < ntask; it = next.fetch_add(1)) {
       const int64_t task = order[it];
-      const int h = task / nb, qb = task % nb, kvh = hkvp[h];
+      const int h = task / ng, qb0 = (task % ng) * group, qb1 = std::min(nb, qb0 + group), kvh = hkvp[h];
       const bool window = initp[h] >= 0 && localp[h] >= 0;
       const int64_t n_init = initp[h], n_local = localp[h];
-      const int r0 = qb * kBlock, nr = std::min(kBlock, t - r0);
+      const int r0 = qb0 * kBlock, nr_all = std::min((qb1 - qb0) * kBlock, t - r0);
       const T* kh = kp + static_cast<int64_t>(kvh) * sk;
       const T* vh = vp + static_cast<int64_t>(kvh) * sv;
-      const T* qrows = qp + static_cast<int64_t>(qhp[h]) * sq + static_cast<int64_t>(r0) * ldq;
-      // q k^T is scaled after the product (BLAS alpha), as dense attention does: pre-scaling q
-      // would round it once more when the scale is not a power of two (head_dim 128). With the
-      // reduced-precision GEMM, q, k and v are read as they are; otherwise as float32 tiles.
-      const std::pair<const float*, int> qtile =
-          lowp ? std::pair<const float*, int>{nullptr, 0} : f32_tile(qrows, ldq, nr, d, w.qc.data());
-      const float* qh = qtile.first;
-      const int ldqh = qtile.second;
-      // s[nr, n] = scale * q[nr, d] @ keys[n, d]^T, keys row-major with leading dimension ldkk
-      auto scores = [&](const T* keys, int ldkk, int n, float* kbuf) {
-        if (lowp) {
-          gemm_lowp('T', 'N', n, nr, d, fscale, keys, ldkk, qrows, ldq, 0.0f, w.s.data(), n);
-        } else {
-          const auto [kt, ldkt] = f32_tile(keys, ldkk, n, d, kbuf);
-          gemm('T', 'N', n, nr, d, fscale, kt, ldkt, qh, ldqh, 0.0f, w.s.data(), n);
-        }
-      };
-      auto values = [&](const T* vals, int ldvv, int n, float* vbuf) {
-        if (lowp) {
-          accumulate_lowp(w, nr, n, d, vals, ldvv);
-        } else {
-          const auto [vt, ldvt] = f32_tile(vals, ldvv, n, d, vbuf);
-          accumulate_f32(w, nr, n, d, vt, ldvt);
-        }
-      };
-      std::fill(w.o.begin(), w.o.end(), 0.0f);
-      std::fill(w.m.begin(), w.m.end(), kMasked);
-      std::fill(w.l.begin(), w.l.end(), 0.0f);
-      const int32_t* blocks = bidx + boff[task];
-      const int nblk = bcnt[task];
-      // Key blocks, up to kSeg keys per segment: with the packed path any kSeg / kBlock listed
-      // blocks (each block's products go to its own columns of the segment's scores, so the blocks
-      // need not be neighbours: one softmax pass and one rescale of the output per segment instead
-      // of per block); otherwise runs of consecutive blocks (one GEMM over the run's keys).
-      // Every block holds kBlock keys but the sequence's last one, which sorts last.
+      const T* qtask = qp + static_cast<int64_t>(qhp[h]) * sq + static_cast<int64_t>(r0) * ldq;
+      std::fill(w.o.begin(), w.o.begin() + static_cast<int64_t>(nr_all) * d, 0.0f);
+      std::fill(w.m.begin(), w.m.begin() + nr_all, kMasked);
+      std::fill(w.l.begin(), w.l.begin() + nr_all, 0.0f);
       auto width = [&](int b) { return std::min(kBlock, t - b * kBlock); };
-      for (int j = 0; j < nblk;) {
-        int e = j + 1;
-        if (packed) {
-          e = std::min(nblk, j + kSeg / kBlock);
-        } else {
-          while (e < nblk && blocks[e] == blocks[e - 1] + 1 && (e - j + 1) * kBlock <= kSeg) ++e;
-        }
-        int n = 0;
-        for (int x = j; x < e; ++x) n += width(blocks[x]);
-        float* s = w.s.data();
-        if (packed) {  // raw products per 64-key block (scaled in softmax_rows_lowp)
+
+      // The key blocks `blocks[0 .. nblk)` (ascending) for the task's rows [r, r + nr).
+      auto run_blocks = [&](const int32_t* blocks, int nblk, int r, int nr) {
+        const int rs = r0 + r;  // the first row's position in the sequence
+        const T* qrows = qtask + static_cast<int64_t>(r) * ldq;
+        // q k^T is scaled after the product (BLAS alpha), as dense attention does: pre-scaling q
+        // would round it once more when the scale is not a power of two (head_dim 128). With the
+        // reduced-precision GEMM, q, k and v are read as they are; otherwise as float32 tiles.
+        const std::pair<const float*, int> qtile =
+            lowp || nblk == 0 ? std::pair<const float*, int>{nullptr, 0} : f32_tile(qrows, ldq, nr, d, w.qc.data());
+        // Up to kSeg keys per segment: with the packed path any kSeg / kBlock listed blocks (each
+        // block's products go to its own columns of the segment's scores, so the blocks need not be
+        // neighbours: one softmax pass and one rescale of the output per segment instead of per
+        // block); otherwise runs of consecutive blocks (one GEMM over the run's keys). Every block
+        // holds kBlock keys but the sequence's last one, which sorts last.
+        for (int j = 0; j < nblk;) {
+          int e = j + 1;
+          if (packed) {
+            e = std::min(nblk, j + kSeg / kBlock);
+          } else {
+            while (e < nblk && blocks[e] == blocks[e - 1] + 1 && (e - j + 1) * kBlock <= kSeg) ++e;
+          }
+          int n = 0;
+          for (int x = j; x < e; ++x) n += width(blocks[x]);
+          float* s = w.s.data();
+          const T* k0 = kh + static_cast<int64_t>(blocks[j]) * kBlock * ldk;
+          if (packed) {  // raw products per 64-key block (scaled in softmax_rows_lowp)
+            for (int x = j, off = 0; x < e; off += width(blocks[x]), ++x) {
+              const int b = blocks[x];
+              if (b < nfull)
+                at::native::cpublas::brgemm(nr, kBlock, d, ldq, kBlock, n, false, qrows,
+                                            pk.data() + (static_cast<int64_t>(kvh) * nfull + b) * bsz, s + off);
+              else
+                gemm_lowp('T', 'N', width(b), nr, d, 1.0f, kh + static_cast<int64_t>(b) * kBlock * ldk, ldk, qrows, ldq,
+                          0.0f, s + off, n);
+            }
+          } else if (lowp) {
+            gemm_lowp('T', 'N', n, nr, d, fscale, k0, ldk, qrows, ldq, 0.0f, s, n);
+          } else {
+            const auto [kt, ldkt] = f32_tile(k0, ldk, n, d, w.kc.data());
+            gemm('T', 'N', n, nr, d, fscale, kt, ldkt, qtile.first, qtile.second, 0.0f, s, n);
+          }
           for (int x = j, off = 0; x < e; off += width(blocks[x]), ++x) {
-            const int b = blocks[x];
-            if (b < nfull)
-              at::native::cpublas::brgemm(nr, kBlock, d, ldq, kBlock, n, false, qrows,
-                                          pk.data() + (static_cast<int64_t>(kvh) * nfull + b) * bsz, s + off);
-            else
-              gemm_lowp('T', 'N', width(b), nr, d, 1.0f, kh + static_cast<int64_t>(b) * kBlock * ldk, ldk, qrows, ldq,
-                        0.0f, s + off, n);
-          }
-        } else {
-          scores(kh + static_cast<int64_t>(blocks[j]) * kBlock * ldk, ldk, n, w.kc.data());
-        }
-        for (int x = j, off = 0; x < e; off += width(blocks[x]), ++x) {
-          const int kb0 = blocks[x] * kBlock, wb = width(blocks[x]);
-          if (kb0 + wb - 1 > r0) {  // the block reaches the query block: causal mask
-            for (int i = 0; i < nr; ++i)
-              for (int c = std::max(0, r0 + i + 1 - kb0); c < wb; ++c) s[i * n + off + c] = kMasked;
-          }
-          if (window && std::max<int64_t>(kb0, n_init) <= static_cast<int64_t>(r0) + nr - 1 - n_local) {
-            for (int i = 0; i < nr; ++i) {
-              const int64_t hide_to = static_cast<int64_t>(r0) + i - n_local;  // keys <= this are out of the window
-              for (int64_t c = std::max<int64_t>(kb0, n_init); c <= std::min<int64_t>(hide_to, kb0 + wb - 1); ++c)
-                s[i * n + off + (c - kb0)] = kMasked;
+            const int kb0 = blocks[x] * kBlock, wb = width(blocks[x]);
+            if (kb0 + wb - 1 > rs) {  // the block reaches these rows: causal mask
+              for (int i = 0; i < std::min(nr, kb0 + wb - 1 - rs); ++i)
+                for (int c = std::max(0, rs + i + 1 - kb0); c < wb; ++c) s[i * n + off + c] = kMasked;
+            }
+            if (window && std::max<int64_t>(kb0, n_init) <= static_cast<int64_t>(rs) + nr - 1 - n_local) {
+              for (int i = 0; i < nr; ++i) {
+                const int64_t hide_to = static_cast<int64_t>(rs) + i - n_local;  // keys <= this are out of the window
+                for (int64_t c = std::max<int64_t>(kb0, n_init); c <= std::min<int64_t>(hide_to, kb0 + wb - 1); ++c)
+                  s[i * n + off + (c - kb0)] = kMasked;
+              }
             }
           }
-        }
-        if (packed) {
-          T* pl = w.pl.data();
-          softmax_rows_lowp(w, nr, n, d, fscale, pl);
-          for (int x = j, off = 0; x < e; off += width(blocks[x]), ++x) {
-            const int b = blocks[x];
-            if (b < nfull)
-              for (int c0 = 0; c0 < d; c0 += 64)
-                at::native::cpublas::brgemm(nr, std::min(64, d - c0), kBlock, n, std::min(64, d - c0), d, true, pl + off,
-                                            pv.data() + (static_cast<int64_t>(kvh) * nfull + b) * bsz + kBlock * c0,
-                                            w.o.data() + c0);
-            else
-              gemm_lowp('N', 'N', d, nr, width(b), 1.0f, vh + static_cast<int64_t>(b) * kBlock * ldv, ldv, pl + off, n,
-                        1.0f, w.o.data(), d);
-          }
-        } else {
-          if (lowp) softmax_rows_lowp(w, nr, n, d, 1.0f, w.pl.data());
-          else softmax_rows(w, nr, n, d);
-          values(vh + static_cast<int64_t>(blocks[j]) * kBlock * ldv, ldv, n, w.vc.data());
-        }
-        j = e;
-      }
-      // Single columns, gathered kSeg at a time (as float32 rows, or as they are for the
-      // reduced-precision GEMM).
-      const int32_t* cols = cidx + coff[task];
-      for (int c0 = 0; c0 < ccnt[task]; c0 += kSeg) {
-        const int n = std::min(kSeg, ccnt[task] - c0);
-        for (int c = 0; c < n; ++c) {
-          const T* krow = kh + static_cast<int64_t>(cols[c0 + c]) * ldk;
-          const T* vrow = vh + static_cast<int64_t>(cols[c0 + c]) * ldv;
-          if (lowp) {
-            std::copy(krow, krow + d, w.kl.data() + static_cast<int64_t>(c) * d);
-            std::copy(vrow, vrow + d, w.vl.data() + static_cast<int64_t>(c) * d);
+          if (packed) {
+            T* pl = w.pl.data();
+            softmax_rows_lowp(w, r, nr, n, d, fscale, pl);
+            // p @ v over each run of consecutive full blocks in one product (keys as the reduction
+            // dimension: the float32 output is read and written once per run, not once per block)
+            for (int x = j, off = 0; x < e;) {
+              const int b = blocks[x];
+              if (b < nfull) {
+                int y = x + 1;
+                while (y < e && blocks[y] == blocks[y - 1] + 1 && blocks[y] < nfull) ++y;
+                const int keys = (y - x) * kBlock;
+                for (int c0 = 0; c0 < d; c0 += 64)
+                  at::native::cpublas::brgemm(nr, std::min(64, d - c0), keys, n, std::min(64, d - c0), d, true, pl + off,
+                                              pv_at(kvh, c0, b), w.out(r) + c0);
+                off += keys;
+                x = y;
+              } else {
+                gemm_lowp('N', 'N', d, nr, width(b), 1.0f, vh + static_cast<int64_t>(b) * kBlock * ldv, ldv, pl + off, n,
+                          1.0f, w.out(r), d);
+                off += width(b);
+                ++x;
+              }
+            }
           } else {
-            rows_to_f32(krow, 0, 1, d, w.kc.data() + static_cast<int64_t>(c) * d);
-            rows_to_f32(vrow, 0, 1, d, w.vc.data() + static_cast<int64_t>(c) * d);
+            const T* v0 = vh + static_cast<int64_t>(blocks[j]) * kBlock * ldv;
+            if (lowp) {
+              softmax_rows_lowp(w, r, nr, n, d, 1.0f, w.pl.data());
+              accumulate_lowp(w, r, nr, n, d, v0, ldv);
+            } else {
+              softmax_rows(w, r, nr, n, d);
+              const auto [vt, ldvt] = f32_tile(v0, ldv, n, d, w.vc.data());
+              accumulate_f32(w, r, nr, n, d, vt, ldvt);
+            }
           }
+          j = e;
         }
-        float* s = w.s.data();
-        if (lowp) {
-          gemm_lowp('T', 'N', n, nr, d, fscale, w.kl.data(), d, qrows, ldq, 0.0f, s, n);
-        } else {
-          gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qh, ldqh, 0.0f, s, n);
-        }
-        for (int i = 0; i < nr; ++i) {
-          const int64_t row = r0 + i;
+      };
+
+      // Single columns `cols[0 .. ncol)` for the task's rows [r, r + nr), gathered kSeg at a time
+      // (as float32 rows, or as they are for the reduced-precision GEMM).
+      auto run_cols = [&](const int32_t* cols, int ncol, int r, int nr) {
+        const int rs = r0 + r;
+        const T* qrows = qtask + static_cast<int64_t>(r) * ldq;
+        const std::pair<const float*, int> qtile =
+            lowp || ncol == 0 ? std::pair<const float*, int>{nullptr, 0} : f32_tile(qrows, ldq, nr, d, w.qc.data());
+        for (int c0 = 0; c0 < ncol; c0 += kSeg) {
+          const int n = std::min(kSeg, ncol - c0);
+          for (int c = 0; c < n; ++c) {
+            const T* krow = kh + static_cast<int64_t>(cols[c0 + c]) * ldk;
+            const T* vrow = vh + static_cast<int64_t>(cols[c0 + c]) * ldv;
+            if (lowp) {
+              std::copy(krow, krow + d, w.kl.data() + static_cast<int64_t>(c) * d);
+              std::copy(vrow, vrow + d, w.vl.data() + static_cast<int64_t>(c) * d);
+            } else {
+              rows_to_f32(krow, 0, 1, d, w.kc.data() + static_cast<int64_t>(c) * d);
+              rows_to_f32(vrow, 0, 1, d, w.vc.data() + static_cast<int64_t>(c) * d);
+            }
+          }
+          float* s = w.s.data();
+          if (lowp) {
+            gemm_lowp('T', 'N', n, nr, d, fscale, w.kl.data(), d, qrows, ldq, 0.0f, s, n);
+          } else {
+            gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qtile.first, qtile.second, 0.0f, s, n);
+          }
+          // Per column, the rows that may not see its key: those before it (causal) and, in an
+          // A-shape window, those n_local or more after it; only those entries are written (most
+          // columns lie before the query block and outside any window: nothing to mask).
           for (int c = 0; c < n; ++c) {
             const int64_t key = cols[c0 + c];
-            if (key > row || (window && key >= n_init && row - key >= n_local)) s[i * n + c] = kMasked;
+            const int lo = static_cast<int>(std::clamp<int64_t>(key - rs, 0, nr));
+            const int hi = window && key >= n_init ? static_cast<int>(std::clamp<int64_t>(key + n_local - rs, lo, nr)) : nr;
+            for (int i = 0; i < lo; ++i) s[i * n + c] = kMasked;
+            for (int i = hi; i < nr; ++i) s[i * n + c] = kMasked;
+          }
+          if (lowp) {
+            softmax_rows_lowp(w, r, nr, n, d, 1.0f, w.pl.data());
+            accumulate_lowp(w, r, nr, n, d, static_cast<const T*>(w.vl.data()), d);
+          } else {
+            softmax_rows(w, r, nr, n, d);
+            accumulate_f32(w, r, nr, n, d, static_cast<const float*>(w.vc.data()), d);
           }
         }
-        if (lowp) {
-          softmax_rows_lowp(w, nr, n, d, 1.0f, w.pl.data());
-          accumulate_lowp(w, nr, n, d, static_cast<const T*>(w.vl.data()), d);
-        } else {
-          softmax_rows(w, nr, n, d);
-          accumulate_f32(w, nr, n, d, static_cast<const float*>(w.vc.data()), d);
+      };
+
+      const int64_t row0 = static_cast<int64_t>(h) * nb + qb0;  // layout row of the first query block
+      shared.clear();
+      if (qb1 - qb0 > 1) {  // the key blocks every query block of the group lists (lists ascending)
+        std::fill(pos.begin(), pos.end(), 0);
+        const int32_t* first = bidx + boff[row0];
+        for (int j = 0; j < bcnt[row0]; ++j) {
+          bool all = true;
+          for (int q = 1; q < qb1 - qb0 && all; ++q) {
+            const int32_t* l = bidx + boff[row0 + q];
+            while (pos[q] < bcnt[row0 + q] && l[pos[q]] < first[j]) ++pos[q];
+            all = pos[q] < bcnt[row0 + q] && l[pos[q]] == first[j];
+          }
+          if (all) shared.push_back(first[j]);
         }
+        run_blocks(shared.data(), static_cast<int>(shared.size()), 0, nr_all);
+      }
+      for (int qb = qb0; qb < qb1; ++qb) {
+        const int64_t row = static_cast<int64_t>(h) * nb + qb;
+        const int32_t* l = bidx + boff[row];
+        const int r = (qb - qb0) * kBlock, nr = std::min(kBlock, t - qb * kBlock);
+        if (shared.empty()) {
+          run_blocks(l, bcnt[row], r, nr);
+        } else {
+          own.clear();
+          for (int j = 0, x = 0; j < bcnt[row]; ++j) {  // this block's list minus the shared blocks
+            while (x < static_cast<int>(shared.size()) && shared[x] < l[j]) ++x;
+            if (x == static_cast<int>(shared.size()) || shared[x] != l[j]) own.push_back(l[j]);
+          }
+          run_blocks(own.data(), static_cast<int>(own.size()), r, nr);
+        }
+        run_cols(cidx + coff[row], ccnt[row], r, nr);
       }
       T* oh = op + static_cast<int64_t>(ohp[h]) * so + static_cast<int64_t>(r0) * ldo;
-      for (int i = 0; i < nr; ++i) {
+      for (int i = 0; i < nr_all; ++i) {
         T* dst = oh + static_cast<int64_t>(i) * ldo;
         if (w.l[i] <= 0.0f) {  // no visible key: the row is 0
           std::fill(dst, dst + d, T(0.0f));
         } else {
-          const float* src = w.o.data() + static_cast<int64_t>(i) * d;
+          const float* src = w.out(i);
           const float inv = lowp ? 1.0f / w.l[i] : 1.0f;  // the reduced-precision rows are unnormalised sums
           for (int c = 0; c < d; ++c) dst[c] = static_cast<T>(src[c] * inv);  // the one rounding to T
         }
