@@ -318,12 +318,13 @@ def test_native_kernel_property(t: int, d: int, data) -> None:
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 @settings(max_examples=30, deadline=None)
-@given(t=st.integers(1, 1100), d=st.sampled_from([64, 128]), keep=st.floats(0.2, 1.0), windowed=st.booleans(),
+@given(t=st.integers(1, 1100), d=st.sampled_from([64, 128]), keep=st.floats(0.0, 1.0), windowed=st.booleans(),
        data=st.data())
 def test_native_kernel_property_low_precision(t: int, d: int, keep: float, windowed: bool, data) -> None:
     """bfloat16 (on a CPU with AMX, the packed path, which takes up to 8 neighbouring query blocks
     per task: the key blocks all of them list in one product, then each block's own): any causal
-    set of blocks (each kept with probability ``keep``, so neighbours share some and not others),
+    set of blocks (each kept with probability ``keep``, so neighbours share some and not others;
+    with few kept, more single columns repeat across a group's query blocks),
     single columns and an A-shape window give the reference's output within the tolerance rule."""
     n = math.ceil(t / 64)
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
