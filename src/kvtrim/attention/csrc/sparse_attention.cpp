@@ -317,7 +317,7 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   // computed for all its rows at once (fewer, larger micro-kernel calls: the AMX products of 64
   // rows are dominated by their fixed costs), then each query block's other key blocks and its
   // columns for its own 64 rows. Neighbouring query blocks share most of their key blocks (a
-  // window or a run of top-k blocks moves by at most one block per query block).
+  // window or a slash moves by one block per query block; top-k blocks often repeat).
   // KVTRIM_NATIVE_QUERY_GROUPS=0: one query block per task on the packed path too (read per call,
   // so a benchmark can time both in one process; same outputs within the tolerance rule).
   const int group = packed && !switched_off("KVTRIM_NATIVE_QUERY_GROUPS") ? kGroup : 1;
