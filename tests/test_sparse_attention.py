@@ -341,6 +341,21 @@ def test_native_kernel_property_low_precision(t: int, d: int, keep: float, windo
     _assert_within_rule(out, q, k, v, layout_to_mask(lay))
 
 
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+@pytest.mark.parametrize("width", [0, 1, 37])
+def test_flat_rows_takes_each_rows_entries_in_order(width: int) -> None:
+    from kvtrim.attention.native import native_flat_rows
+
+    g = torch.Generator().manual_seed(width)
+    idx = torch.randint(0, 1000, (50, width), generator=g, dtype=torch.int32)
+    cnt = torch.randint(0, width + 1, (50,), generator=g, dtype=torch.int32)
+    want = torch.cat([idx[r, : cnt[r]] for r in range(50)])
+    assert torch.equal(native_flat_rows(idx, cnt), want)
+    if width:
+        with pytest.raises(RuntimeError, match="count out of range"):
+            native_flat_rows(idx, torch.full((50,), width + 1, dtype=torch.int32))
+
+
 def _with_columns(lay, cols: list[int]):
     """Add key columns to every query block of a layout where they are causal and not in a listed block."""
     n, bs = lay.n_blocks, lay.block_size

@@ -31,7 +31,7 @@ import logging
 
 import torch
 
-from kvtrim.attention.native import NATIVE_BLOCK, kernel_for, native_sparse_attention, writable_in_place
+from kvtrim.attention.native import NATIVE_BLOCK, kernel_for, native_flat_rows, native_sparse_attention, writable_in_place
 from kvtrim.attention.patterns import SparseLayout, check_qkv
 
 __all__ = ["sparse_attention_cpu", "sparse_attention_heads"]
@@ -139,11 +139,10 @@ def sparse_attention_heads(
         def flat(idx: str, cnt: str) -> torch.Tensor:
             # Every head's rows, entries only (the kernel's flat layout): padding each head to the
             # widest head's rows would cost memory and time in proportion to heads x rows x width.
-            parts = []
-            for lay in layouts:
-                x, c = getattr(lay, idx)[0, 0], getattr(lay, cnt)[0, 0]
-                parts.append(x[torch.arange(x.shape[-1]) < c[:, None]])
-            return torch.cat(parts).to(torch.int32)
+            # The native copy reads only the entries (a vertical-slash group's column rows are padded
+            # to the widest row of all its heads: mostly padding at long T).
+            parts = [native_flat_rows(getattr(lay, idx)[0, 0], getattr(lay, cnt)[0, 0]) for lay in layouts]
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
 
         window = [lay.n_init is not None and lay.n_local is not None for lay in layouts]
         n_init = [lay.n_init if w else -1 for lay, w in zip(layouts, window)]

@@ -32,7 +32,7 @@ import torch
 
 __all__ = ["NATIVE_BLOCK", "NATIVE_DTYPES", "cpu_kernel", "kernel_for", "load_native", "native_causal_attention_scores",
            "native_lowbit_decode", "native_rms_norm", "native_sparse_attention",
-           "native_vertical_slash_layout",
+           "native_flat_rows", "native_vertical_slash_layout",
            "native_vertical_slash_scores", "writable_in_place"]
 
 NATIVE_BLOCK = 64  # the kernel's query/key block (kBlock in the source)
@@ -227,6 +227,14 @@ def native_vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, scale: float,
     return torch.ops.kvtrim_native.vertical_slash_scores(
         q[:, t - lq :].float().contiguous(), _rows(k, _native_dtype(k)), head_kv, float(scale)
     )
+
+
+def native_flat_rows(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
+    """Rows' entries one after another: ``idx [R, w]``, ``cnt [R]`` -> ``idx[r, :cnt[r]]`` for each
+    ``r`` in order, int32 (the sparse kernel's flat layout); reads only the entries."""
+    if not load_native():
+        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    return torch.ops.kvtrim_native.flat_rows(idx.to(torch.int32).contiguous(), cnt.to(torch.int32).contiguous())
 
 
 def native_vertical_slash_layout(vertical_idx: torch.Tensor, slash_offsets: torch.Tensor, seq_len: int, block_size: int):

@@ -719,6 +719,29 @@ std::vector<at::Tensor> vertical_slash_layout(const at::Tensor& v_idx, const at:
   return {bidx, bcnt, cidx, ccnt};
 }
 
+// The entries of padded rows one after another: idx [R, w], cnt [R] (int32, contiguous) ->
+// idx[r, :cnt[r]] for r in order (the sparse kernel's flat layout), reading only the entries (a
+// vertical-slash layout's column rows are padded to the widest row of all its heads).
+at::Tensor flat_rows(const at::Tensor& idx, const at::Tensor& cnt) {
+  TORCH_CHECK(idx.dim() == 2 && cnt.dim() == 1 && cnt.size(0) == idx.size(0), "idx [R, w], cnt [R]");
+  TORCH_CHECK(idx.scalar_type() == at::kInt && cnt.scalar_type() == at::kInt && idx.is_contiguous() && cnt.is_contiguous(),
+              "idx and cnt must be contiguous int32");
+  const int64_t rows = idx.size(0), w = idx.size(1);
+  const int32_t* cp = cnt.data_ptr<int32_t>();
+  std::vector<int64_t> off(rows + 1, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(cp[r] >= 0 && cp[r] <= w, "count out of range");
+    off[r + 1] = off[r] + cp[r];
+  }
+  at::Tensor out = at::empty({off[rows]}, at::kInt);
+  const int32_t* ip = idx.data_ptr<int32_t>();
+  int32_t* op = out.data_ptr<int32_t>();
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) std::copy(ip + r * w, ip + r * w + cp[r], op + off[r]);
+  });
+  return out;
+}
+
 TORCH_LIBRARY(kvtrim_native, m) {
   m.def("sparse_attention_out(Tensor q, Tensor k, Tensor v, Tensor q_head, Tensor head_kv, Tensor block_idx, "
         "Tensor block_cnt, Tensor col_idx, Tensor col_cnt, Tensor n_init, Tensor n_local, float scale, "
@@ -726,6 +749,8 @@ TORCH_LIBRARY(kvtrim_native, m) {
   m.impl("sparse_attention_out", c10::DispatchKey::CPU, &sparse_attention_out);
   m.def("vertical_slash_scores(Tensor q_last, Tensor k, Tensor head_kv, float scale) -> (Tensor, Tensor)");
   m.impl("vertical_slash_scores", c10::DispatchKey::CPU, &vertical_slash_scores);
+  m.def("flat_rows(Tensor idx, Tensor cnt) -> Tensor");
+  m.impl("flat_rows", c10::DispatchKey::CPU, &flat_rows);
   m.def("vertical_slash_layout(Tensor v_idx, Tensor s_off, int t, int bs) -> Tensor[]");
   m.impl("vertical_slash_layout", c10::DispatchKey::CPU, &vertical_slash_layout);
 }
