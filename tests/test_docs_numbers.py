@@ -53,7 +53,7 @@ def expected_numbers(runs) -> list[str]:
 
 
 def test_results_p6_paragraph_quotes_the_results(runs):
-    text = paragraph(RESULTS_MD, "kvtrim is ahead at 32k tokens in every run listed but the third to last.", "<!-- generated")
+    text = paragraph(RESULTS_MD, "kvtrim is ahead at 32k tokens in every run listed but the fourth to last.", "<!-- generated")
     m, q = runs["morning"], runs["qwen"]
     want = expected_numbers(runs) + numbers_32k(runs) + [f"{m['kvtrim']['prefill_seconds']:.1f}",
                                                          f"{q['kvtrim']['prefill_seconds']:.1f}"]

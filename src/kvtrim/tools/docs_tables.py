@@ -321,7 +321,7 @@ def eval_qwen(root: Path) -> str:
 BEAT_VLLM_RUNS = ("idle_amx", "idle_amx_qwen8k", "idle_smollm2_noamx", "idle_qwen8k_noamx", "idle_qwen32k_noamx",
                   "idle_qwen8k_noamx_decattn", "idle_smollm2_8k_epyc_decattn", "idle_qwen32k_noamx_decattn",
                   "idle_qwen8k_noamx_packed", "idle_smollm2_epyc_packed", "idle_qwen32k_noamx_packed",
-                  "idle_qwen_amx_flat", "idle_qwen_amx_fused", "idle_qwen8k_amx_fused")
+                  "idle_qwen_amx_flat", "idle_qwen_amx_fused", "idle_qwen8k_amx_fused", "idle_qwen8k_amx_grouped")
 BEST_CONFIG = "snapkv@0.25+minference"  # kvtrim's configuration in those runs
 
 
