@@ -281,15 +281,17 @@ def test_native_kernel_reads_low_precision_in_place(monkeypatch, dtype):
     q, k, v = _inputs(130, 64, dtype)
     layout = LAYOUTS["a_shape"].layout(q, k)
     got = []
-    real = torch.ops.kvtrim_native.sparse_attention_out if native.load_native() else None
+    ops = torch.ops.kvtrim_native if native.load_native() else None
 
-    class Ops:
-        @staticmethod
-        def sparse_attention_out(*args):
+    class Ops:  # records the attention kernel's dtypes; the other ops (flat_rows) pass through
+        def sparse_attention_out(self, *args):
             got.append([a.dtype for a in args[:3]] + [args[12].dtype])
-            return real(*args)
+            return ops.sparse_attention_out(*args)
 
-    monkeypatch.setattr(native.torch.ops, "kvtrim_native", Ops, raising=False)
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+    monkeypatch.setattr(native.torch.ops, "kvtrim_native", Ops(), raising=False)
     out = sparse_attention_cpu(q, k, v, layout, kernel="native")
     assert got and all(dts == [dtype] * 4 for dts in got)
     _assert_rule(out, q, k, v, layout)
