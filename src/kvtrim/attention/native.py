@@ -173,6 +173,12 @@ def writable_in_place(out: torch.Tensor, *inputs: torch.Tensor) -> bool:
     return all(x.untyped_storage().data_ptr() != ptr for x in inputs)
 
 
+def _require_native() -> None:
+    """Build/load the native kernel or raise (the ``native_*`` entry points below call it first)."""
+    if not load_native():
+        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+
+
 def native_sparse_attention(q, k, v, heads, head_kv, block_idx, block_cnt, col_idx, col_cnt, n_init, n_local,
                             scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """One batch row: ``q [Hq, T, D]``, ``k``/``v`` ``[Hkv, T, D]``; row ``i`` of the layout is query
@@ -190,8 +196,7 @@ def native_sparse_attention(q, k, v, heads, head_kv, block_idx, block_cnt, col_i
         ``[T, Hq, D]`` buffer), ``out[heads[i]]`` is written in place and ``out`` returned;
         without it, a new ``[H, T, D]`` tensor in q's dtype whose row ``i`` is head ``heads[i]``.
     """
-    if not load_native():
-        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    _require_native()
 
     def i32(x):
         return torch.as_tensor(x, dtype=torch.int32).contiguous()
@@ -219,8 +224,7 @@ def native_vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, scale: float,
     ``q [Hq, T, D]``, ``k [Hkv, T, D]`` (float32, bfloat16 or float16: k is read as it is, the last
     ``last_q`` query rows are converted to float32); returns ``(vert, slash)`` ``[Hq, T]`` float32.
     """
-    if not load_native():
-        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    _require_native()
     hq, t, _ = q.shape
     lq = min(last_q, t)
     head_kv = (torch.arange(hq) // (hq // k.shape[0])).to(torch.int32)
@@ -232,8 +236,7 @@ def native_vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, scale: float,
 def native_flat_rows(idx: torch.Tensor, cnt: torch.Tensor) -> torch.Tensor:
     """Rows' entries one after another: ``idx [R, w]``, ``cnt [R]`` -> ``idx[r, :cnt[r]]`` for each
     ``r`` in order, int32 (the sparse kernel's flat layout); reads only the entries."""
-    if not load_native():
-        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    _require_native()
     return torch.ops.kvtrim_native.flat_rows(idx.to(torch.int32).contiguous(), cnt.to(torch.int32).contiguous())
 
 
@@ -242,8 +245,7 @@ def native_vertical_slash_layout(vertical_idx: torch.Tensor, slash_offsets: torc
 
     ``vertical_idx`` ``[R, n_v]`` sorted ascending, ``slash_offsets`` ``[R, n_s]``, int64 on CPU.
     """
-    if not load_native():
-        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    _require_native()
     return torch.ops.kvtrim_native.vertical_slash_layout(
         vertical_idx.long().contiguous(), slash_offsets.long().contiguous(), int(seq_len), int(block_size)
     )
@@ -266,8 +268,7 @@ def native_causal_attention_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     when 0); ``col_max [Hq, S]`` float32, the largest probability any query gives each key (None
     unless ``column_max``).
     """
-    if not load_native():
-        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    _require_native()
     dt = _native_dtype(q)
     hq, tq, _ = q.shape
     if out is None:
@@ -289,8 +290,7 @@ def native_lowbit_decode(query: torch.Tensor, kv, logits: torch.Tensor, scale: f
     (``[B, Hkv, G, S]`` float32, contiguous) and returns the softmax state ``(max [B, Hkv, G, 1],
     sum [B, Hkv, G, 1], acc [B, Hkv, G, Dv])`` in float32, as the Triton twin does. ``rotation``: a
     ``kvtrim.attention.lowbit.KeyRotation`` (the turn of each slot's key since it was packed), or None."""
-    if not load_native():
-        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    _require_native()
     b, hq, _, d = query.shape
     hkv = kv.key_codes.shape[1]
     g = hq // hkv
@@ -329,6 +329,5 @@ def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     in its last bits: by at most one unit in the last place in bfloat16, a few in float32
     (``csrc/cpu_layers.cpp``; tests/test_cpu_layers.py).
     """
-    if not load_native():
-        raise RuntimeError(f"kvtrim's native CPU kernel is not available: {_state.get('error')}")
+    _require_native()
     return torch.ops.kvtrim_native.rms_norm(x, weight, float(eps))

@@ -350,16 +350,18 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       std::fill(w.m.begin(), w.m.begin() + nr_all, kMasked);
       std::fill(w.l.begin(), w.l.begin() + nr_all, 0.0f);
       auto width = [&](int b) { return std::min(kBlock, t - b * kBlock); };
+      // q k^T is scaled after the product (BLAS alpha), as dense attention does: pre-scaling q
+      // would round it once more when the scale is not a power of two (head_dim 128). With the
+      // reduced-precision GEMM, q, k and v are read as they are; otherwise the task's query rows
+      // as one float32 tile, converted once for its key blocks and its columns.
+      const std::pair<const float*, int> qtile =
+          lowp ? std::pair<const float*, int>{nullptr, 0} : f32_tile(qtask, ldq, nr_all, d, w.qc.data());
+      auto qtile_rows = [&](int r) { return qtile.first + static_cast<int64_t>(r) * qtile.second; };
 
       // The key blocks `blocks[0 .. nblk)` (ascending) for the task's rows [r, r + nr).
       auto run_blocks = [&](const int32_t* blocks, int nblk, int r, int nr) {
         const int rs = r0 + r;  // the first row's position in the sequence
         const T* qrows = qtask + static_cast<int64_t>(r) * ldq;
-        // q k^T is scaled after the product (BLAS alpha), as dense attention does: pre-scaling q
-        // would round it once more when the scale is not a power of two (head_dim 128). With the
-        // reduced-precision GEMM, q, k and v are read as they are; otherwise as float32 tiles.
-        const std::pair<const float*, int> qtile =
-            lowp || nblk == 0 ? std::pair<const float*, int>{nullptr, 0} : f32_tile(qrows, ldq, nr, d, w.qc.data());
         // Up to kSeg keys per segment: with the packed path any kSeg / kBlock listed blocks (each
         // block's products go to its own columns of the segment's scores, so the blocks need not be
         // neighbours: one softmax pass and one rescale of the output per segment instead of per
@@ -390,7 +392,7 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
             gemm_lowp('T', 'N', n, nr, d, fscale, k0, ldk, qrows, ldq, 0.0f, s, n);
           } else {
             const auto [kt, ldkt] = f32_tile(k0, ldk, n, d, w.kc.data());
-            gemm('T', 'N', n, nr, d, fscale, kt, ldkt, qtile.first, qtile.second, 0.0f, s, n);
+            gemm('T', 'N', n, nr, d, fscale, kt, ldkt, qtile_rows(r), qtile.second, 0.0f, s, n);
           }
           for (int x = j, off = 0; x < e; off += width(blocks[x]), ++x) {
             const int kb0 = blocks[x] * kBlock, wb = width(blocks[x]);
@@ -449,8 +451,6 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       auto run_cols = [&](const int32_t* cols, int ncol, int r, int nr) {
         const int rs = r0 + r;
         const T* qrows = qtask + static_cast<int64_t>(r) * ldq;
-        const std::pair<const float*, int> qtile =
-            lowp || ncol == 0 ? std::pair<const float*, int>{nullptr, 0} : f32_tile(qrows, ldq, nr, d, w.qc.data());
         for (int c0 = 0; c0 < ncol; c0 += kSeg) {
           const int n = std::min(kSeg, ncol - c0);
           for (int c = 0; c < n; ++c) {
@@ -468,7 +468,7 @@ void sparse_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
           if (lowp) {
             gemm_lowp('T', 'N', n, nr, d, fscale, w.kl.data(), d, qrows, ldq, 0.0f, s, n);
           } else {
-            gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qtile.first, qtile.second, 0.0f, s, n);
+            gemm('T', 'N', n, nr, d, fscale, w.kc.data(), d, qtile_rows(r), qtile.second, 0.0f, s, n);
           }
           // Per column, the rows that may not see its key: those before it (causal) and, in an
           // A-shape window, those n_local or more after it; only those entries are written (most
